@@ -1,0 +1,221 @@
+#include "loader.h"
+
+#include <limits>
+
+#include <executorch/runtime/core/freeable_buffer.h>
+
+namespace mlxd::rt {
+namespace {
+
+constexpr uint32_t kMaxSlots = 1u << 24;
+constexpr int kMaxRank = 16;
+
+[[noreturn]] void fail(const std::string& msg) { throw LoadError(msg); }
+
+size_t dtype_size(mlxd::DType d) { return to_mlx(d).size(); }
+
+// Element count of a shape, rejecting negative sizes and overflow.
+size_t checked_numel(const flatbuffers::Vector<int64_t>* shape, const std::string& what) {
+  size_t n = 1;
+  if (shape == nullptr) return n;
+  if (shape->size() > kMaxRank) fail(what + ": rank " + std::to_string(shape->size()) + " too large");
+  for (int64_t d : *shape) {
+    if (d < 0 || d > std::numeric_limits<int32_t>::max()) fail(what + ": bad dimension " + std::to_string(d));
+    if (d != 0 && n > std::numeric_limits<size_t>::max() / static_cast<size_t>(d)) fail(what + ": size overflows");
+    n *= static_cast<size_t>(d);
+  }
+  return n;
+}
+
+void check_dtype(mlxd::DType d, const std::string& what) {
+  if (d < mlxd::DType::MIN || d > mlxd::DType::MAX) fail(what + ": unknown dtype " + std::to_string(int(d)));
+}
+
+mx::Shape to_shape(const flatbuffers::Vector<int64_t>* shape) {
+  mx::Shape s;
+  if (shape) for (int64_t d : *shape) s.push_back(static_cast<int>(d));
+  return s;
+}
+
+// Wraps named data in an MLX array without copying where the device allows;
+// the FreeableBuffer is released when MLX no longer needs the memory.
+mx::array load_named(const executorch::runtime::NamedDataMap* map, const flatbuffers::String* key,
+                     mlxd::DType dtype, const flatbuffers::Vector<int64_t>* shape, const std::string& what) {
+  if (key == nullptr) fail(what + ": missing data key");
+  if (map == nullptr) fail(what + ": program has no named data map");
+  size_t expected = checked_numel(shape, what) * dtype_size(dtype);
+  auto data = map->get_data(std::string_view(key->c_str(), key->size()));
+  if (!data.ok()) fail(what + ": named data '" + key->str() + "' not found");
+  if (data->size() != expected)
+    fail(what + ": named data '" + key->str() + "' has " + std::to_string(data->size()) + " bytes, expected " +
+         std::to_string(expected));
+  auto* owned = new executorch::runtime::FreeableBuffer(std::move(data.get()));
+  void* ptr = const_cast<void*>(owned->data());
+  return mx::array(ptr, to_shape(shape), to_mlx(dtype), [owned](void*) {
+    owned->Free();
+    delete owned;
+  });
+}
+
+// Checks slot ids and tracks, per tensor slot, the instruction after which the
+// value it holds is no longer read.
+struct SlotChecker {
+  const LoadedProgram& lp;
+  uint32_t num_tensors, num_values;
+  size_t current = 0;
+  std::vector<bool> tensor_defined, value_defined;
+  std::vector<int64_t> last_touch;  // instruction that last wrote or read the live value
+  std::vector<std::vector<uint32_t>>& release;
+
+  void tensor(uint32_t idx, bool is_output) {
+    if (idx >= num_tensors) fail("tensor id " + std::to_string(idx) + " out of range");
+    if (is_output) {
+      // An instruction overwriting a slot it also reads drops the old value
+      // itself; releasing "after" it would drop the new one.
+      if (last_touch[idx] == static_cast<int64_t>(current)) last_touch[idx] = -1;
+      retire(idx);
+      tensor_defined[idx] = true;
+    } else if (!tensor_defined[idx]) {
+      fail("tensor slot " + std::to_string(idx) + " is read before it is written");
+    }
+    last_touch[idx] = static_cast<int64_t>(current);
+  }
+  void value(uint32_t idx, bool is_output) {
+    if (idx >= num_values) fail("value id " + std::to_string(idx) + " out of range");
+    if (is_output) value_defined[idx] = true;
+    else if (!value_defined[idx]) fail("value slot " + std::to_string(idx) + " is read before it is written");
+  }
+  void retire(uint32_t idx) {
+    if (last_touch[idx] >= 0) release[static_cast<size_t>(last_touch[idx])].push_back(idx);
+    last_touch[idx] = -1;
+  }
+};
+
+void check_io(const flatbuffers::Vector<flatbuffers::Offset<mlxd::IOSlot>>* io, const char* what,
+              uint32_t nt, uint32_t nv) {
+  if (io == nullptr) return;
+  for (const auto* s : *io) {
+    std::string name = std::string(what) + " '" + (s->name() ? s->name()->str() : "?") + "'";
+    check_dtype(s->dtype(), name);
+    if (s->kind() == mlxd::SlotKind::Tensor) {
+      if (!s->tid() || s->tid()->idx() >= nt) fail(name + ": tensor id out of range");
+    } else if (s->kind() >= mlxd::SlotKind::Int && s->kind() <= mlxd::SlotKind::Bool) {
+      if (!s->vid() || s->vid()->idx() >= nv) fail(name + ": value id out of range");
+    } else {
+      fail(name + ": unknown slot kind");
+    }
+    if (s->shape() && s->shape()->size() > kMaxRank) fail(name + ": rank too large");
+    if (s->shape())
+      for (const auto* d : *s->shape())
+        if (d->size() < 0 || d->min() < 0 || d->min() > d->max()) fail(name + ": bad dimension bounds");
+  }
+}
+
+}  // namespace
+
+std::shared_ptr<const LoadedProgram> load_program(const void* data, size_t size,
+                                                   const executorch::runtime::NamedDataMap* named_data) {
+  auto lp = std::make_shared<LoadedProgram>();
+  if (data == nullptr || size < 8) fail("payload too small");
+  lp->blob.assign(static_cast<const uint8_t*>(data), static_cast<const uint8_t*>(data) + size);
+  if (!flatbuffers::BufferHasIdentifier(lp->blob.data(), kFileIdentifier))
+    fail("payload is not an mlx_delegate program (bad file identifier)");
+  flatbuffers::Verifier::Options opts;
+  opts.max_depth = 64;
+  opts.max_tables = 1u << 24;
+  flatbuffers::Verifier verifier(lp->blob.data(), lp->blob.size(), opts);
+  if (!mlxd::VerifyProgramBuffer(verifier)) fail("payload failed FlatBuffers verification (corrupt or truncated)");
+  const auto* p = mlxd::GetProgram(lp->blob.data());
+  lp->program = p;
+  if (p->version() != kSchemaVersion)
+    fail("payload schema version " + std::to_string(p->version()) + " is not supported (runtime reads " +
+         std::to_string(kSchemaVersion) + ")");
+  const uint32_t nt = p->num_tensors(), nv = p->num_values();
+  if (nt > kMaxSlots || nv > kMaxSlots) fail("too many slots");
+  lp->method = p->method() ? p->method()->str() : "";
+  check_io(p->inputs(), "input", nt, nv);
+  check_io(p->outputs(), "output", nt, nv);
+
+  size_t n_instr = p->instructions() ? p->instructions()->size() : 0;
+  lp->release_after.resize(n_instr + 1);
+  SlotChecker checker{*lp, nt, nv, 0, std::vector<bool>(nt), std::vector<bool>(nv),
+                      std::vector<int64_t>(nt, -1), lp->release_after};
+  // Inputs, constants and buffers are defined before the first instruction;
+  // their "last touch" is a virtual instruction -1 (never released early
+  // unless read later).
+  if (p->inputs())
+    for (const auto* s : *p->inputs()) {
+      if (s->kind() == mlxd::SlotKind::Tensor) checker.tensor_defined[s->tid()->idx()] = true;
+      else checker.value_defined[s->vid()->idx()] = true;
+    }
+  if (p->constants())
+    for (const auto* c : *p->constants()) {
+      std::string what = "constant '" + (c->name() ? c->name()->str() : "?") + "'";
+      if (!c->tid() || c->tid()->idx() >= nt) fail(what + ": tensor id out of range");
+      check_dtype(c->dtype(), what);
+      lp->constants.push_back({c->tid()->idx(), load_named(named_data, c->key(), c->dtype(), c->shape(), what)});
+      checker.tensor_defined[c->tid()->idx()] = true;
+    }
+  if (p->buffers())
+    for (const auto* b : *p->buffers()) {
+      std::string what = "mutable buffer '" + (b->name() ? b->name()->str() : "?") + "'";
+      if (!b->tid() || b->tid()->idx() >= nt) fail(what + ": tensor id out of range");
+      if (b->update() && b->update()->idx() >= nt) fail(what + ": update id out of range");
+      check_dtype(b->dtype(), what);
+      lp->buffers.push_back({b->tid()->idx(), b->update() ? int64_t(b->update()->idx()) : -1,
+                             load_named(named_data, b->key(), b->dtype(), b->shape(), what),
+                             b->name() ? b->name()->str() : ""});
+      checker.tensor_defined[b->tid()->idx()] = true;
+    }
+
+  for (size_t i = 0; i < n_instr; ++i) {
+    const auto* ins = p->instructions()->Get(i);
+    auto type = ins->node_type();
+    if (type == mlxd::Node::NONE || static_cast<int>(type) > kNumNodeTypes || ins->node() == nullptr)
+      fail("instruction " + std::to_string(i) + ": unknown node type " + std::to_string(int(type)));
+    checker.current = i;
+    try {
+      // Reads first, then writes, so "x = f(x)" is valid.
+      struct Reads {
+        SlotChecker& c;
+        void tensor(uint32_t idx, bool out) { if (!out) c.tensor(idx, false); }
+        void value(uint32_t idx, bool out) { if (!out) c.value(idx, false); }
+      } reads{checker};
+      struct Writes {
+        SlotChecker& c;
+        void tensor(uint32_t idx, bool out) { if (out) c.tensor(idx, true); }
+        void value(uint32_t idx, bool out) { if (out) c.value(idx, true); }
+      } writes{checker};
+      visit_slots(type, ins->node(), reads);
+      visit_slots(type, ins->node(), writes);
+    } catch (const LoadError& e) {
+      fail("instruction " + std::to_string(i) + " (" + kNodeNames[int(type)] + "): " + e.what());
+    }
+    lp->types.push_back(type);
+    lp->nodes.push_back(ins->node());
+  }
+
+  // Values that must survive to the end of the call are never released.
+  std::vector<bool> keep(nt);
+  if (p->outputs())
+    for (const auto* s : *p->outputs()) {
+      if (s->kind() == mlxd::SlotKind::Tensor) {
+        if (!checker.tensor_defined[s->tid()->idx()]) fail("output tensor slot is never written");
+        keep[s->tid()->idx()] = true;
+      } else if (!checker.value_defined[s->vid()->idx()]) {
+        fail("output value slot is never written");
+      }
+    }
+  for (const auto& b : lp->buffers)
+    if (b.update_tid >= 0) {
+      if (!checker.tensor_defined[b.update_tid]) fail("mutable buffer '" + b.name + "': update slot never written");
+      keep[b.update_tid] = true;
+    }
+  for (uint32_t t = 0; t < nt; ++t)
+    if (!keep[t]) checker.retire(t);
+  for (auto& list : lp->release_after)
+    std::erase_if(list, [&](uint32_t t) { return keep[t]; });
+  return lp;
+}
+
+}  // namespace mlxd::rt

@@ -1,0 +1,52 @@
+// Verifies a delegate payload and turns it into an immutable LoadedProgram,
+// once, at init. Every id and size read from the payload is checked here so
+// the interpreter can trust them.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <executorch/runtime/core/named_data_map.h>
+
+#include "ops_generated.h"
+#include "runtime.h"
+
+namespace mlxd::rt {
+
+struct LoadError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct BoundConstant {
+  uint32_t tid;
+  mx::array value;
+};
+
+struct BufferSlot {
+  uint32_t tid;
+  int64_t update_tid;  // -1 when the graph never writes the buffer back
+  mx::array initial;
+  std::string name;
+};
+
+struct LoadedProgram {
+  std::vector<uint8_t> blob;  // owned copy: the tables below point into it
+  const mlxd::Program* program = nullptr;
+  std::vector<mlxd::Node> types;
+  std::vector<const void*> nodes;
+  // Tensor slots whose value is dead after instruction i (released early).
+  std::vector<std::vector<uint32_t>> release_after;
+  std::vector<BoundConstant> constants;
+  std::vector<BufferSlot> buffers;
+  std::string method;
+};
+
+// Throws LoadError with a message naming the problem.
+std::shared_ptr<const LoadedProgram> load_program(
+    const void* data,
+    size_t size,
+    const executorch::runtime::NamedDataMap* named_data);
+
+}  // namespace mlxd::rt

@@ -1,0 +1,65 @@
+#include "runtime.h"
+
+namespace mlxd::rt {
+
+mx::Dtype to_mlx(mlxd::DType dtype) {
+  switch (dtype) {
+    case mlxd::DType::f32: return mx::float32;
+    case mlxd::DType::f16: return mx::float16;
+    case mlxd::DType::bf16: return mx::bfloat16;
+    case mlxd::DType::f64: return mx::float64;
+    case mlxd::DType::i8: return mx::int8;
+    case mlxd::DType::i16: return mx::int16;
+    case mlxd::DType::i32: return mx::int32;
+    case mlxd::DType::i64: return mx::int64;
+    case mlxd::DType::u8: return mx::uint8;
+    case mlxd::DType::u16: return mx::uint16;
+    case mlxd::DType::u32: return mx::uint32;
+    case mlxd::DType::u64: return mx::uint64;
+    case mlxd::DType::bool_: return mx::bool_;
+  }
+  throw NodeError("unknown dtype " + std::to_string(static_cast<int>(dtype)));
+}
+
+const char* dtype_name(mlxd::DType dtype) {
+  auto v = static_cast<int>(dtype);
+  return v >= 0 && v <= static_cast<int>(mlxd::DType::MAX) ? mlxd::EnumNameDType(dtype) : "?";
+}
+
+int64_t ExecContext::int_value(uint32_t vid) const {
+  const Value& v = values[vid];
+  if (auto* i = std::get_if<int64_t>(&v)) return *i;
+  if (auto* f = std::get_if<double>(&v)) return static_cast<int64_t>(*f);
+  throw NodeError("value slot " + std::to_string(vid) + " read before it was written");
+}
+
+double ExecContext::float_value(uint32_t vid) const {
+  const Value& v = values[vid];
+  if (auto* f = std::get_if<double>(&v)) return *f;
+  if (auto* i = std::get_if<int64_t>(&v)) return static_cast<double>(*i);
+  throw NodeError("value slot " + std::to_string(vid) + " read before it was written");
+}
+
+mx::Shape ExecContext::resolve_shape(const flatbuffers::Vector<const mlxd::IntOrVid*>* dims) const {
+  mx::Shape shape;
+  if (dims == nullptr) return shape;
+  for (const auto* d : *dims) {
+    int64_t v = resolve(d);
+    if (v < -1 || v > std::numeric_limits<int32_t>::max()) throw NodeError("bad dimension " + std::to_string(v));
+    shape.push_back(static_cast<int>(v));
+  }
+  return shape;
+}
+
+int normalize_axis(int axis, int ndim) {
+  int a = axis < 0 ? axis + ndim : axis;
+  if (a < 0 || a >= std::max(ndim, 1))
+    throw NodeError("axis " + std::to_string(axis) + " out of range for rank " + std::to_string(ndim));
+  return a;
+}
+
+std::vector<int> int_vector(const flatbuffers::Vector<int32_t>* v) {
+  return v ? std::vector<int>(v->begin(), v->end()) : std::vector<int>{};
+}
+
+}  // namespace mlxd::rt

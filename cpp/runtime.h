@@ -1,0 +1,74 @@
+// Shared runtime types: the per-call execution context handed to every
+// exec_<Node> function, and small helpers to read schema fields.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include <mlx/mlx.h>
+
+#include "mlx_delegate_generated.h"
+
+namespace mlxd::rt {
+
+namespace mx = mlx::core;
+
+// A scalar value slot: symbolic sizes and sym-int arithmetic are int64,
+// float scalars are double.
+using Value = std::variant<std::monostate, int64_t, double>;
+
+// Thrown by exec functions for bad node contents; the interpreter turns it
+// (and any other std::exception) into an ExecuTorch error naming the node.
+struct NodeError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+mx::Dtype to_mlx(mlxd::DType dtype);
+const char* dtype_name(mlxd::DType dtype);
+
+struct ExecContext {
+  std::vector<std::optional<mx::array>> tensors;
+  std::vector<Value> values;
+  mx::StreamOrDevice stream = {};
+
+  const mx::array& in(const mlxd::Tid* tid) const {
+    if (tid == nullptr) throw NodeError("missing required tensor field");
+    const auto& slot = tensors[tid->idx()];  // ids were bounds-checked at load
+    if (!slot) throw NodeError("tensor slot " + std::to_string(tid->idx()) + " read before it was written");
+    return *slot;
+  }
+  // Optional tensor field (e.g. bias): nullptr when absent.
+  const mx::array* maybe_in(const mlxd::Tid* tid) const { return tid ? &in(tid) : nullptr; }
+
+  void set(const mlxd::Tid* tid, mx::array value) {
+    if (tid == nullptr) throw NodeError("missing output tensor field");
+    tensors[tid->idx()] = std::move(value);
+  }
+
+  int64_t int_value(uint32_t vid) const;
+  double float_value(uint32_t vid) const;
+  void set_value(const mlxd::Vid* vid, Value v) {
+    if (vid == nullptr) throw NodeError("missing output value field");
+    values[vid->idx()] = v;
+  }
+
+  int64_t resolve(const mlxd::IntOrVid* v) const {
+    if (v == nullptr) throw NodeError("missing int field");
+    return v->vid() < 0 ? v->literal() : int_value(static_cast<uint32_t>(v->vid()));
+  }
+  double resolve(const mlxd::FloatOrVid* v) const {
+    if (v == nullptr) throw NodeError("missing float field");
+    return v->vid() < 0 ? v->literal() : float_value(static_cast<uint32_t>(v->vid()));
+  }
+  mx::Shape resolve_shape(const flatbuffers::Vector<const mlxd::IntOrVid*>* dims) const;
+};
+
+// Normalises a possibly negative axis against `ndim`, throwing when out of range.
+int normalize_axis(int axis, int ndim);
+std::vector<int> int_vector(const flatbuffers::Vector<int32_t>* v);
+
+}  // namespace mlxd::rt

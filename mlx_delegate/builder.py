@@ -1,0 +1,351 @@
+"""Program builder: walks an Edge IR graph and emits IR nodes through op handlers.
+
+Handlers see only the small API below (`tensor`, `out`, `emit`, `args`, ...).
+The builder owns slot allocation (tensor slots are recycled after their last
+use), constants (stored in ExecuTorch's named data map, keyed by content hash
+so methods and tied weights share one copy) and the program's signature.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from . import registry
+from .errors import LoweringError, Unsupported
+from .ir import nodes as N
+
+TORCH_TO_IR = {
+    torch.float32: N.DType.f32, torch.float16: N.DType.f16, torch.bfloat16: N.DType.bf16,
+    torch.int8: N.DType.i8, torch.int16: N.DType.i16, torch.int32: N.DType.i32,
+    torch.int64: N.DType.i64, torch.uint8: N.DType.u8, torch.bool: N.DType.bool_,
+}  # float64 is left out on purpose: Metal has no float64, so we refuse it everywhere.
+IR_TO_TORCH = {v: k for k, v in TORCH_TO_IR.items()}
+MAX_DIM = 2**31 - 1
+Tid, Vid = N.Tid, N.Vid
+
+
+@dataclass
+class ConstantData:
+    key: str
+    tensor: torch.Tensor
+
+
+@dataclass
+class BuiltProgram:
+    program: Any  # N.Program
+    constants: list[ConstantData] = field(default_factory=list)
+
+    def serialize(self) -> bytes:
+        return N.serialize(self.program)
+
+
+def constant_key(t: torch.Tensor) -> str:
+    """Content-addressed key: identical tensors (tied or shared across methods) are stored once."""
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    digest = hashlib.sha256(data.data).hexdigest()[:32]
+    return f"mlxd.{str(t.dtype).removeprefix('torch.')}.{'x'.join(map(str, t.shape))}.{digest}"
+
+
+class ProgramBuilder:
+    """Lowers fx nodes to IR. In check mode it only validates (partitioner dry run)."""
+
+    def __init__(self, check_only: bool = False) -> None:
+        self.check_only = check_only
+        self.instructions: list[Any] = []
+        self.num_tensors = 0
+        self.num_values = 0
+        self._free: list[int] = []
+        self._temps: list[int] = []
+        self._slots: dict[torch.fx.Node, Any] = {}  # node -> Tid | list[Tid]
+        self._values: dict[torch.fx.Node, int] = {}
+        self.current: torch.fx.Node | None = None
+
+    # ------------------------------------------------------------ handler API
+    def unsupported(self, reason: str) -> Unsupported:
+        name = registry.target_name(self.current.target) if self.current is not None else "?"
+        return Unsupported(f"[{name}] {reason}")
+
+    def args(self, n: torch.fx.Node) -> dict[str, Any]:
+        """The node's arguments bound to its schema's names, defaults filled in."""
+        schema = getattr(registry.canonical(n.target), "_schema", None)
+        if schema is None:
+            return {f"arg{i}": a for i, a in enumerate(n.args)} | dict(n.kwargs)
+        out: dict[str, Any] = {}
+        for i, a in enumerate(schema.arguments):
+            if i < len(n.args) and not a.kwarg_only:
+                out[a.name] = n.args[i]
+            elif a.name in n.kwargs:
+                out[a.name] = n.kwargs[a.name]
+            else:
+                out[a.name] = a.default_value if a.has_default_value() else None
+        return out
+
+    @staticmethod
+    def meta(x: Any) -> Any:
+        return x.meta.get("val") if isinstance(x, torch.fx.Node) else x
+
+    def dtype_of(self, x: Any) -> torch.dtype:
+        v = self.meta(x)
+        if isinstance(v, torch.Tensor):
+            return v.dtype
+        if isinstance(v, (bool, torch.SymBool)):
+            return torch.bool
+        if isinstance(v, (int, torch.SymInt)):
+            return torch.int64
+        if isinstance(v, (float, torch.SymFloat)):
+            return torch.float32
+        raise self.unsupported(f"cannot tell the dtype of {x!r}")
+
+    def shape_of(self, x: Any) -> list[Any]:
+        v = self.meta(x)
+        if not isinstance(v, torch.Tensor):
+            raise self.unsupported(f"expected a tensor, got {type(v).__name__}")
+        return list(v.shape)
+
+    def ir_dtype(self, dtype: torch.dtype) -> Any:
+        if dtype not in TORCH_TO_IR:
+            raise self.unsupported(f"dtype {dtype} is not supported")
+        return TORCH_TO_IR[dtype]
+
+    def tensor(self, x: Any) -> Any:
+        """The slot holding tensor argument `x` (an fx node already lowered)."""
+        if isinstance(x, torch.fx.Node):
+            if x in self._slots and not isinstance(self._slots[x], list):
+                return self._slots[x]
+            v = self.meta(x)
+            if not isinstance(v, torch.Tensor):
+                raise self.unsupported(f"argument {x.name} is not a tensor")
+            self.ir_dtype(v.dtype)
+            if self.check_only:
+                return self._bind(x, self._alloc())
+            raise LoweringError(f"{x.name} is used before it is lowered")
+        raise self.unsupported(f"expected a tensor argument, got {x!r}")
+
+    def out(self, n: torch.fx.Node | None = None) -> Any:
+        """A fresh slot for the node's (single) tensor result."""
+        n = n if n is not None else self.current
+        self.ir_dtype(self.dtype_of(n))
+        return self._bind(n, self._alloc())
+
+    def outs(self, n: torch.fx.Node, count: int) -> list[Any]:
+        """Fresh slots for a node returning `count` tensors (read through getitem)."""
+        tids = [self._alloc() for _ in range(count)]
+        self._slots[n] = tids
+        return tids
+
+    def temp(self) -> Any:
+        """A scratch slot, free again once the current handler returns."""
+        t = self._alloc()
+        self._temps.append(t.idx)
+        return t
+
+    def value_out(self, n: torch.fx.Node | None = None) -> Any:
+        """A value slot for a node producing a Python scalar (SymInt, item())."""
+        n = n if n is not None else self.current
+        self._values[n] = self.num_values
+        self.num_values += 1
+        return Vid(idx=self._values[n])
+
+    def emit(self, node: Any) -> None:
+        if not self.check_only:
+            self.instructions.append(N.Instruction(node=node))
+
+    def _vid_of(self, x: torch.fx.Node) -> int:
+        if x not in self._values:
+            if not self.check_only:
+                raise LoweringError(f"scalar {x.name} is used before it is computed")
+            self.value_out(x)
+        return self._values[x]
+
+    def int_or_vid(self, v: Any) -> Any:
+        if isinstance(v, torch.fx.Node):
+            return N.IntOrVid(literal=0, vid=self._vid_of(v))
+        if isinstance(v, (bool, int)):
+            return N.IntOrVid(literal=int(v), vid=-1)
+        if isinstance(v, torch.SymInt) and v.node.is_constant():
+            return N.IntOrVid(literal=int(v), vid=-1)
+        raise self.unsupported(f"expected an int, got {v!r}")
+
+    def float_or_vid(self, v: Any) -> Any:
+        if isinstance(v, torch.fx.Node):
+            return N.FloatOrVid(literal=0.0, vid=self._vid_of(v))
+        if isinstance(v, (bool, int, float)):
+            return N.FloatOrVid(literal=float(v), vid=-1)
+        raise self.unsupported(f"expected a number, got {v!r}")
+
+    def full(self, value: Any, dtype: torch.dtype, shape: Sequence[Any] = ()) -> Any:
+        """A temp tensor filled with `value` (a number or a scalar node)."""
+        t = self.temp()
+        self.emit(N.FullNode(shape=[self.int_or_vid(d) for d in shape], value=self.float_or_vid(value),
+                             dtype=self.ir_dtype(dtype), out=t))
+        return t
+
+    def cast(self, tid: Any, src: torch.dtype, dst: torch.dtype) -> Any:
+        """`tid` converted to `dst` (a temp), or `tid` itself when already `dst`."""
+        if src == dst:
+            return tid
+        t = self.temp()
+        self.emit(N.AsTypeNode(x=tid, dtype=self.ir_dtype(dst), out=t))
+        return t
+
+    def operand(self, x: Any, dtype: torch.dtype) -> Any:
+        """A tensor or scalar argument as a slot of `dtype` (casting or materialising it)."""
+        if isinstance(x, torch.fx.Node) and isinstance(self.meta(x), torch.Tensor):
+            return self.cast(self.tensor(x), self.dtype_of(x), dtype)
+        return self.full(x, dtype)
+
+    # -------------------------------------------------------------- internals
+    def _alloc(self) -> Any:
+        if self._free:
+            return Tid(idx=self._free.pop())
+        self.num_tensors += 1
+        return Tid(idx=self.num_tensors - 1)
+
+    def _bind(self, n: torch.fx.Node, tid: Any) -> Any:
+        self._slots[n] = tid
+        return tid
+
+    def release(self, n: torch.fx.Node) -> None:
+        slot = self._slots.pop(n, None)
+        for t in slot if isinstance(slot, list) else [slot] if slot is not None else []:
+            if t is not None:
+                self._free.append(t.idx)
+
+    def lower_node(self, n: torch.fx.Node) -> None:
+        """Run the handler for `n` (raises Unsupported when it cannot be lowered)."""
+        self.current = n
+        try:
+            if n.target is operator.getitem:
+                self._getitem(n)
+                return
+            handler = registry.lookup(n.target)
+            if handler is None:
+                raise self.unsupported("no handler")
+            handler(self, n)
+        finally:
+            self._free.extend(self._temps)
+            self._temps.clear()
+            self.current = None
+
+    def _getitem(self, n: torch.fx.Node) -> None:
+        src, idx = n.args
+        slots = self._slots.get(src)
+        if not isinstance(slots, list):
+            if self.check_only:
+                return
+            raise LoweringError(f"getitem on {src.name}, which has no tuple result")
+        # The getitem node takes ownership of the element's slot.
+        self._slots[n] = slots[idx]
+        slots[idx] = None
+
+
+# ---------------------------------------------------------------- whole graph
+def _dims(builder: ProgramBuilder, ep: ExportedProgram, val: torch.Tensor) -> list[Any]:
+    dims = []
+    for d in val.shape:
+        if isinstance(d, int) or (isinstance(d, torch.SymInt) and d.node.is_constant()):
+            dims.append(N.Dim(size=int(d), min=int(d), max=int(d), dynamic=False))
+            continue
+        vr = ep.range_constraints.get(d.node.expr)
+        lo = int(vr.lower) if vr is not None and vr.lower.is_finite else 0
+        hi = int(vr.upper) if vr is not None and vr.upper.is_finite else MAX_DIM
+        hint = d.node.hint if d.node.hint is not None else lo
+        dims.append(N.Dim(size=int(hint), min=lo, max=min(hi, MAX_DIM), dynamic=True))
+    return dims
+
+
+def _io_slot(b: ProgramBuilder, ep: ExportedProgram, n: torch.fx.Node, name: str) -> Any:
+    v = b.meta(n)
+    if isinstance(v, torch.Tensor):
+        return N.IOSlot(kind=N.SlotKind.Tensor, tid=b.tensor(n), dtype=b.ir_dtype(v.dtype),
+                        shape=_dims(b, ep, v), name=name)
+    kind = N.SlotKind.Float if isinstance(v, (float, torch.SymFloat)) else N.SlotKind.Int
+    if n not in b._values:
+        b.value_out(n)
+    return N.IOSlot(kind=kind, vid=Vid(idx=b._values[n]), dtype=N.DType.i64, name=name)
+
+
+def _last_uses(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch.fx.Node]]:
+    """For each node, the nodes whose value is dead after it runs."""
+    last: dict[torch.fx.Node, torch.fx.Node] = {}
+    for n in graph.nodes:
+        for a in n.all_input_nodes:
+            last[a] = n
+    dead: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for value, user in last.items():
+        dead.setdefault(user, []).append(value)
+    return dead
+
+
+def build_program(ep: ExportedProgram, method: str = "") -> BuiltProgram:
+    """Lower a whole (delegated) exported program into an IR program."""
+    b = ProgramBuilder()
+    sig = ep.graph_signature
+    state = {**ep.state_dict, **ep.constants}
+    mutated = {spec.target: spec.arg.name for spec in sig.output_specs if spec.kind == OutputKind.BUFFER_MUTATION}
+    inputs, constants, buffers = [], [], []
+    built = BuiltProgram(program=None)
+    keep: set[torch.fx.Node] = set()
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    for spec, n in zip(sig.input_specs, placeholders):
+        if spec.kind == InputKind.USER_INPUT:
+            if isinstance(b.meta(n), torch.Tensor):
+                b._bind(n, b._alloc())
+            inputs.append(_io_slot(b, ep, n, n.name))
+            continue
+        if spec.target not in state:
+            raise LoweringError(f"no data for {spec.kind.name.lower()} '{spec.target}'")
+        t = state[spec.target]
+        t = t.detach() if isinstance(t, torch.Tensor) else torch.as_tensor(t)
+        b.current = n
+        dtype = b.ir_dtype(t.dtype)
+        b.current = None
+        tid = b._bind(n, b._alloc())
+        keep.add(n)
+        key = constant_key(t)
+        built.constants.append(ConstantData(key, t))
+        common = dict(tid=tid, key=key, dtype=dtype, shape=list(t.shape), name=spec.target)
+        if spec.kind == InputKind.BUFFER and spec.target in mutated:
+            buffers.append(N.MutableBuffer(**common))
+        else:
+            constants.append(N.Constant(**common))
+
+    dead_after = _last_uses(ep.graph)
+    output_node = next(n for n in ep.graph.nodes if n.op == "output")
+    keep.update(a for a in output_node.all_input_nodes)
+    for n in ep.graph.nodes:
+        if n.op != "call_function":
+            continue
+        try:
+            b.lower_node(n)
+        except Unsupported as e:
+            raise LoweringError(f"node {n.name} was delegated but cannot be lowered: {e}") from e
+        # Tuple results nobody reads are released at once.
+        if isinstance(b._slots.get(n), list) and not n.users:
+            b.release(n)
+        for dead in dead_after.get(n, []):
+            if dead not in keep:
+                b.release(dead)
+
+    outputs = []
+    for i, a in enumerate(output_node.args[0]):
+        spec = sig.output_specs[i]
+        if spec.kind == OutputKind.BUFFER_MUTATION:
+            buf = next(x for x in buffers if x.name == spec.target)
+            buf.update = b.tensor(a)
+        elif isinstance(a, torch.fx.Node):
+            outputs.append(_io_slot(b, ep, a, spec.arg.name))
+        else:
+            raise LoweringError(f"output {i} is a constant ({a!r}); only tensors and ints can be returned")
+    built.program = N.Program(
+        version=N.VERSION, method=method, num_tensors=b.num_tensors, num_values=b.num_values,
+        inputs=inputs, outputs=outputs, constants=constants, buffers=buffers, instructions=b.instructions)
+    return built
+

@@ -1,0 +1,1 @@
+"""Model definitions and export helpers, one file per architecture."""

@@ -1,0 +1,3 @@
+"""Op handlers, one module per family. Importing this package registers them all."""
+
+from . import conversion, elementwise  # noqa: F401

@@ -1,0 +1,112 @@
+"""`MLXPartitioner`: tags the nodes our handlers can lower.
+
+Support is decided by dry-running the real handler (`ProgramBuilder` in check
+mode), so a tagged node always lowers. Constants feeding tagged nodes and
+buffers the delegated graph mutates are tagged too, so they live inside the
+delegate.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import operator
+from typing import Any, Callable
+
+import torch
+from executorch.exir.backend.compile_spec_schema import CompileSpec
+from executorch.exir.backend.partitioner import DelegationSpec, Partitioner, PartitionResult
+from executorch.exir.backend.utils import tag_constant_data, tag_mutated_buffer
+from torch.export import ExportedProgram
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupportBase
+
+from . import ops  # noqa: F401  (registers every handler)
+from . import registry
+from .backend import MLXDelegateBackend
+from .builder import ProgramBuilder
+from .errors import Unsupported
+
+log = logging.getLogger(__name__)
+
+
+def check_node(n: torch.fx.Node) -> str | None:
+    """None when `n` can be lowered, else the reason it cannot."""
+    if n.op != "call_function":
+        return "not a call"
+    b = ProgramBuilder(check_only=True)
+    try:
+        b.lower_node(n)
+    except Unsupported as e:
+        return str(e)
+    return None
+
+
+class _HandlerSupport(OperatorSupportBase):
+    def __init__(self) -> None:
+        self.rejected: dict[str, str] = {}
+
+    def is_node_supported(self, submodules: Any, n: torch.fx.Node) -> bool:
+        if n.op != "call_function":
+            return False
+        if n.target is operator.getitem:
+            src = n.args[0]
+            return isinstance(src, torch.fx.Node) and self.is_node_supported(submodules, src)
+        reason = check_node(n)
+        if reason is not None:
+            self.rejected[n.name] = reason
+        return reason is None
+
+
+class MLXPartitioner(Partitioner):
+    """Partition an Edge program for the MLX delegate.
+
+    Args:
+        compile_specs: extra specs passed to `MLXDelegateBackend.preprocess`.
+    """
+
+    def __init__(self, compile_specs: list[CompileSpec] | None = None) -> None:
+        super().__init__()
+        self.delegation_spec = DelegationSpec(MLXDelegateBackend.__name__, list(compile_specs or []))
+        self.rejected: dict[str, str] = {}
+
+    def partition(self, exported_program: ExportedProgram) -> PartitionResult:
+        support = _HandlerSupport()
+        partitioner = CapabilityBasedPartitioner(
+            exported_program.graph_module, support, allows_single_node_partition=True)
+        tags: dict[str, DelegationSpec] = {}
+        for p in partitioner.propose_partitions():
+            if not any(_does_work(n) for n in p.nodes):
+                continue  # a partition of views and getitems alone is not worth a delegate call
+            tag = f"mlx_delegate_{p.id}"
+            for n in p.nodes:
+                n.meta["delegation_tag"] = tag
+            tags[tag] = self.delegation_spec
+        tag_constant_data(exported_program)
+        tag_mutated_buffer(exported_program)
+        self.rejected = support.rejected
+        for name, reason in support.rejected.items():
+            log.info("mlx_delegate: %s stays on ExecuTorch: %s", name, reason)
+        return PartitionResult(tagged_exported_program=exported_program, partition_tags=tags)
+
+    def ops_to_not_decompose(
+        self, ep: ExportedProgram
+    ) -> tuple[list[torch._ops.OpOverload], Callable[[torch.fx.Node], bool] | None]:
+        """Keep ops we lower as a whole (linear, gelu, ...) out of the core ATen decompositions."""
+        return _kept_ops(), lambda n: check_node(n) is None
+
+
+_NO_WORK = {"view_copy", "alias_copy", "getitem", "sym_size", "_assert_scalar", "sym_constrain_range_for_size"}
+
+
+def _does_work(n: torch.fx.Node) -> bool:
+    return registry.base_name(n.target) not in _NO_WORK
+
+
+@functools.cache
+def _kept_ops() -> list[Any]:
+    """Registered ops that the default decompositions would otherwise split up."""
+    from torch._decomp import core_aten_decompositions
+
+    decomposed = set(core_aten_decompositions().keys())
+    return [t for t in registry.registered_targets() if isinstance(t, torch._ops.OpOverload) and t in decomposed]

@@ -1,0 +1,1 @@
+"""Fused multi-node patterns (SDPA, RoPE, RMSNorm, KV-cache update, quantized linear)."""

@@ -1,0 +1,168 @@
+"""Parity harness: export a module, lower it through `MLXPartitioner`, run it with
+the stock ExecuTorch runtime and compare with eager PyTorch.
+
+A test config is one `OpCase`; `cases(...)` expands a declarative row over
+dtypes. Every config asserts the number of delegate segments and that no op
+was left outside the delegate (unless the row says which may be).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from executorch.exir import to_edge_transform_and_lower
+from executorch.runtime import Runtime
+
+from .partitioner import MLXPartitioner
+from .registry import base_name
+
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+# (rtol, atol) per dtype the module computes in.
+TOLERANCE = {
+    torch.float32: (1e-4, 1e-5), torch.float16: (1e-2, 1e-2), torch.bfloat16: (5e-2, 5e-2),
+}
+
+
+class Lambda(torch.nn.Module):
+    """Wraps a function (of tensors) as a module for export."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+
+@dataclass
+class OpCase:
+    name: str
+    module: Callable[[], torch.nn.Module]
+    inputs: Callable[[], tuple]
+    dtype: torch.dtype | None = None
+    dynamic_shapes: Any = None
+    # More input tuples to run the same program with (dynamic shapes).
+    more_inputs: Callable[[], list[tuple]] | None = None
+    segments: int = 1
+    allowed_fallback: frozenset[str] = frozenset()
+    rtol: float | None = None
+    atol: float | None = None
+    exact: bool = False
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def _cast(x: Any, dtype: torch.dtype | None) -> Any:
+    if dtype is not None and isinstance(x, torch.Tensor) and x.is_floating_point():
+        return x.to(dtype)
+    return x
+
+
+def cases(name: str, fn: Callable[..., Any] | Callable[[], torch.nn.Module],
+          inputs: Callable[[], tuple] | tuple, dtypes: Iterable[torch.dtype | None] = (torch.float32,),
+          *, is_module: bool = False, **kw: Any) -> list[OpCase]:
+    """Expand one declarative row into a config per dtype.
+
+    `fn` is a function of the inputs (or, with is_module=True, a module factory);
+    floating-point inputs (and module parameters) are cast to each dtype.
+    """
+    make_inputs = inputs if callable(inputs) else (lambda: inputs)
+    out = []
+    for dt in dtypes:
+        def module(dt: Any = dt) -> torch.nn.Module:
+            m = fn() if is_module else Lambda(fn)
+            return m.to(dt) if dt is not None and is_module else m
+
+        def gen(dt: Any = dt) -> tuple:
+            torch.manual_seed(0)
+            return tuple(_cast(x, dt) for x in make_inputs())
+
+        suffix = "" if dt is None else "-" + str(dt).removeprefix("torch.")
+        out.append(OpCase(f"{name}{suffix}", module, gen, dtype=dt, **kw))
+    return out
+
+
+@dataclass
+class Lowered:
+    edge: Any
+    buffer: bytes
+    program: Any = field(repr=False)  # keep referenced while methods run
+    summary: tuple[int, list[str]] = (0, [])  # (delegate calls, ops left outside), before to_executorch
+
+    def method(self, name: str = "forward") -> Any:
+        return self.program.load_method(name)
+
+
+def lower(module: torch.nn.Module, inputs: tuple, dynamic_shapes: Any = None,
+          partitioner: MLXPartitioner | None = None) -> Lowered:
+    """Export, lower through MLXPartitioner, serialize and load with the stock runtime."""
+    ep = torch.export.export(module, inputs, dynamic_shapes=dynamic_shapes, strict=False)
+    edge = to_edge_transform_and_lower(ep, partitioner=[partitioner or MLXPartitioner()])
+    summary = delegate_summary(edge)
+    buffer = edge.to_executorch().buffer
+    return Lowered(edge, buffer, Runtime.get().load_program(buffer), summary)
+
+
+def delegate_summary(edge: Any) -> tuple[int, list[str]]:
+    """(number of delegate calls, names of ops left outside the delegate)."""
+    graph = edge.exported_program().graph
+    segments, leftover = 0, []
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target is torch.ops.higher_order.executorch_call_delegate:
+            segments += 1
+        elif n.target is not operator.getitem:
+            leftover.append(base_name(n.target))
+    return segments, leftover
+
+
+def _flatten(x: Any) -> list[Any]:
+    if isinstance(x, (list, tuple)):
+        return [y for e in x for y in _flatten(e)]
+    return [x]
+
+
+def assert_close(actual: Sequence[Any], expected: Any, rtol: float, atol: float, exact: bool = False) -> None:
+    exp = _flatten(expected)
+    assert len(actual) == len(exp), f"{len(actual)} outputs, expected {len(exp)}"
+    for i, (a, e) in enumerate(zip(actual, exp)):
+        if not isinstance(e, torch.Tensor):
+            assert a == e, f"output {i}: {a} != {e}"
+            continue
+        assert a.shape == e.shape, f"output {i}: shape {tuple(a.shape)} != {tuple(e.shape)}"
+        assert a.dtype == e.dtype, f"output {i}: dtype {a.dtype} != {e.dtype}"
+        if exact or not e.is_floating_point():
+            torch.testing.assert_close(a, e, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"output {i}: {m}")
+        else:
+            torch.testing.assert_close(a, e, rtol=rtol, atol=atol, equal_nan=True,
+                                       msg=lambda m: f"output {i}: {m}")
+
+
+def lower_and_compare(case: OpCase) -> Lowered:
+    """Run one config end to end; raises AssertionError on any mismatch."""
+    module = case.module().eval()
+    inputs = case.inputs()
+    lowered = lower(module, inputs, case.dynamic_shapes)
+    segments, leftover = lowered.summary
+    unexpected = [op for op in leftover if op not in case.allowed_fallback]
+    assert not unexpected, f"ops left outside the delegate: {unexpected}"
+    assert segments == case.segments, f"{segments} delegate segments, expected {case.segments}"
+    method = lowered.method()
+    rtol, atol = TOLERANCE.get(case.dtype or torch.float32, TOLERANCE[torch.float32])
+    rtol, atol = case.rtol if case.rtol is not None else rtol, case.atol if case.atol is not None else atol
+    runs = [inputs] + (case.more_inputs() if case.more_inputs else [])
+    for run_inputs in runs:
+        with torch.no_grad():
+            expected = module(*run_inputs)
+        actual = method.execute([x for x in run_inputs])
+        assert_close(actual, expected, rtol, atol, case.exact)
+    return lowered
+
+
+def with_inputs(case: OpCase, **changes: Any) -> OpCase:
+    return replace(case, **changes)

@@ -1,0 +1,12 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(1)  # keep xdist workers from oversubscribing the 2 cores
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
