@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-"$PY" -m pip install -q -r requirements-dev.txt
-"$PY" -m pip install -q --no-build-isolation -e .
+PIP_ROOT_USER_ACTION=ignore "$PY" -m pip install -q -r requirements-dev.txt
+PIP_ROOT_USER_ACTION=ignore "$PY" -m pip install -q --no-build-isolation -e .
