@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import operator
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from executorch.exir.backend.compile_spec_schema import CompileSpec
@@ -43,8 +43,9 @@ def check_node(n: torch.fx.Node) -> str | None:
 
 
 class _HandlerSupport(OperatorSupportBase):
-    def __init__(self) -> None:
+    def __init__(self, exclude: frozenset[str]) -> None:
         self.rejected: dict[str, str] = {}
+        self.exclude = exclude
 
     def is_node_supported(self, submodules: Any, n: torch.fx.Node) -> bool:
         if n.op != "call_function":
@@ -52,7 +53,10 @@ class _HandlerSupport(OperatorSupportBase):
         if n.target is operator.getitem:
             src = n.args[0]
             return isinstance(src, torch.fx.Node) and self.is_node_supported(submodules, src)
-        reason = check_node(n)
+        if registry.base_name(n.target) in self.exclude:
+            reason = "excluded by MLXPartitioner(exclude=...)"
+        else:
+            reason = check_node(n)
         if reason is not None:
             self.rejected[n.name] = reason
         return reason is None
@@ -63,15 +67,18 @@ class MLXPartitioner(Partitioner):
 
     Args:
         compile_specs: extra specs passed to `MLXDelegateBackend.preprocess`.
+        exclude: op base names (e.g. "exp", "view_copy") to leave to ExecuTorch, for debugging.
     """
 
-    def __init__(self, compile_specs: list[CompileSpec] | None = None) -> None:
+    def __init__(self, compile_specs: list[CompileSpec] | None = None, *,
+                 exclude: Iterable[str] = ()) -> None:
         super().__init__()
+        self.exclude = frozenset(exclude)
         self.delegation_spec = DelegationSpec(MLXDelegateBackend.__name__, list(compile_specs or []))
         self.rejected: dict[str, str] = {}
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
-        support = _HandlerSupport()
+        support = _HandlerSupport(self.exclude)
         partitioner = CapabilityBasedPartitioner(
             exported_program.graph_module, support, allows_single_node_partition=True)
         tags: dict[str, DelegationSpec] = {}
@@ -93,7 +100,7 @@ class MLXPartitioner(Partitioner):
         self, ep: ExportedProgram
     ) -> tuple[list[torch._ops.OpOverload], Callable[[torch.fx.Node], bool] | None]:
         """Keep ops we lower as a whole (linear, gelu, ...) out of the core ATen decompositions."""
-        return _kept_ops(), lambda n: check_node(n) is None
+        return _kept_ops(), lambda n: registry.base_name(n.target) not in self.exclude and check_node(n) is None
 
 
 _NO_WORK = {"view_copy", "alias_copy", "getitem", "sym_size", "_assert_scalar", "sym_constrain_range_for_size"}
