@@ -1,0 +1,1 @@
+"""Weight converters from other inference formats to `transformers` state dicts."""
