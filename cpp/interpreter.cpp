@@ -164,7 +164,30 @@ void Handle::write_outputs(Span<EValue*> args) {
   std::vector<mx::array> all = results;
   all.insert(all.end(), updates.begin(), updates.end());
   ctx_.tensors.clear();  // drop graph references so intermediates free during eval
-  mx::eval(all);
+  // Drop our references to buffers being replaced so MLX can update them in
+  // place (a KV cache write then costs the update, not a copy of the cache).
+  for (const auto& b : program_->buffers)
+    if (b.update_tid >= 0) buffers_[&b - program_->buffers.data()] = b.initial;
+  try {
+    mx::eval(all);
+  } catch (...) {
+    // The old contents may have been consumed in place: start over from the
+    // initial values rather than keep half-written state.
+    buffers_.clear();
+    for (const auto& b : program_->buffers) buffers_.push_back(b.initial);
+    throw;
+  }
+
+  // A buffer value that still points into caller memory is copied first.
+  size_t u = 0;
+  for (size_t i = 0; i < program_->buffers.size(); ++i) {
+    if (program_->buffers[i].update_tid < 0) continue;
+    mx::array& v = updates[u++];
+    bool aliases_input = false;
+    for (const auto& in : pinned_)
+      aliases_input |= v.buffer_size() && in.buffer_size() && v.buffer().ptr() == in.buffer().ptr();
+    buffers_[i] = aliases_input ? owned_copy(v) : v;
+  }
 
   size_t r = 0;
   for (size_t i = 0; i < n_out; ++i) {
@@ -188,18 +211,6 @@ void Handle::write_outputs(Span<EValue*> args) {
       throw std::runtime_error(name + ": output holds " + std::to_string(out.nbytes()) + " bytes, result has " +
                                std::to_string(a.nbytes()));
     if (a.nbytes()) std::memcpy(out.mutable_data_ptr(), a.data<uint8_t>(), a.nbytes());
-  }
-
-  // Commit buffer updates last, so a failed call leaves them untouched. A
-  // value that still points into caller memory is copied first.
-  size_t u = 0;
-  for (size_t i = 0; i < program_->buffers.size(); ++i) {
-    if (program_->buffers[i].update_tid < 0) continue;
-    mx::array& v = updates[u++];
-    bool aliases_input = false;
-    for (const auto& in : pinned_)
-      aliases_input |= v.buffer_size() && in.buffer_size() && v.buffer().ptr() == in.buffer().ptr();
-    buffers_[i] = aliases_input ? owned_copy(v) : v;
   }
 }
 

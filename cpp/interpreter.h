@@ -20,7 +20,8 @@ class Handle {
 
   // Binds `args` (inputs then outputs), runs every node through MLX and
   // writes the outputs. Throws std::exception with a message naming the
-  // input or node at fault; mutable buffers keep their old value on failure.
+  // input or node at fault. Mutable buffers keep their value when a call fails
+  // before evaluation and restart from their initial value if evaluation fails.
   void execute(executorch::runtime::Span<executorch::runtime::EValue*> args);
 
   // Restores every mutable buffer to its initial value (e.g. a KV cache reset).
