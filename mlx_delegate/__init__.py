@@ -5,10 +5,14 @@ runtime, so `executorch.runtime.Runtime` can run programs lowered with
 `MLXPartitioner`.
 """
 
-from . import _runtime  # noqa: F401  (registers the C++ backend on import)
-from .backend import BACKEND_ID, MLXDelegateBackend
-from .errors import LoweringError, Unsupported
-from .partitioner import MLXPartitioner
+from . import _blas
+
+_blas.install()  # must run before libmlx.so is loaded (by _runtime below)
+
+from . import _runtime  # noqa: E402,F401  (registers the C++ backend on import)
+from .backend import BACKEND_ID, MLXDelegateBackend  # noqa: E402
+from .errors import LoweringError, Unsupported  # noqa: E402
+from .partitioner import MLXPartitioner  # noqa: E402
 
 __all__ = ["BACKEND_ID", "LoweringError", "MLXDelegateBackend", "MLXPartitioner", "Unsupported"]
 __version__ = "0.1.0"

@@ -3,6 +3,8 @@ import os
 import pytest
 import torch
 
+import mlx_delegate  # noqa: F401  (first, so MLX's CPU BLAS route is installed before mlx loads)
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)  # keep xdist workers from oversubscribing the 2 cores
 

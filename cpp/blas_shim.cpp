@@ -1,0 +1,91 @@
+// A CBLAS front for MLX's CPU matmuls, served by the optimized BLAS inside
+// the torch wheel (MKL/OpenBLAS Fortran symbols in libtorch_cpu.so).
+//
+// The mlx-cpu wheel links a reference BLAS. mlx_delegate loads this library
+// with RTLD_GLOBAL before libmlx.so is loaded, so libmlx's undefined
+// cblas_sgemm/cblas_dgemm bind here instead. Until mlxd_blas_init succeeds,
+// calls go to the reference implementation passed in as a fallback.
+#include <dlfcn.h>
+
+#include <atomic>
+#include <cstdint>
+
+extern "C" {
+
+enum CBLAS_ORDER { CblasRowMajor = 101, CblasColMajor = 102 };
+enum CBLAS_TRANSPOSE { CblasNoTrans = 111, CblasTrans = 112, CblasConjTrans = 113 };
+
+using sgemm_fn = void (*)(const char*, const char*, const int*, const int*, const int*, const float*,
+                          const float*, const int*, const float*, const int*, const float*, float*, const int*);
+using dgemm_fn = void (*)(const char*, const char*, const int*, const int*, const int*, const double*,
+                          const double*, const int*, const double*, const int*, const double*, double*,
+                          const int*);
+using cblas_sgemm_fn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float,
+                                float*, int);
+using cblas_dgemm_fn = void (*)(int, int, int, int, int, int, double, const double*, int, const double*, int,
+                                double, double*, int);
+
+static std::atomic<sgemm_fn> g_sgemm{nullptr};
+static std::atomic<dgemm_fn> g_dgemm{nullptr};
+static std::atomic<cblas_sgemm_fn> g_ref_sgemm{nullptr};
+static std::atomic<cblas_dgemm_fn> g_ref_dgemm{nullptr};
+static std::atomic<uint64_t> g_fast_calls{0};
+
+// Loads the Fortran gemm symbols from `fast_lib` and the reference CBLAS
+// from `reference_lib`. Returns 1 when the fast path is active.
+int mlxd_blas_init(const char* fast_lib, const char* reference_lib) {
+  if (reference_lib != nullptr) {
+    if (void* ref = dlopen(reference_lib, RTLD_NOW | RTLD_LOCAL)) {
+      g_ref_sgemm = reinterpret_cast<cblas_sgemm_fn>(dlsym(ref, "cblas_sgemm"));
+      g_ref_dgemm = reinterpret_cast<cblas_dgemm_fn>(dlsym(ref, "cblas_dgemm"));
+    }
+  }
+  void* lib = fast_lib ? dlopen(fast_lib, RTLD_NOW | RTLD_NOLOAD) : nullptr;
+  if (lib == nullptr && fast_lib != nullptr) lib = dlopen(fast_lib, RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) return 0;
+  g_sgemm = reinterpret_cast<sgemm_fn>(dlsym(lib, "sgemm_"));
+  g_dgemm = reinterpret_cast<dgemm_fn>(dlsym(lib, "dgemm_"));
+  return g_sgemm.load() != nullptr;
+}
+
+uint64_t mlxd_blas_fast_calls() { return g_fast_calls.load(); }
+
+}  // extern "C"
+
+static char trans_char(int t) { return t == CblasNoTrans ? 'N' : 'T'; }
+
+// Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the
+// operands and dimensions instead of transposing anything.
+template <typename T, typename Fortran>
+static void gemm(Fortran f, int order, int ta, int tb, int m, int n, int k, T alpha, const T* a, int lda,
+                 const T* b, int ldb, T beta, T* c, int ldc) {
+  char ca = trans_char(ta), cb = trans_char(tb);
+  if (order == CblasRowMajor) f(&cb, &ca, &n, &m, &k, &alpha, b, &ldb, a, &lda, &beta, c, &ldc);
+  else f(&ca, &cb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
+}
+
+extern "C" {
+
+__attribute__((visibility("default"))) void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha,
+                                                        const float* a, int lda, const float* b, int ldb,
+                                                        float beta, float* c, int ldc) {
+  if (auto f = g_sgemm.load()) {
+    g_fast_calls.fetch_add(1, std::memory_order_relaxed);
+    gemm(f, order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  } else if (auto r = g_ref_sgemm.load()) {
+    r(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  }
+}
+
+__attribute__((visibility("default"))) void cblas_dgemm(int order, int ta, int tb, int m, int n, int k, double alpha,
+                                                        const double* a, int lda, const double* b, int ldb,
+                                                        double beta, double* c, int ldc) {
+  if (auto f = g_dgemm.load()) {
+    g_fast_calls.fetch_add(1, std::memory_order_relaxed);
+    gemm(f, order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  } else if (auto r = g_ref_dgemm.load()) {
+    r(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  }
+}
+
+}  // extern "C"

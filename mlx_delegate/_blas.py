@@ -1,0 +1,69 @@
+"""Route MLX's CPU sgemm to the optimized BLAS inside the torch wheel (Linux).
+
+The mlx-cpu wheel links a reference BLAS (about 20x slower than torch for
+fp32 matmul and convolution). `libmlxd_blas.so` defines `cblas_sgemm` and
+`cblas_dgemm` on top of torch's Fortran `sgemm_`/`dgemm_`; loaded with
+RTLD_GLOBAL before libmlx.so, it serves libmlx's calls. Set
+`MLX_DELEGATE_BLAS=reference` to keep MLX's own BLAS.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import sys
+import warnings
+from pathlib import Path
+
+_state = {"mode": "off", "lib": None}
+
+
+def _libmlx_loaded() -> bool:
+    try:
+        return "libmlx.so" in Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+
+
+def install() -> str:
+    """Install the fast path once; returns the mode: torch, reference, late or off."""
+    if _state["lib"] is not None or _state["mode"] != "off":
+        return _state["mode"]
+    if not sys.platform.startswith("linux") or os.environ.get("MLX_DELEGATE_BLAS", "torch") == "reference":
+        _state["mode"] = "reference"
+        return _state["mode"]
+    if _libmlx_loaded():
+        warnings.warn("mlx_delegate: mlx was imported before mlx_delegate, so MLX keeps its slow reference "
+                      "BLAS; import mlx_delegate first for fast CPU matmul", stacklevel=3)
+        _state["mode"] = "late"
+        return _state["mode"]
+    import torch
+
+    spec = importlib.util.find_spec("mlx_delegate._runtime")
+    shim = Path(spec.origin).with_name("libmlxd_blas.so") if spec and spec.origin else None
+    fast = Path(torch.__file__).with_name("lib") / "libtorch_cpu.so"
+    mlx_spec = importlib.util.find_spec("mlx")
+    libs = Path(next(iter(mlx_spec.submodule_search_locations))).parent / "mlx_cpu.libs" if mlx_spec else None
+    reference = next(iter(sorted(libs.glob("libblas*.so*"))), None) if libs and libs.exists() else None
+    if shim is None or not shim.exists() or not fast.exists():
+        _state["mode"] = "reference"
+        return _state["mode"]
+    lib = ctypes.CDLL(str(shim), mode=os.RTLD_LOCAL)
+    lib.mlxd_blas_init.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    lib.mlxd_blas_fast_calls.restype = ctypes.c_uint64
+    if lib.mlxd_blas_init(str(fast).encode(), str(reference).encode() if reference else None) != 1:
+        _state["mode"] = "reference"
+        return _state["mode"]
+    ctypes.CDLL(str(shim), mode=os.RTLD_GLOBAL)  # now visible to libmlx's symbol lookup
+    _state.update(mode="torch", lib=lib)
+    return _state["mode"]
+
+
+def mode() -> str:
+    return _state["mode"]
+
+
+def fast_calls() -> int:
+    """Number of gemm calls served by the fast BLAS so far."""
+    return int(_state["lib"].mlxd_blas_fast_calls()) if _state["lib"] is not None else 0
