@@ -116,4 +116,11 @@ def _kept_ops() -> list[Any]:
     from torch._decomp import core_aten_decompositions
 
     decomposed = set(core_aten_decompositions().keys())
-    return [t for t in registry.registered_targets() if isinstance(t, torch._ops.OpOverload) and t in decomposed]
+
+    def functional(op: torch._ops.OpOverload) -> bool:
+        # ExecuTorch only preserves ops that neither mutate nor alias.
+        s = op._schema
+        return not s.is_mutable and not any(r.alias_info for r in s.returns)
+
+    return [t for t in registry.registered_targets()
+            if isinstance(t, torch._ops.OpOverload) and t in decomposed and functional(t)]

@@ -93,8 +93,19 @@ class Lowered:
     program: Any = field(repr=False)  # keep referenced while methods run
     summary: tuple[int, list[str]] = (0, [])  # (delegate calls, ops left outside), before to_executorch
 
-    def method(self, name: str = "forward") -> Any:
-        return self.program.load_method(name)
+    def method(self, name: str = "forward") -> "BoundMethod":
+        return BoundMethod(self.program, self.program.load_method(name))
+
+
+@dataclass
+class BoundMethod:
+    """A loaded method that keeps its Program alive (the runtime frees the program otherwise)."""
+
+    program: Any = field(repr=False)
+    method: Any = field(repr=False)
+
+    def execute(self, inputs: Sequence[Any]) -> list[Any]:
+        return self.method.execute(list(inputs))
 
 
 def lower(module: torch.nn.Module, inputs: tuple, dynamic_shapes: Any = None,
