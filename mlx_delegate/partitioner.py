@@ -68,13 +68,17 @@ class MLXPartitioner(Partitioner):
     Args:
         compile_specs: extra specs passed to `MLXDelegateBackend.preprocess`.
         exclude: op base names (e.g. "exp", "view_copy") to leave to ExecuTorch, for debugging.
+        disable: optimisation passes to turn off (see `mlx_delegate.passes.GRAPH_PASSES`).
     """
 
     def __init__(self, compile_specs: list[CompileSpec] | None = None, *,
-                 exclude: Iterable[str] = ()) -> None:
+                 exclude: Iterable[str] = (), disable: Iterable[str] = ()) -> None:
         super().__init__()
         self.exclude = frozenset(exclude)
-        self.delegation_spec = DelegationSpec(MLXDelegateBackend.__name__, list(compile_specs or []))
+        specs = list(compile_specs or [])
+        if disable:
+            specs.append(CompileSpec("disable", ",".join(sorted(disable)).encode()))
+        self.delegation_spec = DelegationSpec(MLXDelegateBackend.__name__, specs)
         self.rejected: dict[str, str] = {}
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:

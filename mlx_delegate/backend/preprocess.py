@@ -10,7 +10,7 @@ from executorch.exir.backend.compile_spec_schema import CompileSpec
 from torch.export import ExportedProgram
 
 from ..builder import build_program
-from ..passes import run_passes
+from ..passes import run_graph_passes
 
 CONSTANT_ALIGNMENT = 64  # lets the runtime wrap constants without copying
 
@@ -23,8 +23,9 @@ class MLXDelegateBackend(BackendDetails):
     def preprocess(edge_program: ExportedProgram, compile_specs: list[CompileSpec]) -> PreprocessResult:
         specs = {s.key: s.value for s in compile_specs}
         method = specs.get("method", b"").decode()
+        disabled = frozenset(filter(None, specs.get("disable", b"").decode().split(",")))
+        run_graph_passes(edge_program.graph, disabled)
         built = build_program(edge_program, method=method)
-        run_passes(built, specs)
         store = NamedDataStore()
         seen: set[str] = set()
         for c in built.constants:

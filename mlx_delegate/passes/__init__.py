@@ -1,10 +1,28 @@
-"""IR passes run after lowering (each in its own module, on by default, switchable off)."""
+"""Graph passes run by `MLXDelegateBackend.preprocess` on each delegated graph.
+
+Every pass is on by default; `MLXPartitioner(disable={"cse"})` turns one off
+for debugging.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Callable
+
+import torch
+
+from . import cse
+
+GRAPH_PASSES: dict[str, Callable[[torch.fx.Graph], int]] = {"cse": cse.run}
 
 
-def run_passes(built: Any, specs: dict[str, bytes]) -> None:
-    """Run the enabled passes over a built program in place."""
-    return None
+def run_graph_passes(graph: torch.fx.Graph, disabled: frozenset[str] = frozenset()) -> dict[str, int]:
+    """Run the enabled passes in order; returns the number of changes each made."""
+    unknown = disabled - GRAPH_PASSES.keys()
+    if unknown:
+        raise ValueError(f"unknown passes {sorted(unknown)}; known: {sorted(GRAPH_PASSES)}")
+    stats = {}
+    for name, fn in GRAPH_PASSES.items():
+        if name not in disabled:
+            stats[name] = fn(graph)
+    graph.lint()
+    return stats
