@@ -1,0 +1,74 @@
+"""The `mlx-delegate` command line (also `python -m mlx_delegate`).
+
+Subcommands are discovered: every public module in this package that defines
+`register(subparsers)` adds one. `register` creates its parser and sets
+`func=run`, where `run(args) -> int` returns the exit status. Modules whose
+name starts with `_` hold shared helpers and are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import logging
+import pkgutil
+import sys
+import warnings
+from typing import Iterator, Sequence
+
+from ._common import CLIError
+
+
+def _subcommand_modules() -> list[str]:
+    return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlx-delegate", description="Run exported PyTorch programs on MLX.")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="show library warnings and log messages")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in _subcommand_modules():
+        module = importlib.import_module(f"{__name__}.{name}")
+        register = getattr(module, "register", None)
+        if callable(register):
+            register(sub)
+    return parser
+
+
+@contextlib.contextmanager
+def _library_output(verbose: bool) -> Iterator[None]:
+    """Export and lowering warn loudly about things users cannot act on: keep them behind -v.
+
+    Restores the previous state, so `main()` can be called in-process (tests).
+    """
+    root = logging.getLogger()
+    level = root.level
+    with warnings.catch_warnings():
+        if verbose:
+            logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+            root.setLevel(logging.INFO)
+        else:
+            warnings.simplefilter("ignore")
+            root.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            root.setLevel(level)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        with _library_output(args.verbose):
+            return int(args.func(args) or 0)
+    except CLIError as e:
+        print(f"mlx-delegate {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
