@@ -1,0 +1,52 @@
+// Attention and LLM building blocks, mapped to MLX's fused kernels.
+#include <limits>
+
+#include <mlx/fast.h>
+
+#include "../ops_common.h"
+
+namespace mlxd::rt {
+
+namespace {
+
+// torch's is_causal mask: query i sees keys 0..i (top-left aligned). MLX's
+// "causal" mode is aligned bottom-right, so it is only used when L == S.
+mx::array top_left_causal(int L, int S) {
+  auto rows = mx::reshape(mx::arange(L, mx::int32), {L, 1});
+  auto cols = mx::reshape(mx::arange(S, mx::int32), {1, S});
+  return mx::less_equal(cols, rows);
+}
+
+// [..., L, 1]: whether each query row sees at least one key. torch returns
+// zeros for rows with none, MLX a mean of v (bool) or NaN (float).
+mx::array rows_with_keys(const mx::array& mask) {
+  auto visible = mask.dtype() == mx::bool_
+                     ? mask
+                     : mx::not_equal(mask, mx::array(-std::numeric_limits<float>::infinity(), mask.dtype()));
+  return mx::any(visible, -1, /*keepdims=*/true);
+}
+
+}  // namespace
+
+void exec_SdpaNode(const mlxd::SdpaNode& n, ExecContext& ctx) {
+  const auto& q = ctx.in(n.q());
+  const auto& k = ctx.in(n.k());
+  const auto& v = ctx.in(n.v());
+  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) throw NodeError("q, k and v must be rank 4");
+  if (k.shape(1) == 0 || q.shape(1) % k.shape(1) != 0)
+    throw NodeError("query heads (" + std::to_string(q.shape(1)) + ") are not a multiple of key heads (" +
+                    std::to_string(k.shape(1)) + ")");
+  const int L = q.shape(2), S = k.shape(2);
+  std::optional<mx::array> mask;
+  if (const auto* m = ctx.maybe_in(n.mask())) {
+    mask = m->dtype() == mx::bool_ || m->dtype() == q.dtype() ? *m : mx::astype(*m, q.dtype());
+  } else if (n.causal() && L != S) {
+    mask = top_left_causal(L, S);
+  }
+  std::string mode = n.causal() && !mask ? "causal" : "";
+  auto out = mx::fast::scaled_dot_product_attention(q, k, v, n.scale(), mode, mask);
+  if (mask && L > 0) out = mx::where(rows_with_keys(*mask), out, mx::zeros({}, out.dtype()));
+  ctx.set(n.out(), out);
+}
+
+}  // namespace mlxd::rt

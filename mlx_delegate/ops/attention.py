@@ -1,0 +1,73 @@
+"""Attention and LLM building blocks: SDPA, KV-cache writes, RoPE, RMSNorm.
+
+`aten.scaled_dot_product_attention` is kept whole (registering it keeps it out
+of the core decompositions) and maps to `mx::fast::scaled_dot_product_attention`,
+which handles grouped-query attention without repeating k/v.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..builder import ProgramBuilder
+from ..ir import nodes as N
+from ..registry import register
+
+aten = torch.ops.aten
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _same_dim(a: object, b: object) -> bool:
+    """Whether two (possibly symbolic) sizes are provably equal, without adding guards."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
+        return a.node.expr == b.node.expr
+    return False
+
+
+def _check_sdpa(b: ProgramBuilder, args: dict) -> None:
+    q, k, v, mask = args["query"], args["key"], args["value"], args["attn_mask"]
+    shapes = [b.shape_of(x) for x in (q, k, v)]
+    if any(len(s) != 4 for s in shapes):
+        raise b.unsupported(f"q/k/v must be rank 4 ([B, H, L, E]), got ranks {[len(s) for s in shapes]}")
+    dtype = b.dtype_of(q)
+    if dtype not in FLOAT_DTYPES or b.dtype_of(k) != dtype or b.dtype_of(v) != dtype:
+        raise b.unsupported(f"q/k/v dtypes {[str(b.dtype_of(x)) for x in (q, k, v)]}")
+    (qb, hq, _, e), (kb, hk, s, ke), (vb, hv, vs, _) = shapes
+    if not all(_same_dim(qb, x) for x in (kb, vb)):
+        raise b.unsupported("q, k and v must have the same batch size")
+    if not (_same_dim(hk, hv) and _same_dim(s, vs) and _same_dim(e, ke)):
+        raise b.unsupported("k and v must agree on heads and length, q and k on head size")
+    if not _same_dim(hq, hk):
+        if not args["enable_gqa"]:
+            raise b.unsupported("different q and k head counts need enable_gqa=True")
+        if not (isinstance(hq, int) and isinstance(hk, int) and hk > 0 and hq % hk == 0):
+            raise b.unsupported(f"query heads {hq} are not a multiple of key heads {hk}")
+    if args["dropout_p"] not in (0, 0.0, None):
+        raise b.unsupported("dropout_p must be 0 (inference only)")
+    if mask is not None:
+        if args["is_causal"]:
+            raise b.unsupported("attn_mask together with is_causal=True")
+        if not isinstance(mask, torch.fx.Node) or len(b.shape_of(mask)) > 4:
+            raise b.unsupported("attn_mask must be a tensor of rank <= 4")
+        if b.dtype_of(mask) not in (torch.bool, dtype):
+            raise b.unsupported(f"attn_mask dtype {b.dtype_of(mask)} (expected bool or {dtype})")
+    scale = args["scale"]
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise b.unsupported("scale must be a constant")
+    if scale is None and not isinstance(e, int):
+        raise b.unsupported("default scale needs a static head size")
+
+
+@register(aten.scaled_dot_product_attention.default)
+def sdpa(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    args = b.args(n)
+    _check_sdpa(b, args)
+    q, k, v, mask = args["query"], args["key"], args["value"], args["attn_mask"]
+    scale = args["scale"] if args["scale"] is not None else 1.0 / math.sqrt(b.shape_of(q)[-1])
+    b.emit(N.SdpaNode(q=b.tensor(q), k=b.tensor(k), v=b.tensor(v),
+                      mask=b.tensor(mask) if mask is not None else None,
+                      scale=float(scale), causal=bool(args["is_causal"]), out=b.out(n)))
