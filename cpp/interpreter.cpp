@@ -40,27 +40,28 @@ std::string shape_str(const Tensor& t) {
 }
 
 // Checks an input tensor against the exported dtype, rank and bounds.
-void check_input(const Tensor& t, const mlxd::IOSlot* s, const std::string& name) {
+template <typename Name>
+void check_input(const Tensor& t, const mlxd::IOSlot* s, const Name& name) {
   auto dt = from_et(t.scalar_type());
   if (!dt || *dt != s->dtype())
-    throw std::invalid_argument(name + ": expected dtype " + dtype_name(s->dtype()) + ", got ScalarType " +
+    throw std::invalid_argument(name() + ": expected dtype " + dtype_name(s->dtype()) + ", got ScalarType " +
                                 std::to_string(static_cast<int>(t.scalar_type())));
   size_t rank = s->shape() ? s->shape()->size() : 0;
   if (static_cast<size_t>(t.dim()) != rank)
-    throw std::invalid_argument(name + ": expected rank " + std::to_string(rank) + ", got shape " + shape_str(t));
+    throw std::invalid_argument(name() + ": expected rank " + std::to_string(rank) + ", got shape " + shape_str(t));
   for (size_t d = 0; d < rank; ++d) {
     const auto* dim = s->shape()->Get(d);
     int64_t n = t.size(d);
     bool ok = dim->dynamic() ? (n >= dim->min() && n <= dim->max()) : n == dim->size();
     if (!ok)
       throw std::invalid_argument(
-          name + ": dimension " + std::to_string(d) + " is " + std::to_string(n) + " in shape " + shape_str(t) +
+          name() + ": dimension " + std::to_string(d) + " is " + std::to_string(n) + " in shape " + shape_str(t) +
           (dim->dynamic() ? ", outside its exported range [" + std::to_string(dim->min()) + ", " +
                                 std::to_string(dim->max()) + "]"
                           : ", expected " + std::to_string(dim->size())));
   }
   if (!executorch::runtime::is_contiguous_dim_order(t.dim_order().data(), t.dim()))
-    throw std::invalid_argument(name + ": only contiguous (default dim order) tensors are supported");
+    throw std::invalid_argument(name() + ": only contiguous (default dim order) tensors are supported");
 }
 
 mx::Shape shape_of(const Tensor& t) {
@@ -104,10 +105,10 @@ void Handle::bind_inputs(Span<EValue*> args) {
   for (size_t i = 0; i < n_in; ++i) {
     const auto* s = p->inputs()->Get(i);
     const EValue* ev = args[i];
-    std::string name = slot_name(s, "input", i);
+    auto name = [&] { return slot_name(s, "input", i); };  // built only for errors
     switch (s->kind()) {
       case mlxd::SlotKind::Tensor: {
-        if (ev == nullptr || !ev->isTensor()) throw std::invalid_argument(name + ": expected a tensor");
+        if (ev == nullptr || !ev->isTensor()) throw std::invalid_argument(name() + ": expected a tensor");
         const Tensor& t = ev->toTensor();
         check_input(t, s, name);
         mx::array a(const_cast<void*>(t.const_data_ptr()), shape_of(t), to_mlx(s->dtype()), [](void*) {});
@@ -119,12 +120,12 @@ void Handle::bind_inputs(Span<EValue*> args) {
       case mlxd::SlotKind::Bool:
         if (ev && ev->isInt()) ctx_.values[s->vid()->idx()] = ev->toInt();
         else if (ev && ev->isBool()) ctx_.values[s->vid()->idx()] = int64_t(ev->toBool());
-        else throw std::invalid_argument(name + ": expected an int");
+        else throw std::invalid_argument(name() + ": expected an int");
         break;
       case mlxd::SlotKind::Float:
         if (ev && ev->isDouble()) ctx_.values[s->vid()->idx()] = ev->toDouble();
         else if (ev && ev->isInt()) ctx_.values[s->vid()->idx()] = double(ev->toInt());
-        else throw std::invalid_argument(name + ": expected a float");
+        else throw std::invalid_argument(name() + ": expected a float");
         break;
     }
   }
@@ -193,22 +194,22 @@ void Handle::write_outputs(Span<EValue*> args) {
   for (size_t i = 0; i < n_out; ++i) {
     const auto* s = p->outputs()->Get(i);
     EValue* ev = args[n_in + i];
-    std::string name = slot_name(s, "output", i);
-    if (ev == nullptr) throw std::invalid_argument(name + ": missing output argument");
+    auto name = [&] { return slot_name(s, "output", i); };
+    if (ev == nullptr) throw std::invalid_argument(name() + ": missing output argument");
     if (s->kind() != mlxd::SlotKind::Tensor) {
       int64_t v = ctx_.int_value(s->vid()->idx());
       *ev = EValue(v);
       continue;
     }
-    if (!ev->isTensor()) throw std::invalid_argument(name + ": expected an output tensor");
+    if (!ev->isTensor()) throw std::invalid_argument(name() + ": expected an output tensor");
     const mx::array& a = results[r++];
     Tensor out = ev->toTensor();
     std::vector<executorch::aten::SizesType> sizes(a.shape().begin(), a.shape().end());
     auto err = executorch::runtime::resize_tensor(out, {sizes.data(), sizes.size()});
     if (err != executorch::runtime::Error::Ok)
-      throw std::runtime_error(name + ": cannot resize output to the computed shape");
+      throw std::runtime_error(name() + ": cannot resize output to the computed shape");
     if (out.nbytes() != a.nbytes())
-      throw std::runtime_error(name + ": output holds " + std::to_string(out.nbytes()) + " bytes, result has " +
+      throw std::runtime_error(name() + ": output holds " + std::to_string(out.nbytes()) + " bytes, result has " +
                                std::to_string(a.nbytes()));
     if (a.nbytes()) std::memcpy(out.mutable_data_ptr(), a.data<uint8_t>(), a.nbytes());
   }
