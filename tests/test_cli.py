@@ -111,3 +111,22 @@ def test_demo_quick(tmp_path, monkeypatch, capsys):
     assert "latency (median of 3)" in out and "MLX:" in out
     assert "lowering with MLXPartitioner" in err  # progress goes to stderr
     assert list(tmp_path.glob("demo-*.pte"))
+
+
+def test_broken_subcommand_module_keeps_the_others(monkeypatch, capsys):
+    import importlib
+
+    import mlx_delegate.cli as cli
+
+    real_import = importlib.import_module
+
+    def fake_import(name, *a):
+        if name == "mlx_delegate.cli.fake":
+            raise ImportError("No module named 'some_optional_dependency'")
+        return real_import(name, *a)
+
+    monkeypatch.setattr(cli, "_subcommand_modules", lambda: ["fake", "ops"])
+    monkeypatch.setattr(cli.importlib, "import_module", fake_import)
+    rc, _, err = run_cli(capsys, "fake", "--anything")
+    assert rc == 2 and "unavailable" in err and "some_optional_dependency" in err
+    assert run_cli(capsys, "ops", "--json")[0] == 0

@@ -30,11 +30,23 @@ def build_parser() -> argparse.ArgumentParser:
                         help="show library warnings and log messages")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in _subcommand_modules():
-        module = importlib.import_module(f"{__name__}.{name}")
+        try:
+            module = importlib.import_module(f"{__name__}.{name}")
+        except ImportError as e:  # e.g. an optional dependency: keep the other subcommands usable
+            _register_unavailable(sub, name, e)
+            continue
         register = getattr(module, "register", None)
         if callable(register):
             register(sub)
     return parser
+
+
+def _register_unavailable(sub: argparse._SubParsersAction, name: str, error: ImportError) -> None:
+    def fail(args: argparse.Namespace) -> int:
+        raise CLIError(f"unavailable: {error}")
+
+    p = sub.add_parser(name, help=f"(unavailable: {error})", add_help=False)
+    p.set_defaults(func=fail, accepts_extra=True)  # whatever was passed, report why it cannot run
 
 
 @contextlib.contextmanager
@@ -59,7 +71,10 @@ def _library_output(verbose: bool) -> Iterator[None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "accepts_extra", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         with _library_output(args.verbose):
             return int(args.func(args) or 0)

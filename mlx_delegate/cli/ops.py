@@ -21,8 +21,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _check_doc_dir(path: Path) -> None:
+    # Outside a source checkout the default path would land inside site-packages.
+    if path == support_table.DOC_PATH and not path.parent.is_dir():
+        raise CLIError(f"{path.parent} does not exist (not a source checkout?); pass a PATH")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.write:
+        _check_doc_dir(args.write)
         progress(f"wrote {support_table.write(args.write)}")
         return 0
     if args.check:
