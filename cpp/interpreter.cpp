@@ -143,7 +143,8 @@ void Handle::run_nodes() {
       throw std::runtime_error("node " + std::to_string(i) + " (" + kNodeNames[static_cast<int>(type)] +
                                "): " + e.what());
     }
-    for (uint32_t t : lp.release_after[i]) ctx_.tensors[t].reset();
+    if (!lp.program->keep_intermediates())
+      for (uint32_t t : lp.release_after[i]) ctx_.tensors[t].reset();
   }
 }
 
@@ -164,7 +165,11 @@ void Handle::write_outputs(Span<EValue*> args) {
     if (b.update_tid >= 0) updates.push_back(*ctx_.tensors[b.update_tid]);
   std::vector<mx::array> all = results;
   all.insert(all.end(), updates.begin(), updates.end());
-  ctx_.tensors.clear();  // drop graph references so intermediates free during eval
+  // Drop graph references so MLX frees (or reuses in place) each intermediate
+  // right after its last use during evaluation.
+  std::vector<std::optional<mx::array>> kept;
+  if (program_->program->keep_intermediates()) kept = std::move(ctx_.tensors);
+  ctx_.tensors.clear();
   // Drop our references to buffers being replaced so MLX can update them in
   // place (a KV cache write then costs the update, not a copy of the cache).
   for (const auto& b : program_->buffers)

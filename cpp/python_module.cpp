@@ -9,6 +9,8 @@
 
 #include <executorch/runtime/core/named_data_map.h>
 
+#include <mlx/memory.h>
+
 #include "backend.h"
 #include "loader.h"
 
@@ -64,5 +66,8 @@ NB_MODULE(_runtime, m) {
   m.def("last_error", [] { return last_error(); }, "Message of this thread's last delegate error.");
   m.def("check_payload", &check_payload, nb::arg("payload"), nb::arg("named_data") = std::map<std::string, std::string>{},
         "Verify and load a delegate payload; raises ValueError naming the problem.");
+  m.def("peak_memory", [] { return mlx::core::get_peak_memory(); }, "MLX peak memory (bytes) since the last reset.");
+  m.def("reset_peak_memory", [] { mlx::core::reset_peak_memory(); });
+  m.def("active_memory", [] { return mlx::core::get_active_memory(); });
   if (!register_backend()) throw std::runtime_error("mlx_delegate: could not register the backend with ExecuTorch");
 }

@@ -56,8 +56,9 @@ def constant_key(t: torch.Tensor) -> str:
 class ProgramBuilder:
     """Lowers fx nodes to IR. In check mode it only validates (partitioner dry run)."""
 
-    def __init__(self, check_only: bool = False) -> None:
+    def __init__(self, check_only: bool = False, recycle: bool = True) -> None:
         self.check_only = check_only
+        self.recycle = recycle
         self.instructions: list[Any] = []
         self.num_tensors = 0
         self.num_values = 0
@@ -203,7 +204,7 @@ class ProgramBuilder:
 
     # -------------------------------------------------------------- internals
     def _alloc(self) -> Any:
-        if self._free:
+        if self._free and self.recycle:
             return Tid(idx=self._free.pop())
         self.num_tensors += 1
         return Tid(idx=self.num_tensors - 1)
@@ -284,9 +285,13 @@ def _last_uses(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch.fx.Node]
     return dead
 
 
-def build_program(ep: ExportedProgram, method: str = "") -> BuiltProgram:
-    """Lower a whole (delegated) exported program into an IR program."""
-    b = ProgramBuilder()
+def build_program(ep: ExportedProgram, method: str = "", keep_intermediates: bool = False) -> BuiltProgram:
+    """Lower a whole (delegated) exported program into an IR program.
+
+    keep_intermediates (debugging) gives every value its own slot and keeps it
+    alive until the call ends, instead of releasing it after its last use.
+    """
+    b = ProgramBuilder(recycle=not keep_intermediates)
     sig = ep.graph_signature
     state = {**ep.state_dict, **ep.constants}
     mutated = {spec.target: spec.arg.name for spec in sig.output_specs if spec.kind == OutputKind.BUFFER_MUTATION}
@@ -346,6 +351,7 @@ def build_program(ep: ExportedProgram, method: str = "") -> BuiltProgram:
             raise LoweringError(f"output {i} is a constant ({a!r}); only tensors and ints can be returned")
     built.program = N.Program(
         version=N.VERSION, method=method, num_tensors=b.num_tensors, num_values=b.num_values,
-        inputs=inputs, outputs=outputs, constants=constants, buffers=buffers, instructions=b.instructions)
+        inputs=inputs, outputs=outputs, constants=constants, buffers=buffers, instructions=b.instructions,
+        keep_intermediates=keep_intermediates)
     return built
 

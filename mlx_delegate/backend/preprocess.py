@@ -25,7 +25,8 @@ class MLXDelegateBackend(BackendDetails):
         method = specs.get("method", b"").decode()
         disabled = frozenset(filter(None, specs.get("disable", b"").decode().split(",")))
         run_graph_passes(edge_program.graph, disabled)
-        built = build_program(edge_program, method=method)
+        built = build_program(edge_program, method=method,
+                              keep_intermediates="early_release" in disabled)
         store = NamedDataStore()
         seen: set[str] = set()
         for c in built.constants:
