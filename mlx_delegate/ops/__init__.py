@@ -1,3 +1,3 @@
 """Op handlers, one module per family. Importing this package registers them all."""
 
-from . import conversion, elementwise, symbolic, attention  # noqa: F401
+from . import conversion, elementwise, symbolic, attention, indexing, scatter  # noqa: F401
