@@ -49,4 +49,21 @@ void exec_SdpaNode(const mlxd::SdpaNode& n, ExecContext& ctx) {
   ctx.set(n.out(), out);
 }
 
+void exec_RopeNode(const mlxd::RopeNode& n, ExecContext& ctx) {
+  auto x = ctx.in(n.x());
+  if (x.ndim() < 2) throw NodeError("rope needs [..., L, D]");
+  if (n.dims() <= 0 || n.dims() > x.shape(-1) || n.dims() % 2) throw NodeError("bad rope dims");
+  int offset = static_cast<int>(ctx.resolve(n.offset()));
+  std::optional<float> base = n.base();
+  std::optional<mx::array> periods;  // MLX takes 1 / inv_freq
+  if (const auto* inv_freq = ctx.maybe_in(n.inv_freq())) {
+    periods = mx::reciprocal(mx::astype(*inv_freq, mx::float32));
+    base = std::nullopt;
+  }
+  bool lifted = x.ndim() == 2;  // MLX wants at least [B, L, D]
+  if (lifted) x = mx::expand_dims(x, 0);
+  auto out = mx::fast::rope(x, n.dims(), n.traditional(), base, n.scale(), offset, periods);
+  ctx.set(n.out(), lifted ? mx::squeeze(out, 0) : out);
+}
+
 }  // namespace mlxd::rt

@@ -2,7 +2,10 @@
 
 `aten.scaled_dot_product_attention` is kept whole (registering it keeps it out
 of the core decompositions) and maps to `mx::fast::scaled_dot_product_attention`,
-which handles grouped-query attention without repeating k/v.
+which handles grouped-query attention without repeating k/v. The
+`mlx_delegate::*` custom ops (see `custom_ops.py`; models call
+`kv_cache_update`, the pattern passes produce `rope` and `rms_norm`) map to a
+slice update of the resident cache, `mx::fast::rope` and `mx::fast::rms_norm`.
 """
 
 from __future__ import annotations
@@ -11,11 +14,13 @@ import math
 
 import torch
 
+from .. import custom_ops
 from ..builder import ProgramBuilder
 from ..ir import nodes as N
 from ..registry import register
 
 aten = torch.ops.aten
+mlxd = torch.ops.mlx_delegate
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -71,3 +76,51 @@ def sdpa(b: ProgramBuilder, n: torch.fx.Node) -> None:
     b.emit(N.SdpaNode(q=b.tensor(q), k=b.tensor(k), v=b.tensor(v),
                       mask=b.tensor(mask) if mask is not None else None,
                       scale=float(scale), causal=bool(args["is_causal"]), out=b.out(n)))
+
+
+def _static_int(b: ProgramBuilder, v: object, what: str) -> int:
+    if isinstance(v, int) or (isinstance(v, torch.SymInt) and v.node.is_constant()):
+        return int(v)
+    raise b.unsupported(f"{what} must be static, got {v}")
+
+
+@register(mlxd.kv_cache_update.default)
+def kv_cache_update(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    cache, update, start_pos = n.args
+    cshape, ushape = b.shape_of(cache), b.shape_of(update)
+    if len(cshape) != 4 or len(ushape) != 4:
+        raise b.unsupported("cache and update must be [B, H, S, D]")
+    if b.dtype_of(cache) != b.dtype_of(update):
+        raise b.unsupported(f"update dtype {b.dtype_of(update)} differs from the cache's {b.dtype_of(cache)}")
+    axis = custom_ops.SEQ_AXIS
+    if not all(_same_dim(c, u) for i, (c, u) in enumerate(zip(cshape, ushape)) if i != axis):
+        raise b.unsupported(f"update {ushape} does not match cache {cshape} outside the sequence axis")
+    # The runtime checks that the write fits (the slice is as long as the update).
+    b.emit(N.SliceUpdateNode(x=b.tensor(cache), update=b.tensor(update), axis=axis,
+                             start=b.int_or_vid(start_pos), stop=None, step=1, out=b.out(n)))
+
+
+@register(mlxd.rope.default)
+def rope(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    x, inv_freq, offset, traditional, base = n.args
+    shape = b.shape_of(x)
+    if len(shape) < 2 or b.dtype_of(x) not in FLOAT_DTYPES:
+        raise b.unsupported("rope needs a floating [..., L, D] input")
+    dims = _static_int(b, shape[-1], "the head size")
+    if dims % 2 or b.shape_of(inv_freq) != [dims // 2]:
+        raise b.unsupported(f"inv_freq of shape {b.shape_of(inv_freq)} for head size {dims}")
+    b.emit(N.RopeNode(x=b.tensor(x), dims=dims, traditional=bool(traditional),
+                      base=float(base) if base is not None else 0.0, scale=1.0, offset=b.int_or_vid(offset),
+                      inv_freq=b.tensor(inv_freq) if base is None else None, out=b.out(n)))
+
+
+@register(mlxd.rms_norm.default)
+def rms_norm(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    x, weight, eps = n.args
+    dtype = b.dtype_of(x)
+    if dtype not in FLOAT_DTYPES or not b.shape_of(x):
+        raise b.unsupported("rms_norm needs a floating input of rank >= 1")
+    if weight is not None and (b.dtype_of(weight) != dtype or len(b.shape_of(weight)) != 1):
+        raise b.unsupported("weight must be 1-D in the input's dtype")
+    b.emit(N.RmsNormNode(x=b.tensor(x), weight=b.tensor(weight) if weight is not None else None,
+                         eps=float(eps), normalized_ndim=1, out=b.out(n)))

@@ -1,0 +1,74 @@
+"""Custom ops in the `mlx_delegate` namespace.
+
+Models call `kv_cache_update` directly; the pattern passes (`mlx_delegate.patterns`)
+rewrite decomposed RoPE and RMSNorm subgraphs into `rope` / `rms_norm`. Each op
+has a CPU reference implementation (eager runs and ExecuTorch-free checks) and
+a fake kernel for export; the delegate lowers them to MLX's fused kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+SEQ_AXIS = 2  # caches are [B, H, S_max, D], the layout SDPA reads
+
+
+@torch.library.custom_op("mlx_delegate::kv_cache_update", mutates_args=())
+def kv_cache_update(cache: Tensor, update: Tensor, start_pos: int) -> Tensor:
+    """`cache` with `update` ([B, H, L, D]) written at positions start_pos..start_pos+L-1.
+
+    Functional on purpose: `buffer.copy_(kv_cache_update(buffer, ...))` exports
+    as a buffer mutation whose new value is this op's result, which the delegate
+    keeps resident and updates in place.
+    """
+    end = start_pos + update.shape[SEQ_AXIS]
+    if start_pos < 0 or end > cache.shape[SEQ_AXIS]:
+        raise IndexError(f"kv_cache_update: positions [{start_pos}, {end}) do not fit a cache of "
+                         f"{cache.shape[SEQ_AXIS]}")
+    out = cache.clone()
+    out[:, :, start_pos:end] = update
+    return out
+
+
+@kv_cache_update.register_fake
+def _(cache: Tensor, update: Tensor, start_pos: int) -> Tensor:
+    return torch.empty_like(cache)
+
+
+def rope_reference(x: Tensor, offset: int, inv_freq: Tensor, traditional: bool) -> Tensor:
+    """Rotary embedding of the last axis of x [..., L, D] at positions offset..offset+L-1."""
+    length, dim = x.shape[-2], x.shape[-1]
+    pos = torch.arange(offset, offset + length, dtype=torch.float32, device=x.device)
+    angles = pos[:, None] * inv_freq.float()[None, :]  # [L, D/2]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    if traditional:  # pairs (x0, x1), (x2, x3), ...
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1).flatten(-2)
+    x1, x2 = x[..., : dim // 2], x[..., dim // 2:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
+
+
+@torch.library.custom_op("mlx_delegate::rope", mutates_args=())
+def rope(x: Tensor, inv_freq: Tensor, offset: int, traditional: bool, base: float | None) -> Tensor:
+    """RoPE over the whole last axis. `base`, when given, says inv_freq is the
+    standard base ** (-2i / D) (MLX then computes it); otherwise inv_freq is used as is."""
+    return rope_reference(x, offset, inv_freq, traditional)
+
+
+@rope.register_fake
+def _(x: Tensor, inv_freq: Tensor, offset: int, traditional: bool, base: float | None) -> Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("mlx_delegate::rms_norm", mutates_args=())
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """x / sqrt(mean(x^2, -1) + eps) * weight, computed in float32, returned in x's dtype."""
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return y if weight is None else (weight * y).to(x.dtype)
+
+
+@rms_norm.register_fake
+def _(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    return torch.empty_like(x)

@@ -1,0 +1,209 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, ...) written for export.
+
+Parameter names equal `transformers`' `LlamaForCausalLM` state-dict keys. The
+KV cache is a pair of registered (non-persistent) buffers per layer, written
+with `mlx_delegate::kv_cache_update`, so an exported program keeps it resident
+in the delegate. `forward(tokens, input_pos)` serves prefill (any length) and
+decode (length 1) alike. RoPE and RMSNorm are written in plain torch (the HF
+form); the pattern passes fuse them into MLX's kernels at lowering.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..custom_ops import kv_cache_update
+
+# RoPE variants whose cos/sin need no post-scaling (HF's attention_scaling == 1).
+SUPPORTED_ROPE = ("default", "linear", "llama3")
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    head_dim: int | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    max_seq_len: int = 2048  # KV-cache length
+    rope_parameters: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_hf(cls, config: Any, max_seq_len: int | None = None) -> "ModelArgs":
+        """From a `transformers` LlamaConfig (or any config with the same fields)."""
+        rope = dict(getattr(config, "rope_parameters", None) or {})
+        rope_type = rope.get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE:
+            raise ValueError(f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE)})")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+        return cls(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+            num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=config.num_key_value_heads or config.num_attention_heads,
+            rms_norm_eps=config.rms_norm_eps, rope_theta=rope.get("rope_theta", 10000.0),
+            head_dim=getattr(config, "head_dim", None), tie_word_embeddings=bool(config.tie_word_embeddings),
+            attention_bias=bool(getattr(config, "attention_bias", False)),
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            max_seq_len=max_seq_len or min(config.max_position_embeddings, 2048),
+            rope_parameters={**rope, "rope_type": rope_type},
+        )
+
+
+def rope_inv_freq(args: ModelArgs) -> Tensor:
+    """base ** (-2i / D), with HF's frequency scaling for linear / llama3 RoPE."""
+    dim = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    rope = args.rope_parameters or {}
+    if rope.get("rope_type", "default") == "default":
+        return inv_freq
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = LlamaConfig(hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+                         head_dim=dim, rope_parameters=dict(rope))
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, "cpu")
+    assert scaling == 1.0, "RoPE with attention scaling is not supported"
+    return inv_freq.float()
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dims: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dims))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            args.num_attention_heads, args.num_key_value_heads, args.head_dim)
+        dim, bias = args.hidden_size, args.attention_bias
+        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=bias)
+        cache = (1, self.n_kv_heads, args.max_seq_len, self.head_dim)
+        self.register_buffer("k_cache", torch.zeros(cache), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(cache), persistent=False)
+
+    def forward(self, x: Tensor, start_pos: int, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        B, L, _ = x.shape
+        q = self.q_proj(x).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        self.k_cache.copy_(kv_cache_update(self.k_cache, k, start_pos))
+        self.v_cache.copy_(kv_cache_update(self.v_cache, v, start_pos))
+        end = start_pos + L
+        out = F.scaled_dot_product_attention(
+            q, self.k_cache[:, :, :end], self.v_cache[:, :, :end], attn_mask=mask, enable_gqa=True)
+        # An explicit copy: SDPA's output strides differ once the op is kept whole
+        # (to_edge re-traces), and a recorded view would no longer be valid.
+        out = out.transpose(1, 2).clone(memory_format=torch.contiguous_format)
+        return self.o_proj(out.view(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        dim, hidden, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
+        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x: Tensor, start_pos: int, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), start_pos, cos, sin, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    def forward(self, tokens: Tensor, start_pos: int) -> Tensor:
+        L = tokens.shape[1]
+        h = self.embed_tokens(tokens)
+        positions = torch.arange(start_pos, start_pos + L, device=tokens.device)
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
+        # Query i (at start_pos + i) sees cache entries 0..start_pos + i.
+        mask = torch.arange(start_pos + L, device=tokens.device)[None, :] <= positions[:, None]
+        for layer in self.layers:
+            h = layer(h, start_pos, cos, sin, mask)
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    """`LlamaForCausalLM`-compatible: forward(tokens [1, L], input_pos [1]) -> logits [1, L, vocab]."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = LlamaModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def forward(self, tokens: Tensor, input_pos: Tensor, last_only: bool = False) -> Tensor:
+        start_pos, cache_len = input_pos.item(), self.args.max_seq_len
+        torch._check(start_pos >= 0)
+        torch._check(start_pos + tokens.shape[1] <= cache_len)
+        h = self.model(tokens, start_pos)
+        if last_only:
+            h = h[:, -1:]
+        if self.args.tie_word_embeddings:
+            return F.linear(h, self.model.embed_tokens.weight)
+        return self.lm_head(h)
+
+    def reset_cache(self) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.k_cache.zero_()
+            layer.self_attn.v_cache.zero_()
