@@ -183,6 +183,8 @@ def test_cli_transcribe(base, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, c
     from mlx_delegate.cli import transcribe as T
 
     monkeypatch.setenv("MLX_DELEGATE_CACHE", str(tmp_path / "cache"))
+    # Other work may edit the package meanwhile; the key must not change between the two calls here.
+    monkeypatch.setattr(T, "_code_fingerprint", lambda: "fixed")
     _, _, low, _ = base
     T.cached_program_path(T.resolve_model("whisper-base")).write_bytes(low.buffer)
     clip = A.resample(A.load_audio(CLIP), A.SAMPLE_RATE, 44100)
