@@ -1,0 +1,158 @@
+"""Parakeet CTC (FastConformer encoder + CTC head) on the MLX delegate.
+
+One method, `forward(features [1, T, n_mels], length [1]) -> logits [1, T / 8, V]`,
+exported with a dynamic frame count. The subsampling stack (three stride-2
+convolutions) only exports for frame counts of the form `8k - 4`, so features are
+zero-padded up to one and `length` masks the padding exactly as `transformers`
+does for a padded batch. Decoding is greedy CTC: argmax, merge repeats, drop blanks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import audio as A
+
+SUBSAMPLING = 8
+ATTENTION = "mlx_delegate_sdpa"
+
+
+def _sdpa_contiguous(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention, but with an explicitly contiguous [B, T, H, Dh] result.
+
+    With a dynamic length, the kept SDPA op's output strides differ from the ones
+    seen at export, and the `view` transformers applies afterwards fails to retrace.
+    """
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.transpose(1, 2).clone(memory_format=torch.contiguous_format), None
+
+
+@contextlib.contextmanager
+def _export_attention(model: nn.Module) -> Iterator[None]:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, _sdpa_contiguous)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+class CTCLogits(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, features: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+        mask = (torch.arange(features.shape[1], device=features.device)[None] < length[:, None]).long()
+        return self.model(input_features=features, attention_mask=mask).logits
+
+
+def padded_frames(frames: int) -> int:
+    """The smallest exportable frame count (8k - 4) that holds `frames`."""
+    k = max(1, -(-(frames + 4) // SUBSAMPLING))
+    return SUBSAMPLING * k - 4
+
+
+def output_frames(frames: int) -> int:
+    """Encoder frames for `frames` valid input frames (stride-2, kernel-3, padding-1 convolutions, thrice)."""
+    for _ in range(3):
+        frames = (frames - 1) // 2 + 1
+    return frames
+
+
+def example_inputs(model: nn.Module, frames: int = 8 * 25 - 4) -> tuple[torch.Tensor, torch.Tensor]:
+    n_mels = model.config.encoder_config.num_mel_bins
+    return torch.zeros(1, frames, n_mels), torch.tensor([frames])
+
+
+def export(model: nn.Module, max_frames: int = 8 * 1000 - 4) -> torch.export.ExportedProgram:
+    """Export with frames = 8k - 4 for 1 <= k <= (max_frames + 4) / 8 (10 ms frames: 80 s by default)."""
+    k = torch.export.Dim("k", min=2, max=(max_frames + 4) // SUBSAMPLING)
+    shapes = {"features": {1: SUBSAMPLING * k - 4}, "length": None}
+    with torch.no_grad(), _export_attention(model):
+        return torch.export.export(CTCLogits(model).eval(), example_inputs(model), dynamic_shapes=shapes,
+                                   strict=False)
+
+
+@dataclass
+class Lowering:
+    buffer: bytes
+    fallback: dict[str, list[str]]
+    segments: dict[str, int]
+
+
+def lower(model: nn.Module, max_frames: int = 8 * 1000 - 4) -> Lowering:
+    from executorch.exir import to_edge_transform_and_lower
+
+    from ..partitioner import MLXPartitioner
+    from ..testing import delegate_summary
+
+    edge = to_edge_transform_and_lower(export(model, max_frames), partitioner=[MLXPartitioner()])
+    segments, fallback = delegate_summary(edge)
+    return Lowering(edge.to_executorch().buffer, {"forward": fallback}, {"forward": segments})
+
+
+def ctc_collapse(ids: list[int], blank: int) -> list[int]:
+    """Greedy CTC: merge repeated ids, then drop blanks."""
+    return [i for i, _ in itertools.groupby(ids) if i != blank]
+
+
+@dataclass
+class Transcript:
+    text: str
+    tokens: list[int]
+    audio_seconds: float
+    seconds: float
+
+    @property
+    def real_time_factor(self) -> float:
+        return self.seconds / self.audio_seconds if self.audio_seconds else float("nan")
+
+
+class ParakeetRunner:
+    def __init__(self, buffer: bytes, processor: Any, blank: int, max_frames: int = 8 * 1000 - 4) -> None:
+        from executorch.runtime import Runtime
+
+        self.program = Runtime.get().load_program(buffer)  # keep referenced while the method runs
+        self.method = self.program.load_method("forward")
+        self.processor, self.blank, self.max_frames = processor, blank, max_frames
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """[1, valid output frames, V] for features [1, T, n_mels] of any T up to `max_frames`."""
+        frames = features.shape[1]
+        if frames > self.max_frames:
+            raise ValueError(f"{frames} feature frames exceed the exported maximum of {self.max_frames}")
+        padded = torch.nn.functional.pad(features, (0, 0, 0, padded_frames(frames) - frames))
+        out = self.method.execute([padded.contiguous(), torch.tensor([frames])])[0]
+        return out[:, :output_frames(frames)]
+
+    def features(self, audio: np.ndarray) -> torch.Tensor:
+        fe = self.processor.feature_extractor if hasattr(self.processor, "feature_extractor") else self.processor
+        return fe(audio, sampling_rate=A.SAMPLE_RATE, return_tensors="pt").input_features
+
+    def transcribe(self, audio: np.ndarray) -> Transcript:
+        start = time.perf_counter()
+        ids = ctc_collapse(self.logits(self.features(audio))[0].argmax(-1).tolist(), self.blank)
+        tokenizer = getattr(self.processor, "tokenizer", None)
+        text = tokenizer.decode(ids, group_tokens=False, skip_special_tokens=True).strip() if tokenizer else ""
+        return Transcript(text, ids, len(audio) / A.SAMPLE_RATE, time.perf_counter() - start)
+
+
+def load(model: nn.Module, processor: Any, buffer: bytes | None = None,
+         max_frames: int = 8 * 1000 - 4) -> ParakeetRunner:
+    buffer = buffer if buffer is not None else lower(model, max_frames).buffer
+    return ParakeetRunner(buffer, processor, model.config.pad_token_id, max_frames)

@@ -1,0 +1,94 @@
+"""ParakeetForCTC (random weights) through the MLX delegate against eager `transformers`."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import (
+    ParakeetCTCConfig, ParakeetEncoderConfig, ParakeetFeatureExtractor, ParakeetForCTC, ParakeetProcessor,
+    ParakeetTokenizer,
+)
+
+from mlx_delegate.models import parakeet as P
+
+MAX_FRAMES = 8 * 150 - 4
+CHARS = list("abcdefghijklmnopqrstuvwxyz") + ["\u2581", "'", "<unk>", "<pad>"]  # blank = pad = last
+
+
+def tiny_parakeet() -> ParakeetForCTC:
+    enc = ParakeetEncoderConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                                subsampling_conv_channels=16, num_mel_bins=80, conv_kernel_size=9, dropout=0.0,
+                                layerdrop=0.0, activation_dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    model = ParakeetForCTC(ParakeetCTCConfig(encoder_config=enc.to_dict(), vocab_size=len(CHARS),
+                                             pad_token_id=len(CHARS) - 1)).eval()
+    with torch.no_grad():  # a larger head spreads the random logits, so argmax has no near-ties
+        model.ctc_head.weight.mul_(20)
+    return model
+
+
+def char_processor() -> ParakeetProcessor:
+    from tokenizers import Tokenizer, decoders, models
+
+    tk = Tokenizer(models.WordLevel({c: i for i, c in enumerate(CHARS)}, unk_token="<unk>"))
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tokenizer = ParakeetTokenizer(tokenizer_object=tk, pad_token="<pad>", unk_token="<unk>")
+    return ParakeetProcessor(feature_extractor=ParakeetFeatureExtractor(), tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="module")
+def lowered() -> tuple[ParakeetForCTC, P.Lowering]:
+    model = tiny_parakeet()
+    return model, P.lower(model, MAX_FRAMES)
+
+
+def test_fully_delegated_one_segment(lowered) -> None:
+    _, low = lowered
+    assert low.fallback == {"forward": []}, f"ops left outside the delegate: {low.fallback}"
+    assert low.segments == {"forward": 1}
+
+
+def test_frame_count_helpers() -> None:
+    assert [P.padded_frames(n) for n in (1, 4, 5, 12, 13, 196)] == [4, 4, 12, 12, 20, 196]
+    assert all((P.padded_frames(n) + 4) % 8 == 0 for n in range(1, 100))
+    assert [P.output_frames(n) for n in (4, 12, 100, 101, 196)] == [1, 2, 13, 13, 25]
+
+
+@pytest.mark.parametrize("frames", [9, 100, 196, 333, MAX_FRAMES])
+def test_logits_match_eager_at_any_length(lowered, frames: int) -> None:
+    """Any frame count: padded to 8k - 4 and masked by length, equal to eager on the unpadded input."""
+    model, low = lowered
+    runner = P.ParakeetRunner(low.buffer, None, model.config.pad_token_id, MAX_FRAMES)
+    features = torch.randn(1, frames, 80)
+    with torch.no_grad():
+        expected = model(input_features=features).logits
+    torch.testing.assert_close(runner.logits(features), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_too_long_is_a_clear_error(lowered) -> None:
+    model, low = lowered
+    runner = P.ParakeetRunner(low.buffer, None, model.config.pad_token_id, MAX_FRAMES)
+    with pytest.raises(ValueError, match="exceed"):
+        runner.logits(torch.zeros(1, MAX_FRAMES + 1, 80))
+
+
+def test_ctc_collapse() -> None:
+    assert P.ctc_collapse([5, 5, 9, 1, 1, 9, 5, 9, 9], blank=9) == [5, 1, 5]
+    assert P.ctc_collapse([9, 9], blank=9) == [] and P.ctc_collapse([], blank=0) == []
+
+
+def test_transcribe_matches_eager_generate(lowered) -> None:
+    model, low = lowered
+    processor = char_processor()
+    runner = P.load(model, processor, buffer=low.buffer, max_frames=MAX_FRAMES)
+    rng = np.random.default_rng(0)
+    audio = (0.1 * rng.standard_normal(16000 * 7 // 2)).astype(np.float32)  # 3.5 s
+    result = runner.transcribe(audio)
+    inputs = processor.feature_extractor(audio, sampling_rate=16000, return_tensors="pt")
+    with torch.no_grad():
+        eager_ids = model.generate(input_features=inputs.input_features)[0].tolist()
+    assert result.tokens == P.ctc_collapse(eager_ids, model.config.pad_token_id)
+    assert result.tokens, "random weights should emit some non-blank tokens"
+    assert result.text == processor.tokenizer.decode(eager_ids, skip_special_tokens=True).strip()
+    assert result.real_time_factor > 0
