@@ -124,12 +124,14 @@ class Transcript:
 
 
 class ParakeetRunner:
-    def __init__(self, buffer: bytes, processor: Any, blank: int, max_frames: int = 8 * 1000 - 4) -> None:
+    def __init__(self, buffer: bytes, processor: Any, blank: int) -> None:
         from executorch.runtime import Runtime
 
         self.program = Runtime.get().load_program(buffer)  # keep referenced while the method runs
         self.method = self.program.load_method("forward")
-        self.processor, self.blank, self.max_frames = processor, blank, max_frames
+        self.processor, self.blank = processor, blank
+        # A dynamic input's recorded size is its upper bound.
+        self.max_frames = int(self.method.metadata.input_tensor_meta(0).sizes()[1])
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """[1, valid output frames, V] for features [1, T, n_mels] of any T up to `max_frames`."""
@@ -154,5 +156,6 @@ class ParakeetRunner:
 
 def load(model: nn.Module, processor: Any, buffer: bytes | None = None,
          max_frames: int = 8 * 1000 - 4) -> ParakeetRunner:
+    """Lower `model` for up to `max_frames` feature frames (or reuse a lowered `buffer`) and return a runner."""
     buffer = buffer if buffer is not None else lower(model, max_frames).buffer
-    return ParakeetRunner(buffer, processor, model.config.pad_token_id, max_frames)
+    return ParakeetRunner(buffer, processor, model.config.pad_token_id)

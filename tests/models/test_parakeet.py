@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any, Callable
+
 import numpy as np
 import pytest
 import torch
@@ -10,10 +17,25 @@ from transformers import (
     ParakeetTokenizer,
 )
 
+from mlx_delegate import audio as A
 from mlx_delegate.models import parakeet as P
 
 MAX_FRAMES = 8 * 150 - 4
 CHARS = list("abcdefghijklmnopqrstuvwxyz") + ["\u2581", "'", "<unk>", "<pad>"]  # blank = pad = last
+
+
+def shared_lowering(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[], Any]) -> Any:
+    """`make()` once per test run: xdist workers wait for whichever started first and unpickle its result."""
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run_id is None:
+        return make()
+    root = tmp_path_factory.getbasetemp().parent  # shared by the workers of one run
+    path = root / f"{name}-{run_id}.pkl"
+    with open(root / f"{name}-{run_id}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            path.write_bytes(pickle.dumps(make()))
+        return pickle.loads(path.read_bytes())
 
 
 def tiny_parakeet() -> ParakeetForCTC:
@@ -38,9 +60,9 @@ def char_processor() -> ParakeetProcessor:
 
 
 @pytest.fixture(scope="module")
-def lowered() -> tuple[ParakeetForCTC, P.Lowering]:
+def lowered(tmp_path_factory: pytest.TempPathFactory) -> tuple[ParakeetForCTC, P.Lowering]:
     model = tiny_parakeet()
-    return model, P.lower(model, MAX_FRAMES)
+    return model, shared_lowering(tmp_path_factory, "tiny-parakeet", lambda: P.lower(model, MAX_FRAMES))
 
 
 def test_fully_delegated_one_segment(lowered) -> None:
@@ -59,7 +81,7 @@ def test_frame_count_helpers() -> None:
 def test_logits_match_eager_at_any_length(lowered, frames: int) -> None:
     """Any frame count: padded to 8k - 4 and masked by length, equal to eager on the unpadded input."""
     model, low = lowered
-    runner = P.ParakeetRunner(low.buffer, None, model.config.pad_token_id, MAX_FRAMES)
+    runner = P.ParakeetRunner(low.buffer, None, model.config.pad_token_id)
     features = torch.randn(1, frames, 80)
     with torch.no_grad():
         expected = model(input_features=features).logits
@@ -68,7 +90,7 @@ def test_logits_match_eager_at_any_length(lowered, frames: int) -> None:
 
 def test_too_long_is_a_clear_error(lowered) -> None:
     model, low = lowered
-    runner = P.ParakeetRunner(low.buffer, None, model.config.pad_token_id, MAX_FRAMES)
+    runner = P.ParakeetRunner(low.buffer, None, model.config.pad_token_id)
     with pytest.raises(ValueError, match="exceed"):
         runner.logits(torch.zeros(1, MAX_FRAMES + 1, 80))
 
@@ -81,7 +103,8 @@ def test_ctc_collapse() -> None:
 def test_transcribe_matches_eager_generate(lowered) -> None:
     model, low = lowered
     processor = char_processor()
-    runner = P.load(model, processor, buffer=low.buffer, max_frames=MAX_FRAMES)
+    runner = P.load(model, processor, buffer=low.buffer)
+    assert runner.max_frames == MAX_FRAMES
     rng = np.random.default_rng(0)
     audio = (0.1 * rng.standard_normal(16000 * 7 // 2)).astype(np.float32)  # 3.5 s
     result = runner.transcribe(audio)
@@ -92,3 +115,28 @@ def test_transcribe_matches_eager_generate(lowered) -> None:
     assert result.tokens, "random weights should emit some non-blank tokens"
     assert result.text == processor.tokenizer.decode(eager_ids, skip_special_tokens=True).strip()
     assert result.real_time_factor > 0
+
+
+def test_cli_transcribe_parakeet_directory(lowered, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture) -> None:
+    """`mlx-delegate transcribe --model DIR` with a saved transformers ParakeetForCTC (program from the cache)."""
+    sf = pytest.importorskip("soundfile")
+    from mlx_delegate.cli import main
+    from mlx_delegate.cli import transcribe as T
+
+    model, low = lowered
+    model_dir = tmp_path / "parakeet"
+    model.save_pretrained(model_dir)
+    char_processor().save_pretrained(model_dir)
+    monkeypatch.setenv("MLX_DELEGATE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(T, "_code_fingerprint", lambda: "fixed")
+    source = T.resolve_model(str(model_dir))
+    assert source.kind == "hf-parakeet"
+    T.cached_program_path(source).write_bytes(low.buffer)
+    rng = np.random.default_rng(1)
+    audio = (0.1 * rng.standard_normal(22050 * 2)).astype(np.float32)
+    sf.write(tmp_path / "a.wav", audio, 22050)
+    assert main(["transcribe", str(tmp_path / "a.wav"), "--model", str(model_dir), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    expected = P.load(model, char_processor(), buffer=low.buffer).transcribe(A.load_audio(tmp_path / "a.wav"))
+    assert out["text"] == expected.text and out["real_time_factor"] > 0

