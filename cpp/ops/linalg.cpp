@@ -16,7 +16,14 @@ void exec_LinearNode(const mlxd::LinearNode& n, ExecContext& ctx) {
 }
 
 void exec_AddmmNode(const mlxd::AddmmNode& n, ExecContext& ctx) {
-  ctx.set(n.out(), mx::addmm(ctx.in(n.c()), ctx.in(n.a()), ctx.in(n.b()), static_cast<float>(n.alpha()),
+  const auto& a = ctx.in(n.a());
+  if (n.beta() == 0) {  // torch ignores c entirely then (NaN/inf in c must not leak through 0 * c)
+    auto y = mx::matmul(a, ctx.in(n.b()));
+    if (n.alpha() != 1) y = mx::multiply(y, mx::array(n.alpha(), y.dtype()));
+    ctx.set(n.out(), mx::broadcast_to(y, mx::broadcast_shapes(y.shape(), ctx.in(n.c()).shape())));
+    return;
+  }
+  ctx.set(n.out(), mx::addmm(ctx.in(n.c()), a, ctx.in(n.b()), static_cast<float>(n.alpha()),
                              static_cast<float>(n.beta())));
 }
 

@@ -1,0 +1,362 @@
+// Convolution, pooling and resampling on torch's channels-first layout
+// (N, C, *spatial). MLX convolves channels-last, so data and weights are
+// transposed around the call; pooling and resampling are composed from MLX ops.
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "../ops_common.h"
+
+namespace mlxd::rt {
+namespace {
+
+mx::array channels_last(const mx::array& x) { return mx::moveaxis(x, 1, -1); }
+mx::array channels_first(const mx::array& x) { return mx::moveaxis(x, -1, 1); }
+
+bool is_half(mx::Dtype t) { return t == mx::float16 || t == mx::bfloat16; }
+
+// A per-spatial-axis parameter list; an absent field means `fill` everywhere.
+std::vector<int> per_axis(const flatbuffers::Vector<int32_t>* v, size_t nd, int fill, const char* what) {
+  auto out = int_vector(v);
+  if (out.empty()) out.assign(nd, fill);
+  if (out.size() != nd) throw NodeError(std::string(what) + " needs one entry per spatial axis");
+  return out;
+}
+
+// ------------------------------------------------------------- convolution
+struct ConvParams {
+  std::vector<int> stride, pad_lo, pad_hi, dilation, input_dilation;
+  int groups = 1;
+  bool flip = false;
+};
+
+mx::array conv_nlc(const mx::array& x, const mx::array& w, const ConvParams& p) {
+  return mx::conv_general(x, w, p.stride, p.pad_lo, p.pad_hi, p.dilation, p.input_dilation, p.groups, p.flip);
+}
+
+// MLX only groups 1-D and 2-D convolutions: other ranks convolve group by group.
+mx::array grouped_conv(const mx::array& x, const mx::array& w, ConvParams p) {
+  if (p.groups == 1 || x.ndim() <= 4) return conv_nlc(x, w, p);
+  int g = p.groups;
+  p.groups = 1;
+  auto xs = mx::split(x, g, -1);
+  auto ws = mx::split(w, g, 0);
+  std::vector<mx::array> ys;
+  for (int i = 0; i < g; ++i) ys.push_back(conv_nlc(xs[i], ws[i], p));
+  return mx::concatenate(ys, -1);
+}
+
+// torch's transposed weight [I, O/g, *k] as MLX's [O, *k, I/g].
+mx::array transposed_weight(const mx::array& w, int groups) {
+  int in = w.shape(0), og = w.shape(1);
+  mx::Shape k(w.shape().begin() + 2, w.shape().end());
+  mx::Shape grouped{groups, in / groups, og};
+  grouped.insert(grouped.end(), k.begin(), k.end());
+  auto wg = mx::moveaxis(mx::reshape(w, grouped), 1, -1);  // [g, O/g, *k, I/g]
+  mx::Shape out{groups * og};
+  out.insert(out.end(), k.begin(), k.end());
+  out.push_back(in / groups);
+  return mx::reshape(wg, out);
+}
+
+// A transposed convolution is a convolution of the stride-dilated input with
+// the flipped kernel, padded by dilation*(k-1) - padding (+ output_padding on
+// the high side). Negative pads are applied as a crop of the result instead.
+mx::array conv_transpose(const mx::array& x, const mx::array& w, const std::vector<int>& stride,
+                         const std::vector<int>& padding, const std::vector<int>& dilation,
+                         const std::vector<int>& output_padding, int groups) {
+  size_t nd = stride.size();
+  auto wt = transposed_weight(w, groups);
+  ConvParams p{std::vector<int>(nd, 1), {}, {}, dilation, stride, groups, true};
+  std::vector<int> crop_lo(nd), crop_hi(nd);
+  for (size_t i = 0; i < nd; ++i) {
+    int lo = dilation[i] * (wt.shape(1 + i) - 1) - padding[i];
+    int hi = lo + output_padding[i];
+    p.pad_lo.push_back(std::max(lo, 0));
+    p.pad_hi.push_back(std::max(hi, 0));
+    crop_lo[i] = std::max(-lo, 0);
+    crop_hi[i] = std::max(-hi, 0);
+  }
+  auto y = grouped_conv(x, wt, p);
+  if (std::any_of(crop_lo.begin(), crop_lo.end(), [](int c) { return c > 0; }) ||
+      std::any_of(crop_hi.begin(), crop_hi.end(), [](int c) { return c > 0; })) {
+    mx::Shape start(y.ndim(), 0), stop = y.shape();
+    for (size_t i = 0; i < nd; ++i) {
+      start[1 + i] = crop_lo[i];
+      stop[1 + i] = std::max(y.shape(1 + i) - crop_hi[i], crop_lo[i]);
+    }
+    y = mx::slice(y, start, stop);
+  }
+  return y;
+}
+
+// --------------------------------------------------------------- pooling
+struct Window {
+  std::vector<int> kernel, stride, padding, dilation;
+  bool ceil_mode = false;
+};
+
+// torch's pooled length, including the ceil-mode rule that the last window
+// must start inside the input or its left padding.
+int pooled_size(int in, int k, int s, int p, int d, bool ceil_mode) {
+  int span = in + 2 * p - d * (k - 1) - 1;
+  int out = (span + (ceil_mode ? s - 1 : 0)) / s + 1;
+  if (ceil_mode && (out - 1) * s >= in + p) --out;
+  return std::max(out, 0);
+}
+
+std::vector<int> pooled_sizes(const mx::Shape& spatial, const Window& w) {
+  std::vector<int> out;
+  for (size_t i = 0; i < spatial.size(); ++i)
+    out.push_back(pooled_size(spatial[i], w.kernel[i], w.stride[i], w.padding[i], w.dilation[i], w.ceil_mode));
+  return out;
+}
+
+// Padding that makes every window of `outs` lie inside the array: torch's
+// padding on the low side, as much as the last window needs on the high side.
+std::vector<std::pair<int, int>> window_padding(const mx::Shape& spatial, const Window& w,
+                                                const std::vector<int>& outs) {
+  std::vector<std::pair<int, int>> pads;
+  for (size_t i = 0; i < spatial.size(); ++i) {
+    int need = (outs[i] - 1) * w.stride[i] + w.dilation[i] * (w.kernel[i] - 1) + 1 - spatial[i] - w.padding[i];
+    pads.emplace_back(w.padding[i], std::max(need, 0));
+  }
+  return pads;
+}
+
+// Pads the trailing axes of x with `value`.
+mx::array pad_trailing(const mx::array& x, const std::vector<std::pair<int, int>>& pads, const mx::array& value) {
+  std::vector<int> axes;
+  mx::Shape lo, hi;
+  int nd = static_cast<int>(pads.size());
+  for (int i = 0; i < nd; ++i) {
+    axes.push_back(x.ndim() - nd + i);
+    lo.push_back(pads[i].first);
+    hi.push_back(pads[i].second);
+  }
+  return mx::pad(x, axes, lo, hi, value);
+}
+
+// A view of the (padded) x as (*lead, *outs, *kernel): every pooling window.
+mx::array windows(const mx::array& x, const Window& w, const std::vector<int>& outs) {
+  int nd = static_cast<int>(outs.size());
+  int lead = x.ndim() - nd;
+  mx::Strides strides(x.ndim(), 1);
+  for (int i = x.ndim() - 2; i >= 0; --i) strides[i] = strides[i + 1] * x.shape(i + 1);
+  mx::Shape shape(x.shape().begin(), x.shape().begin() + lead);
+  mx::Strides view(strides.begin(), strides.begin() + lead);
+  for (int i = 0; i < nd; ++i) {
+    shape.push_back(outs[i]);
+    view.push_back(strides[lead + i] * w.stride[i]);
+  }
+  for (int i = 0; i < nd; ++i) {
+    shape.push_back(w.kernel[i]);
+    view.push_back(strides[lead + i] * w.dilation[i]);
+  }
+  return mx::as_strided(x, shape, view, 0);
+}
+
+std::vector<int> trailing_axes(int ndim, int count) {
+  std::vector<int> axes(count);
+  std::iota(axes.begin(), axes.end(), ndim - count);
+  return axes;
+}
+
+mx::array lowest(mx::Dtype t) {
+  return mx::array(-std::numeric_limits<float>::infinity(), t);
+}
+
+// Max pooling, with torch's flat spatial index of each maximum when asked.
+std::pair<mx::array, std::optional<mx::array>> max_pool(const mx::array& x, const Window& w, bool want_indices) {
+  int nd = static_cast<int>(w.kernel.size());
+  mx::Shape spatial(x.shape().end() - nd, x.shape().end());
+  auto outs = pooled_sizes(spatial, w);
+  auto pads = window_padding(spatial, w, outs);
+  auto win = windows(pad_trailing(x, pads, lowest(x.dtype())), w, outs);
+  auto kaxes = trailing_axes(win.ndim(), nd);
+  if (!want_indices) return {mx::max(win, kaxes), std::nullopt};
+  // Flatten each window, take the first maximum (torch's tie rule) and read
+  // its position from the same windows over an iota of the spatial plane.
+  mx::Shape flat(win.shape().begin(), win.shape().end() - nd);
+  flat.push_back(-1);
+  auto vals = mx::reshape(win, flat);
+  auto arg = mx::expand_dims(mx::argmax(vals, -1), -1);
+  int plane = 1;
+  for (int s : spatial) plane *= s;
+  auto iota = mx::reshape(mx::arange(plane, mx::int64), spatial);
+  auto iwin = windows(pad_trailing(iota, pads, mx::array(-1, mx::int64)), w, outs);
+  mx::Shape iflat(iwin.shape().begin(), iwin.shape().end() - nd);
+  iflat.push_back(-1);
+  auto idx = mx::reshape(iwin, iflat);
+  mx::Shape bshape(arg.shape());
+  bshape.back() = idx.shape(-1);
+  auto picked = mx::take_along_axis(mx::broadcast_to(idx, bshape), arg, -1);
+  auto values = mx::squeeze(mx::take_along_axis(vals, arg, -1), -1);
+  return {values, mx::squeeze(picked, -1)};
+}
+
+// Average pooling: window sums over the zero-padded input divided by torch's
+// count (padding counts when count_include_pad, the ceil-mode overhang never).
+mx::array avg_pool(const mx::array& x, const Window& w, bool count_include_pad, int divisor) {
+  int nd = static_cast<int>(w.kernel.size());
+  auto dtype = x.dtype();
+  auto xf = is_half(dtype) ? mx::astype(x, mx::float32) : x;  // torch accumulates halves in float
+  mx::Shape spatial(x.shape().end() - nd, x.shape().end());
+  auto outs = pooled_sizes(spatial, w);
+  auto pads = window_padding(spatial, w, outs);
+  auto zero = mx::array(0, xf.dtype());
+  auto sums = mx::sum(windows(pad_trailing(xf, pads, zero), w, outs), trailing_axes(x.ndim() + nd, nd));
+  mx::array count = mx::array(static_cast<float>(divisor), xf.dtype());
+  if (divisor <= 0) {
+    std::vector<std::pair<int, int>> torch_pad, overhang;
+    for (size_t i = 0; i < pads.size(); ++i) {
+      torch_pad.emplace_back(w.padding[i], w.padding[i]);
+      overhang.emplace_back(0, std::max(pads[i].second - w.padding[i], 0));
+    }
+    auto ones = mx::ones(spatial, xf.dtype());
+    auto mask = pad_trailing(ones, torch_pad, mx::array(count_include_pad ? 1 : 0, xf.dtype()));
+    mask = pad_trailing(mask, overhang, zero);
+    count = mx::sum(windows(mask, w, outs), trailing_axes(2 * nd, nd));
+  }
+  return mx::astype(mx::divide(sums, count), dtype);
+}
+
+// ------------------------------------------------------------ resampling
+using ResampleMode = mlxd::ResampleMode;
+
+// torch's area_pixel_compute_scale / compute_scales_value, in float.
+float source_scale(int in, int out, double scale_factor, bool align_corners) {
+  if (align_corners) return out > 1 ? static_cast<float>(in - 1) / static_cast<float>(out - 1) : 0.f;
+  if (scale_factor > 0) return static_cast<float>(1.0 / scale_factor);
+  return static_cast<float>(in) / static_cast<float>(out);
+}
+
+mx::array nearest_axis(const mx::array& x, int axis, int out, float scale, bool exact) {
+  int in = x.shape(axis);
+  auto dst = mx::arange(out, mx::float32);
+  if (exact) dst = mx::add(dst, mx::array(0.5f));
+  auto src = mx::astype(mx::floor(mx::multiply(dst, mx::array(scale))), mx::int32);
+  return mx::take(x, mx::minimum(src, mx::array(in - 1, mx::int32)), axis);
+}
+
+// Linear interpolation along one axis (x already in float32).
+mx::array linear_axis(const mx::array& x, int axis, int out, float scale, bool align_corners) {
+  int in = x.shape(axis);
+  auto dst = mx::arange(out, mx::float32);
+  mx::array src = align_corners
+                      ? mx::multiply(dst, mx::array(scale))
+                      : mx::maximum(mx::subtract(mx::multiply(mx::add(dst, mx::array(0.5f)), mx::array(scale)),
+                                                 mx::array(0.5f)),
+                                    mx::array(0.f));
+  auto last = mx::array(in - 1, mx::int32);
+  auto i0 = mx::minimum(mx::astype(mx::floor(src), mx::int32), last);
+  auto i1 = mx::minimum(mx::add(i0, mx::array(1, mx::int32)), last);
+  auto l1 = mx::clip(mx::subtract(src, mx::astype(i0, mx::float32)), mx::array(0.f), mx::array(1.f));
+  mx::Shape bshape(x.ndim(), 1);
+  bshape[axis] = out;
+  l1 = mx::reshape(l1, bshape);
+  auto a = mx::take(x, i0, axis), b = mx::take(x, i1, axis);
+  return mx::add(a, mx::multiply(mx::subtract(b, a), l1));
+}
+
+}  // namespace
+
+void exec_ConvNode(const mlxd::ConvNode& n, ExecContext& ctx) {
+  const auto& x = ctx.in(n.x());
+  const auto& w = ctx.in(n.weight());
+  if (x.ndim() < 3 || w.ndim() != x.ndim()) throw NodeError("conv needs (N, C, *spatial) input and weight");
+  size_t nd = x.ndim() - 2;
+  auto stride = per_axis(n.stride(), nd, 1, "stride");
+  auto padding = per_axis(n.padding(), nd, 0, "padding");
+  auto dilation = per_axis(n.dilation(), nd, 1, "dilation");
+  int groups = n.groups();
+  if (groups < 1) throw NodeError("groups must be positive");
+  auto xl = channels_last(x);
+  mx::array y = n.transpose()
+                    ? conv_transpose(xl, w, stride, padding, dilation,
+                                     per_axis(n.output_padding(), nd, 0, "output_padding"), groups)
+                    : grouped_conv(xl, channels_last(w), {stride, padding, padding, dilation, {}, groups, false});
+  y = channels_first(y);
+  if (auto* b = ctx.maybe_in(n.bias())) {
+    mx::Shape bshape(y.ndim() - 1, 1);
+    bshape[0] = -1;
+    y = mx::add(y, mx::reshape(*b, bshape));
+  }
+  ctx.set(n.out(), mx::astype(y, x.dtype()));
+}
+
+void exec_PoolNode(const mlxd::PoolNode& n, ExecContext& ctx) {
+  const auto& x = ctx.in(n.x());
+  auto kernel = int_vector(n.kernel());
+  size_t nd = kernel.size();
+  if (nd == 0 || nd > static_cast<size_t>(x.ndim())) throw NodeError("pool kernel rank does not fit the input");
+  Window w{kernel, per_axis(n.stride(), nd, 1, "stride"), per_axis(n.padding(), nd, 0, "padding"),
+           per_axis(n.dilation(), nd, 1, "dilation"), n.ceil_mode()};
+  if (n.op() == mlxd::PoolOp::Max) {
+    auto [values, indices] = max_pool(x, w, n.out_indices() != nullptr);
+    ctx.set(n.out(), values);
+    if (indices) ctx.set(n.out_indices(), *indices);
+    return;
+  }
+  if (n.out_indices() != nullptr) throw NodeError("only max pooling has indices");
+  ctx.set(n.out(), avg_pool(x, w, n.count_include_pad(), n.divisor()));
+}
+
+void exec_ResampleNode(const mlxd::ResampleNode& n, ExecContext& ctx) {
+  const auto& x = ctx.in(n.x());
+  size_t nd = n.size() ? n.size()->size() : 0;
+  auto scales = n.scales();
+  if (nd == 0 || nd > static_cast<size_t>(x.ndim()) || (scales && scales->size() != nd))
+    throw NodeError("resample needs one size (and scale) per resized axis");
+  bool linear = n.mode() == ResampleMode::Linear;
+  mx::array y = linear && is_half(x.dtype()) ? mx::astype(x, mx::float32) : x;
+  for (size_t i = 0; i < nd; ++i) {
+    int axis = x.ndim() - static_cast<int>(nd) + static_cast<int>(i);
+    double factor = scales ? scales->Get(i) : 0.0;
+    int64_t out = ctx.resolve(n.size()->Get(i));
+    if (out < 0) {  // torch's size from a scale factor: floor(in * scale) in double
+      if (factor <= 0) throw NodeError("resample size from a scale needs a positive scale");
+      out = static_cast<int64_t>(std::floor(static_cast<double>(x.shape(axis)) * factor));
+    }
+    if (out == 0 || x.shape(axis) == 0) throw NodeError("resample of an empty axis");
+    float scale = source_scale(x.shape(axis), static_cast<int>(out), factor, linear && n.align_corners());
+    if (linear)
+      y = linear_axis(y, axis, static_cast<int>(out), scale, n.align_corners());
+    else
+      y = nearest_axis(y, axis, static_cast<int>(out), scale, n.mode() == ResampleMode::NearestExact);
+  }
+  ctx.set(n.out(), mx::astype(y, x.dtype()));
+}
+
+void exec_PixelShuffleNode(const mlxd::PixelShuffleNode& n, ExecContext& ctx) {
+  const auto& x = ctx.in(n.x());
+  int r = n.factor(), nd = x.ndim();
+  if (r < 1 || nd < 3) throw NodeError("pixel shuffle needs a positive factor and (*, C, H, W) input");
+  mx::Shape lead(x.shape().begin(), x.shape().end() - 3);
+  int c = x.shape(-3), h = x.shape(-2), w = x.shape(-1);
+  int b = static_cast<int>(lead.size());
+  auto with_lead = [&](std::initializer_list<int> dims) {
+    mx::Shape s = lead;
+    for (int d : dims) s.push_back(d);
+    return s;
+  };
+  std::vector<int> perm(b);
+  std::iota(perm.begin(), perm.end(), 0);
+  mx::array y = x;
+  if (!n.inverse()) {  // (C*r*r, H, W) -> (C, r, r, H, W) -> (C, H, r, W, r)
+    if (c % (r * r) != 0) throw NodeError("channels not divisible by factor^2");
+    y = mx::reshape(x, with_lead({c / (r * r), r, r, h, w}));
+    for (int p : {0, 3, 1, 4, 2}) perm.push_back(b + p);
+    y = mx::reshape(mx::transpose(y, perm), with_lead({c / (r * r), h * r, w * r}));
+  } else {  // (C, H*r, W*r) -> (C, H, r, W, r) -> (C, r, r, H, W)
+    if (h % r != 0 || w % r != 0) throw NodeError("spatial size not divisible by factor");
+    y = mx::reshape(x, with_lead({c, h / r, r, w / r, r}));
+    for (int p : {0, 2, 4, 1, 3}) perm.push_back(b + p);
+    y = mx::reshape(mx::transpose(y, perm), with_lead({c * r * r, h / r, w / r}));
+  }
+  ctx.set(n.out(), y);
+}
+
+}  // namespace mlxd::rt

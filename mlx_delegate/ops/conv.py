@@ -1,0 +1,140 @@
+"""Convolution (1/2/3-D, transposed, grouped), resampling (upsample_*) and
+pixel (un)shuffle.
+
+All run on torch's channels-first layout; `cpp/ops/conv.cpp` moves channels
+last around MLX's convolution, so weights stay as torch stores them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from ..builder import ProgramBuilder
+from ..ir import nodes as N
+from ..registry import register
+
+aten = torch.ops.aten
+R = N.ResampleMode
+
+
+def float_dtype(b: ProgramBuilder, n: torch.fx.Node) -> torch.dtype:
+    dtype = b.dtype_of(n)
+    b.ir_dtype(dtype)
+    if not dtype.is_floating_point:
+        raise b.unsupported(f"only floating-point inputs are supported, got {dtype}")
+    return dtype
+
+
+def int_list(b: ProgramBuilder, v: Any, count: int, name: str) -> list[int]:
+    """A per-spatial-axis int list known when lowering (a single entry applies to every axis)."""
+    values = [v] if isinstance(v, int) else list(v or [])
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in values):
+        raise b.unsupported(f"{name} must be ints known when lowering, got {v!r}")
+    if len(values) == 1:
+        values = values * count
+    if len(values) != count:
+        raise b.unsupported(f"{name} has {len(values)} entries for {count} spatial axes")
+    return values
+
+
+# ---------------------------------------------------------------- convolution
+@register(aten.convolution.default)
+def convolution(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    args = b.args(n)
+    x, w, bias = args["input"], args["weight"], args["bias"]
+    dtype = float_dtype(b, n)
+    rank = len(b.shape_of(x))
+    if rank not in (3, 4, 5) or len(b.shape_of(w)) != rank:
+        raise b.unsupported(f"convolution of a rank-{rank} input (expected batched 1/2/3-D)")
+    nd = rank - 2
+    groups = args["groups"]
+    if not isinstance(groups, int) or groups < 1:
+        raise b.unsupported(f"groups must be a positive int, got {groups!r}")
+    lists = {k: int_list(b, args[k], nd, k) for k in ("stride", "padding", "dilation", "output_padding")}
+    b.emit(N.ConvNode(x=b.operand(x, dtype), weight=b.operand(w, dtype),
+                      bias=None if bias is None else b.operand(bias, dtype), groups=groups,
+                      transpose=bool(args["transposed"]), out=b.out(n), **lists))
+
+
+# ----------------------------------------------------------------- resampling
+# target -> (mode, spatial rank). `.vec` takes output_size/scale_factors lists,
+# `.default` an output_size and one optional scale per axis.
+RESAMPLE: dict[Any, tuple[Any, int]] = {}
+for _mode, _names in ((R.Nearest, ("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d")),
+                      (R.NearestExact, ("_upsample_nearest_exact1d", "_upsample_nearest_exact2d",
+                                        "_upsample_nearest_exact3d")),
+                      (R.Linear, ("upsample_linear1d", "upsample_bilinear2d", "upsample_trilinear3d"))):
+    for _nd, _name in enumerate(_names, start=1):
+        for _overload in ("vec", "default"):
+            RESAMPLE[getattr(getattr(aten, _name), _overload)] = (_mode, _nd)
+
+
+def _scales(b: ProgramBuilder, args: dict[str, Any], nd: int) -> list[float]:
+    """torch's per-axis scale factors (0 where none is given)."""
+    if "scale_factors" in args:
+        given = args["scale_factors"] or [None] * nd
+    else:
+        given = [v for k, v in args.items() if k.startswith("scales")]
+    if len(given) != nd:
+        raise b.unsupported(f"{len(given)} scale factors for {nd} axes")
+    if any(s is not None and not isinstance(s, (int, float)) for s in given):
+        raise b.unsupported(f"scale factors must be numbers known when lowering, got {given!r}")
+    return [float(s) if s is not None else 0.0 for s in given]
+
+
+def _sizes(b: ProgramBuilder, n: torch.fx.Node, requested: Sequence[Any] | None, scales: list[float],
+           nd: int) -> list[Any]:
+    """Output sizes: literals when static, the graph's size values, or -1 (from the scale) when dynamic."""
+    out = []
+    for i, d in enumerate(b.shape_of(n)[-nd:]):
+        if isinstance(d, int):
+            out.append(N.IntOrVid(literal=d, vid=-1))
+        elif requested is not None and isinstance(requested[i], torch.fx.Node):
+            out.append(b.int_or_vid(requested[i]))
+        elif scales[i] > 0:
+            out.append(N.IntOrVid(literal=-1, vid=-1))
+        else:
+            raise b.unsupported(f"dynamic output size {d} with neither a size value nor a scale")
+    return out
+
+
+def _resample(mode: Any, nd: int):
+    def handle(b: ProgramBuilder, n: torch.fx.Node) -> None:
+        args = b.args(n)
+        x = args.get("input", args.get("self"))
+        dtype = b.dtype_of(n)
+        if mode == R.Linear:
+            dtype = float_dtype(b, n)
+        b.ir_dtype(dtype)
+        if len(b.shape_of(x)) != nd + 2:
+            raise b.unsupported(f"expected a rank-{nd + 2} input")
+        if any(d == 0 for d in b.shape_of(x)[2:]):
+            raise b.unsupported("resampling an empty spatial axis")
+        scales = _scales(b, args, nd)
+        sizes = _sizes(b, n, args.get("output_size"), scales, nd)
+        b.emit(N.ResampleNode(x=b.tensor(x), mode=mode, align_corners=bool(args.get("align_corners") or False),
+                              size=sizes, scales=scales, out=b.out(n)))
+    return handle
+
+
+for _target, (_mode, _nd) in RESAMPLE.items():
+    register(_target)(_resample(_mode, _nd))
+
+
+# --------------------------------------------------------------- pixel shuffle
+def _pixel_shuffle(inverse: bool):
+    def handle(b: ProgramBuilder, n: torch.fx.Node) -> None:
+        x, factor = n.args[0], n.args[1]
+        b.ir_dtype(b.dtype_of(n))
+        if not isinstance(factor, int) or factor < 1:
+            raise b.unsupported(f"factor must be a positive int, got {factor!r}")
+        if len(b.shape_of(x)) < 3:
+            raise b.unsupported("pixel shuffle needs a (*, C, H, W) input")
+        b.emit(N.PixelShuffleNode(x=b.tensor(x), factor=factor, inverse=inverse, out=b.out(n)))
+    return handle
+
+
+register(aten.pixel_shuffle.default)(_pixel_shuffle(False))
+register(aten.pixel_unshuffle.default)(_pixel_shuffle(True))

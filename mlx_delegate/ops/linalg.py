@@ -1,0 +1,69 @@
+"""Matrix products: linear, mm/bmm/matmul/mv/dot and the scaled-accumulate forms
+addmm/baddbmm (beta * c + alpha * a @ b). (addmv cannot reach a delegate: it is
+neither core ATen nor decomposed, so ExecuTorch's verifier rejects it first.)
+
+MLX's matmul is floating-point only, so integer products stay on ExecuTorch
+(casting through float would round large integers).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..builder import ProgramBuilder
+from ..ir import nodes as N
+from ..registry import register
+
+aten = torch.ops.aten
+
+# Plain products: mx::matmul has torch.matmul's semantics for every rank
+# (1-D operands, broadcast batch dims), so one node covers them all.
+PRODUCTS = (aten.mm.default, aten.bmm.default, aten.matmul.default, aten.mv.default, aten.dot.default)
+# beta * self + alpha * (a @ b); the two factors are the 2nd and 3rd arguments.
+SCALED_PRODUCTS = (aten.addmm.default, aten.baddbmm.default)
+
+
+def float_dtype(b: ProgramBuilder, n: torch.fx.Node) -> torch.dtype:
+    """The node's result dtype, refused unless it is a floating type MLX multiplies."""
+    dtype = b.dtype_of(n)
+    b.ir_dtype(dtype)
+    if not dtype.is_floating_point:
+        raise b.unsupported(f"MLX matrix products are floating-point only, got {dtype}")
+    return dtype
+
+
+def literal_scalar(b: ProgramBuilder, v: Any, name: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise b.unsupported(f"{name} must be a number known when lowering, got {v!r}")
+    return float(v)
+
+
+@register(aten.linear.default)
+def linear(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    args = b.args(n)
+    x, w, bias = args["input"], args["weight"], args["bias"]
+    if len(b.shape_of(w)) != 2:
+        raise b.unsupported("linear with a non-2-D weight")
+    dtype = float_dtype(b, n)
+    b.emit(N.LinearNode(x=b.operand(x, dtype), weight=b.operand(w, dtype),
+                        bias=None if bias is None else b.operand(bias, dtype), out=b.out(n)))
+
+
+@register(*PRODUCTS)
+def product(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    dtype = float_dtype(b, n)
+    x, y = n.args[0], n.args[1]
+    b.emit(N.MatmulNode(a=b.operand(x, dtype), b=b.operand(y, dtype), out=b.out(n)))
+
+
+@register(*SCALED_PRODUCTS)
+def scaled_product(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    args = b.args(n)
+    c, x, y = list(args.values())[:3]
+    alpha = literal_scalar(b, args["alpha"], "alpha")
+    beta = literal_scalar(b, args["beta"], "beta")
+    dtype = float_dtype(b, n)
+    b.emit(N.AddmmNode(c=b.operand(c, dtype), a=b.operand(x, dtype), b=b.operand(y, dtype), alpha=alpha, beta=beta,
+                       out=b.out(n)))

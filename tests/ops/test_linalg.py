@@ -1,0 +1,81 @@
+import pytest
+import torch
+from torch.export import Dim
+
+from mlx_delegate.testing import FLOATS, cases, lower_and_compare
+
+# Matrix products accumulate over K: give half types a little more room.
+LOOSE = dict(rtol=3e-2, atol=3e-2)
+
+
+def randn(*shapes):
+    return lambda: tuple(torch.randn(*s) for s in shapes)
+
+
+class Linear(torch.nn.Module):
+    def __init__(self, bias: bool = True) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 8, bias=bias)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+# Export specialises sizes 0 and 1, so dynamic ranges start at 2.
+batch = Dim("batch", min=2, max=16)
+
+CASES = [
+    # linear (kept undecomposed)
+    *cases("linear_2d", Linear, randn((4, 16)), FLOATS, is_module=True, **LOOSE),
+    *cases("linear_3d", Linear, randn((2, 5, 16)), FLOATS, is_module=True, **LOOSE),
+    *cases("linear_no_bias", lambda: Linear(bias=False), randn((3, 16)), FLOATS, is_module=True, **LOOSE),
+    *cases("linear_fn_1d_input", lambda x, w, b: torch.nn.functional.linear(x, w, b),
+           randn((16,), (8, 16), (8,)), FLOATS, **LOOSE),
+    *cases("linear_noncontig_input", lambda x, w: torch.nn.functional.linear(x.transpose(0, 1), w),
+           randn((16, 4), (8, 16)), FLOATS, **LOOSE),
+    *cases("linear_empty_batch", Linear, randn((0, 16)), (torch.float32,), is_module=True),
+    *cases("linear_dynamic", Linear, randn((4, 16)), (torch.float32,), is_module=True,
+           dynamic_shapes=({0: batch},), more_inputs=lambda: [(torch.randn(9, 16),), (torch.randn(2, 16),)]),
+    # plain products
+    *cases("mm", torch.mm, randn((4, 6), (6, 5)), FLOATS, **LOOSE),
+    *cases("mm_transposed_operand", lambda a, b: torch.mm(a, b.t()), randn((4, 6), (5, 6)), FLOATS, **LOOSE),
+    *cases("mm_zero_k", torch.mm, randn((3, 0), (0, 4)), FLOATS),
+    *cases("mm_zero_m", torch.mm, randn((0, 3), (3, 4)), FLOATS),
+    *cases("bmm", torch.bmm, randn((3, 4, 6), (3, 6, 5)), FLOATS, **LOOSE),
+    *cases("bmm_noncontig", lambda a, b: torch.bmm(a.transpose(0, 1), b), randn((4, 3, 6), (3, 6, 5)),
+           FLOATS, **LOOSE),
+    *cases("matmul_broadcast_batch", torch.matmul, randn((2, 3, 4, 6), (6, 5)), FLOATS, **LOOSE),
+    *cases("matmul_batch_broadcast_both", torch.matmul, randn((2, 1, 4, 6), (3, 6, 5)), FLOATS, **LOOSE),
+    *cases("matmul_vec_mat", torch.matmul, randn((6,), (2, 6, 5)), FLOATS, **LOOSE),
+    *cases("matmul_mat_vec", torch.matmul, randn((2, 4, 6), (6,)), FLOATS, **LOOSE),
+    *cases("matmul_dynamic", torch.matmul, randn((2, 4, 6), (6, 5)), (torch.float32,),
+           dynamic_shapes=(({0: batch}, None),), more_inputs=lambda: [randn((7, 4, 6), (6, 5))()]),
+    *cases("mv", torch.mv, randn((4, 6), (6,)), FLOATS, **LOOSE),
+    *cases("dot", torch.dot, randn((7,), (7,)), FLOATS, **LOOSE),
+    # beta * c + alpha * (a @ b)
+    *cases("addmm", torch.addmm, randn((5,), (4, 6), (6, 5)), FLOATS, **LOOSE),
+    *cases("addmm_alpha_beta", lambda c, a, b: torch.addmm(c, a, b, beta=0.5, alpha=2.0),
+           randn((4, 5), (4, 6), (6, 5)), FLOATS, **LOOSE),
+    *cases("addmm_int_scalars", lambda c, a, b: torch.addmm(c, a, b, beta=2, alpha=3),
+           randn((4, 1), (4, 6), (6, 5)), FLOATS, **LOOSE),
+    # beta=0 must ignore c entirely, even its NaNs.
+    *cases("addmm_beta0_ignores_nan", lambda c, a, b: torch.addmm(c * float("nan"), a, b, beta=0, alpha=1.5),
+           randn((4, 5), (4, 6), (6, 5)), FLOATS, **LOOSE),
+    *cases("baddbmm", lambda c, a, b: torch.baddbmm(c, a, b, beta=0.25, alpha=-1.0),
+           randn((3, 4, 5), (3, 4, 6), (3, 6, 5)), FLOATS, **LOOSE),
+    *cases("baddbmm_broadcast_c", torch.baddbmm, randn((5,), (2, 4, 6), (2, 6, 5)), FLOATS, **LOOSE),
+    *cases("addmm_dynamic", torch.addmm, randn((5,), (4, 6), (6, 5)), (torch.float32,),
+           dynamic_shapes=((None, {0: batch}, None),), more_inputs=lambda: [randn((5,), (11, 6), (6, 5))()]),
+]
+
+# Integer products stay on ExecuTorch (MLX matmul is floating-point only): the
+# whole graph is left outside the delegate.
+INT_CASES = [
+    *cases("mm_int", torch.mm, lambda: (torch.randint(-5, 5, (3, 4)), torch.randint(-5, 5, (4, 2))), (None,),
+           segments=0, allowed_fallback=frozenset({"mm"})),
+]
+
+
+@pytest.mark.parametrize("case", CASES + INT_CASES, ids=str)
+def test_linalg(case):
+    lower_and_compare(case)
