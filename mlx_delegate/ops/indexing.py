@@ -106,6 +106,9 @@ def take(b: ProgramBuilder, n: torch.fx.Node) -> None:
     args = b.args(n)
     x = args["self"]
     idx = index_tensor(b, args["index"])
+    shape = b.shape_of(x)
+    # A static length also covers empty inputs, whose -1 MLX cannot infer.
+    numel = int(torch.Size(shape).numel()) if all(isinstance(d, int) for d in shape) else -1
     flat = b.temp()
-    b.emit(N.ReshapeNode(x=b.tensor(x), shape=[b.int_or_vid(-1)], out=flat))
+    b.emit(N.ReshapeNode(x=b.tensor(x), shape=[b.int_or_vid(numel)], out=flat))
     b.emit(N.GatherNode(x=flat, indices=[idx], axes=[0], out=b.out(n)))

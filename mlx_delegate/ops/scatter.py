@@ -20,19 +20,31 @@ from .indexing import MASK_DTYPES, advanced_indices, check_rank, dim_arg, has_ma
 aten = torch.ops.aten
 M = N.ScatterMode
 
-# scatter_reduce's / scatter(reduce=)'s reduction names -> modes. "mean" is not lowered.
-REDUCE_MODES = {"sum": M.Add, "prod": M.Prod, "amax": M.Max, "amin": M.Min, "add": M.Add, "multiply": M.Prod}
+# scatter_reduce's reductions -> modes ("mean" is a sum divided by a count, see _scatter_mean).
+REDUCE_MODES = {"sum": M.Add, "prod": M.Prod, "amax": M.Max, "amin": M.Min}
 # Along-axis scatters: (name of the source argument, fixed mode or None to read `reduce`).
+# scatter(reduce=...) is left out: it is not core ATen, so it never reaches an Edge graph.
 SCATTER_AXIS = {
     aten.scatter.src: ("src", M.Set), aten.scatter.value: ("value", M.Set),
     aten.scatter_add.default: ("src", M.Add), aten.scatter_reduce.two: ("src", None),
-    aten.scatter.reduce: ("src", None), aten.scatter.value_reduce: ("value", None),
 }
 
 
 def _check_mode(b: ProgramBuilder, mode: Any, dtype: torch.dtype) -> None:
     if mode != M.Set and dtype == torch.bool:
         raise b.unsupported("reducing scatter into a bool tensor")
+
+
+def _scatter_mean(b: ProgramBuilder, n: torch.fx.Node, x: Any, fields: dict[str, Any]) -> None:
+    """torch's mean: the sum over contributions (and x, with include_self) divided by their count,
+    which is at least 1; integers divide with floor rounding."""
+    dtype = b.dtype_of(x)
+    total, ones, count = b.temp(), b.temp(), b.temp()
+    b.emit(N.ScatterAxisNode(x=b.tensor(x), mode=M.Add, out=total, **fields))
+    b.emit(N.FullLikeNode(x=b.tensor(x), value=b.float_or_vid(1), dtype=b.ir_dtype(dtype), out=ones))
+    b.emit(N.ScatterAxisNode(x=ones, mode=M.Add, out=count, **(fields | {"updates": b.full(1, dtype)})))
+    op = N.BinaryOp.Div if dtype.is_floating_point else N.BinaryOp.FloorDivide
+    b.emit(N.BinaryNode(op=op, a=total, b=count, out=b.out(n)))
 
 
 def _scatter_axis(source: str, fixed: Any):
@@ -43,14 +55,17 @@ def _scatter_axis(source: str, fixed: Any):
         ndim = check_rank(b, x)
         if len(b.shape_of(index)) != ndim:
             raise b.unsupported("index and input ranks differ")
-        mode = fixed if fixed is not None else REDUCE_MODES.get(args["reduce"])
+        reduce = args.get("reduce")
+        mode = fixed if fixed is not None else REDUCE_MODES.get(reduce)
+        if mode is None and reduce != "mean":
+            raise b.unsupported(f"reduce={reduce!r}")
+        _check_mode(b, mode if mode is not None else M.Add, dtype)
+        fields = dict(indices=index_tensor(b, index), updates=b.operand(args[source], dtype),
+                      axis=dim_arg(b, args["dim"], ndim), include_self=bool(args.get("include_self", True)))
         if mode is None:
-            raise b.unsupported(f"reduce={args['reduce']!r}")
-        _check_mode(b, mode, dtype)
-        b.emit(N.ScatterAxisNode(
-            x=b.tensor(x), indices=index_tensor(b, index), updates=b.operand(args[source], dtype),
-            axis=dim_arg(b, args["dim"], ndim), mode=mode, include_self=bool(args.get("include_self", True)),
-            out=b.out(n)))
+            _scatter_mean(b, n, x, fields)
+            return
+        b.emit(N.ScatterAxisNode(x=b.tensor(x), mode=mode, out=b.out(n), **fields))
     return handle
 
 

@@ -9,6 +9,7 @@ from mlx_delegate.testing import FLOATS, Lambda, cases, lower, lower_and_compare
 
 F32 = (torch.float32,)
 INTS = (torch.int32, torch.int64)
+BYTES = (torch.int8, torch.uint8)
 aten = torch.ops.aten
 
 
@@ -17,7 +18,8 @@ def data(*shape, dtype=torch.float32):
     if dtype == torch.bool:
         return torch.rand(*shape) > 0.5
     if not dtype.is_floating_point:
-        return torch.randint(-50, 50, shape, dtype=dtype)
+        low = 0 if dtype == torch.uint8 else -50
+        return torch.randint(low, 50, shape, dtype=dtype)
     return torch.randn(*shape, dtype=dtype)
 
 
@@ -59,6 +61,8 @@ EMBEDDING = [
     *cases("embedding_dynamic", lambda w, i: torch.nn.functional.embedding(i, w),
            lambda: (data(10, 4), rows(5, 10)), F32, dynamic_shapes=dyn(None, {0: N}),
            more_inputs=lambda: [(data(10, 4), rows(2, 10)), (data(10, 4), rows(17, 10))]),
+    *cases("embedding_large", lambda w, i: torch.nn.functional.embedding(i, w),
+           lambda: (data(1000, 64), torch.randint(0, 1000, (4, 16))), FLOATS),
     *typed("embedding", lambda w, i: torch.nn.functional.embedding(i, w),
            lambda dt: (data(7, 3, dtype=dt), idx([6, 0, 3]))),
 ]
@@ -84,7 +88,8 @@ INDEX_SELECT = [
     *cases("index_select_dynamic_input", lambda x, i: torch.index_select(x, 1, i),
            lambda: (data(4, 6), idx([5, 1])), F32, dynamic_shapes=dyn({0: R}, None),
            more_inputs=lambda: [(data(2, 6), idx([0, 3])), (data(19, 6), idx([2, 2]))]),
-    *typed("index_select", lambda x, i: torch.index_select(x, 1, i), lambda dt: (data(3, 5, dtype=dt), idx([4, 0]))),
+    *typed("index_select", lambda x, i: torch.index_select(x, 1, i), lambda dt: (data(3, 5, dtype=dt), idx([4, 0])),
+           (*INTS, torch.bool, *BYTES)),
 ]
 
 GATHER = [
@@ -118,6 +123,8 @@ ADVANCED = [
            lambda: (data(2, 4, 5, 3), idx([[3, 0], [1, 1]]), idx([4, 2])), FLOATS),
     *cases("index_split_axes", lambda x, i, j: x[i, :, j],
            lambda: (data(4, 3, 5), idx([3, 0, 1]), idx([4, 4, 0])), FLOATS),
+    *cases("index_three_broadcast", lambda x, i, j, k: x[i, j, k],
+           lambda: (data(4, 5, 6), idx([[[3]], [[0]]]), idx([[4], [1], [0]]), idx([5, 0, 2, 2])), F32),
     *cases("index_split_axes_2d", lambda x, i, j: x[:, i, :, j],
            lambda: (data(2, 4, 3, 5), idx([[3], [0]]), idx([4, 1, 0])), F32),
     *cases("index_negative", lambda x, i, j: x[i, j],
@@ -139,7 +146,8 @@ ADVANCED = [
            dynamic_shapes=dyn(None, {0: N}), more_inputs=lambda: [(data(8, 3), rows(2, 8)), (data(8, 3), rows(30, 8))]),
     *cases("index_dynamic_input", lambda x, i: x[:, i], lambda: (data(4, 6), idx([5, -1])), F32,
            dynamic_shapes=dyn({0: R}, None), more_inputs=lambda: [(data(2, 6), idx([0, 3])), (data(13, 6), idx([2, 2]))]),
-    *typed("index", lambda x, i, j: x[i, j], lambda dt: (data(4, 5, dtype=dt), idx([3, 0]), idx([[4], [1]]))),
+    *typed("index", lambda x, i, j: x[i, j], lambda dt: (data(4, 5, dtype=dt), idx([3, 0]), idx([[4], [1]])),
+           (*INTS, torch.bool, *BYTES)),
 ]
 
 TAKE = [
@@ -148,6 +156,9 @@ TAKE = [
     *cases("take_2d_index", torch.take, lambda: (data(2, 5), idx([[9, 0], [1, 1]])), F32),
     *cases("take_noncontig", lambda x, i: torch.take(x.transpose(0, 1), i), lambda: (data(3, 4), idx([1, 4, 11])),
            F32),
+    *cases("take_empty_input", torch.take, lambda: (data(0, 3), idx([], torch.int64)), F32),
+    *cases("take_dynamic", torch.take, lambda: (data(4, 3), idx([11, -1])), F32, dynamic_shapes=dyn({0: R}, None),
+           more_inputs=lambda: [(data(n, 3), idx([5, -n * 3])) for n in (2, 7)]),
     *typed("take", torch.take, lambda dt: (data(2, 3, dtype=dt), idx([5, 0])), INTS),
 ]
 
