@@ -97,6 +97,12 @@ CASES += [
     *cases("bilinear_dynamic_scale", lambda x: F.interpolate(x, scale_factor=2, mode="bilinear"),
            randn((2, 3, 4, 6)), (torch.float32,), dynamic_shapes=dyn({2: height, 3: width}),
            more_inputs=lambda: [(torch.randn(2, 3, 7, 5),)]),
+    # the non-.vec overloads, called directly
+    *cases("upsample_nearest2d_default", lambda x: torch.ops.aten.upsample_nearest2d.default(x, [7, 9]),
+           randn((1, 2, 4, 5)), FLOATS),
+    *cases("upsample_bilinear2d_default_scales",
+           lambda x: torch.ops.aten.upsample_bilinear2d.default(x, [6, 8], False, 1.5, 2.0), randn((1, 2, 4, 4)),
+           FLOATS),
     *cases("nearest_empty_batch", lambda x: F.interpolate(x, scale_factor=2, mode="nearest"),
            randn((0, 2, 3, 3)), (torch.float32,)),
 ]
