@@ -203,6 +203,12 @@ class Model(nn.Module):
             return F.linear(h, self.model.embed_tokens.weight)
         return self.lm_head(h)
 
+    def to_dtype(self, dtype: torch.dtype) -> "Model":
+        """Weights and caches in `dtype`; the RoPE frequencies stay float32 (as HF keeps them)."""
+        self.to(dtype)
+        self.model.inv_freq = rope_inv_freq(self.args)
+        return self
+
     def reset_cache(self) -> None:
         for layer in self.model.layers:
             layer.self_attn.k_cache.zero_()

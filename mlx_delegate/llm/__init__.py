@@ -1,0 +1,1 @@
+"""LLM export and generation on the MLX delegate (Llama family)."""

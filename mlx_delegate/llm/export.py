@@ -1,0 +1,137 @@
+"""Export a `models.llama.Model` to one .pte with a single dynamic method:
+
+    forward(tokens [1, L] int64, input_pos [1] int64) -> logits [1, 1, vocab] (last position)
+
+L runs from 1 (decode) to the cache length (prefill); the KV cache lives in the
+delegate between calls. One method, not a prefill and a decode method: the
+delegate keeps mutable buffers per loaded method, so two methods would each
+have their own cache. The lowered program is cached under
+$MLX_DELEGATE_CACHE (default ~/.cache/mlx_delegate), keyed by the weights'
+files, the export options and this package's code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from executorch.exir import EdgeProgramManager, to_edge_transform_and_lower
+from executorch.exir.pass_base import ExportedProgramPassBase, ExportedProgramPassResult
+from torch.export import Dim, ExportedProgram
+
+from ..models.llama import Model
+from ..partitioner import MLXPartitioner
+from ..patterns import MLXPatternPass
+
+
+def cache_dir() -> Path:
+    path = Path(os.environ.get("MLX_DELEGATE_CACHE") or Path.home() / ".cache" / "mlx_delegate")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+class RestoreExportedRanges(ExportedProgramPassBase):
+    """Put back the size ranges torch.export verified.
+
+    to_edge recomputes them from its shape environment, which turns an exported
+    [1, N] into [2, N] (size-1 specialisation); the delegate enforces the lower
+    bound, so a length-1 decode step would be refused.
+    """
+
+    def __init__(self, exported: ExportedProgram) -> None:
+        self.ranges = dict(exported.range_constraints)
+
+    def call(self, exported_program: ExportedProgram) -> ExportedProgramPassResult:
+        changed = False
+        for sym, vr in self.ranges.items():
+            if sym in exported_program.range_constraints and exported_program.range_constraints[sym] != vr:
+                exported_program._range_constraints[sym] = vr
+                changed = True
+        return ExportedProgramPassResult(exported_program, changed)
+
+
+def lower(ep: ExportedProgram, partitioner: MLXPartitioner | None = None,
+          constant_methods: dict[str, Any] | None = None) -> EdgeProgramManager:
+    """to_edge + the pattern pass + MLXPartitioner, keeping the exported size ranges."""
+    return to_edge_transform_and_lower(
+        ep, transform_passes=[RestoreExportedRanges(ep), MLXPatternPass()],
+        partitioner=[partitioner or MLXPartitioner()], constant_methods=constant_methods)
+
+
+class LastLogits(torch.nn.Module):
+    """The exported entry point: only the last position's logits leave the delegate."""
+
+    def __init__(self, model: Model) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens, input_pos, last_only=True)
+
+
+def export_model(model: Model, *, full_logits: bool = False, max_len: int | None = None) -> ExportedProgram:
+    """torch.export with a dynamic token count in [1, max_len] (default: the cache length)."""
+    max_len = max_len or model.args.max_seq_len
+    module = model if full_logits else LastLogits(model)
+    # Two example tokens: a length of 1 would be specialised.
+    example = (torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    seq = Dim("seq_len", min=1, max=max_len)
+    with torch.no_grad():
+        return torch.export.export(module.eval(), example, dynamic_shapes=({1: seq}, None), strict=True)
+
+
+def metadata(model: Model) -> dict[str, Any]:
+    """Constant methods stored in the .pte (ExecuTorch's LLM runner convention)."""
+    return {"get_max_seq_len": model.args.max_seq_len, "get_vocab_size": model.args.vocab_size,
+            "use_kv_cache": True}
+
+
+def to_pte(model: Model, *, full_logits: bool = False) -> bytes:
+    edge = lower(export_model(model, full_logits=full_logits), constant_methods=metadata(model))
+    return edge.to_executorch().buffer
+
+
+def code_fingerprint() -> str:
+    """Lowered programs depend on the handlers, patterns and runtime: any change invalidates the cache."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*")):
+        if f.suffix in (".py", ".so", ".fbs") and "__pycache__" not in f.parts:
+            h.update(str(f.relative_to(root)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _file_identity(path: Path) -> str:
+    st = path.stat()
+    return f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    name: str
+    files: tuple[Path, ...]
+    options: tuple[tuple[str, Any], ...]
+
+    def path(self) -> Path:
+        h = hashlib.sha256()
+        for part in (*map(_file_identity, self.files), repr(self.options), code_fingerprint()):
+            h.update(part.encode())
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.name)
+        return cache_dir() / f"{safe}-{h.hexdigest()[:16]}.pte"
+
+
+def cached_pte(key: CacheKey, build: Callable[[], bytes], *, refresh: bool = False) -> tuple[Path, bool]:
+    """(path of the .pte, whether it was built now); builds and stores it when missing."""
+    path = key.path()
+    if path.exists() and not refresh:
+        return path, False
+    data = build()
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    tmp.replace(path)  # atomic: a concurrent reader never sees half a file
+    return path, True

