@@ -1,5 +1,7 @@
-// Shape and layout: reshape, transpose, broadcast, slicing, concat, split.
+// Shape and layout: reshape, transpose, broadcast, slicing, concat, split,
+// tile, roll, flip and padding.
 #include <algorithm>
+#include <array>
 #include <limits>
 
 #include "../ops_common.h"
@@ -115,6 +117,78 @@ void exec_IdentityNode(const mlxd::IdentityNode& n, ExecContext& ctx) { ctx.set(
 
 void exec_AsTypeNode(const mlxd::AsTypeNode& n, ExecContext& ctx) {
   ctx.set(n.out(), mx::astype(ctx.in(n.x()), to_mlx(n.dtype())));
+}
+
+void exec_TileNode(const mlxd::TileNode& n, ExecContext& ctx) {
+  ctx.set(n.out(), mx::tile(ctx.in(n.x()), int_vector(n.reps())));
+}
+
+void exec_RollNode(const mlxd::RollNode& n, ExecContext& ctx) {
+  const auto& x = ctx.in(n.x());
+  auto shifts = int_vector(n.shifts());
+  mx::Shape shift(shifts.begin(), shifts.end());
+  if (!n.axes() || n.axes()->size() == 0) {
+    if (shift.size() != 1) throw NodeError("roll without axes takes one shift");
+    return ctx.set(n.out(), mx::roll(x, shift[0]));
+  }
+  std::vector<int> axes;
+  for (int a : int_vector(n.axes())) axes.push_back(normalize_axis(a, x.ndim()));
+  if (axes.size() != shift.size()) throw NodeError("roll needs one shift per axis");
+  ctx.set(n.out(), mx::roll(x, shift, axes));
+}
+
+void exec_FlipNode(const mlxd::FlipNode& n, ExecContext& ctx) {
+  const auto& x = ctx.in(n.x());
+  mx::Shape lo(x.ndim(), 0), hi = x.shape(), st(x.ndim(), 1);
+  for (int a : int_vector(n.axes())) {
+    int axis = normalize_axis(a, x.ndim());
+    // A negative stride walks from the last element down past the first.
+    lo[axis] = x.shape(axis) - 1;
+    hi[axis] = -x.shape(axis) - 1;
+    st[axis] = -1;
+  }
+  ctx.set(n.out(), mx::slice(x, lo, hi, st));
+}
+
+namespace {
+// Rows follow `enum PadMode` in the schema (MLX's names for the modes).
+const std::array<const char*, static_cast<size_t>(mlxd::PadMode::MAX) + 1> kPadMode = {"constant", "reflect", "edge"};
+}  // namespace
+
+void exec_PadNode(const mlxd::PadNode& n, ExecContext& ctx) {
+  mx::array x = ctx.in(n.x());
+  const char* mode = table_at(kPadMode, n.mode(), "pad mode");
+  bool constant = n.mode() == mlxd::PadMode::Constant;
+  const auto* pads = n.pads();
+  if (!pads || pads->size() % 2 != 0 || static_cast<int>(pads->size() / 2) > x.ndim())
+    throw NodeError("pad needs (low, high) pairs for at most ndim axes");
+  std::vector<int> axes;
+  mx::Shape low, high;
+  for (int i = 0; i < static_cast<int>(pads->size() / 2); ++i) {
+    int axis = x.ndim() - 1 - i;
+    int64_t lo = ctx.resolve(pads->Get(2 * i)), hi = ctx.resolve(pads->Get(2 * i + 1)), size = x.shape(axis);
+    if (lo < 0 || hi < 0) {
+      // constant_pad_nd crops on negative pads; the border-reading modes have no such meaning.
+      if (!constant) throw NodeError(std::string("negative padding in ") + mode + " mode");
+      int64_t start = std::max<int64_t>(-lo, 0), stop = size - std::max<int64_t>(-hi, 0);
+      if (stop < start) throw NodeError("negative padding crops more than the dimension holds");
+      mx::Shape b(x.ndim(), 0), e = x.shape();
+      b[axis] = static_cast<int>(start);
+      e[axis] = static_cast<int>(stop);
+      x = mx::slice(x, b, e);
+    }
+    lo = std::max<int64_t>(lo, 0);
+    hi = std::max<int64_t>(hi, 0);
+    if (n.mode() == mlxd::PadMode::Reflect && (lo >= size || hi >= size))
+      throw NodeError("reflect padding must be smaller than the dimension");
+    if (n.mode() == mlxd::PadMode::Replicate && size == 0 && lo + hi > 0)
+      throw NodeError("replicate padding of an empty dimension");
+    axes.push_back(axis);
+    low.push_back(static_cast<int>(lo));
+    high.push_back(static_cast<int>(hi));
+  }
+  double value = n.value() ? ctx.resolve(n.value()) : 0.0;
+  ctx.set(n.out(), mx::pad(x, axes, low, high, mx::array(value, x.dtype()), mode));
 }
 
 }  // namespace mlxd::rt
