@@ -103,7 +103,16 @@ DYNAMIC = [
     *dyn("dyn_eye", lambda x: torch.eye(x.shape[0]) + x, (4, 4), [(6, 6)], dims=({0: B, 1: B},)),
 ]
 
-CASES = FULL + LIKE + ARANGE + DYNAMIC
+# Values a double cannot hold exactly are refused, so the op stays on ExecuTorch (and stays right).
+REFUSED = [
+    *cases("full_int64_beyond_double", lambda x: torch.full((2,), 2**60 + 1), x_of(1), (None,), segments=0,
+           allowed_fallback=frozenset({"full"})),
+    # torch truncates fractional bounds of an integer range its own way.
+    *cases("arange_int_fractional", lambda x: torch.arange(0.5, 4.2, dtype=torch.int64), x_of(1), (None,),
+           segments=0, allowed_fallback=frozenset({"arange"})),
+]
+
+CASES = FULL + LIKE + ARANGE + DYNAMIC + REFUSED
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)

@@ -193,7 +193,13 @@ DYNAMIC = [
     *dynamic("dyn_tril", lambda x: x.tril(), [(4, 5)], ({0: B},), [[(6, 5)]]),
 ]
 
-CASES = RESHAPE + EXPAND + SLICING + JOINING + MOVING + PADDING + DYNAMIC
+# Values a double cannot hold exactly are refused, so the op stays on ExecuTorch (and stays right).
+REFUSED = [
+    *rows("pad_int64_beyond_double", lambda x: F.pad(x, (1, 1), value=2**60 + 1), (2, 3),
+          dtypes=(torch.int64,), segments=0, allowed_fallback=frozenset({"constant_pad_nd"})),
+]
+
+CASES = RESHAPE + EXPAND + SLICING + JOINING + MOVING + PADDING + DYNAMIC + REFUSED
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
