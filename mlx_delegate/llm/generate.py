@@ -3,7 +3,9 @@ ExecuTorch runtime.
 
 `Generator` keeps the position in the KV cache across calls (the cache itself
 lives in the delegate), so a conversation can continue where it stopped;
-`reset()` reloads the method, which starts from an empty cache.
+`reset()` reloads the program, whose delegate starts from an empty cache
+(executorch.runtime caches loaded methods, so reloading only the method would
+hand back the same one).
 """
 
 from __future__ import annotations
@@ -59,8 +61,8 @@ class Generator:
 
     def __init__(self, program: str | Path | bytes, tokenizer: Any = None,
                  eos_token_ids: Iterable[int] | None = None) -> None:
-        runtime = Runtime.get()
-        self.program = runtime.load_program(program if isinstance(program, bytes) else str(program))
+        self.source = program if isinstance(program, bytes) else str(program)
+        self.program = Runtime.get().load_program(self.source)
         self.max_seq_len = int(self.program.load_method(META_MAX_SEQ_LEN).execute([])[0])
         self.tokenizer = tokenizer
         eos = eos_token_ids if eos_token_ids is not None else [getattr(tokenizer, "eos_token_id", None)]
@@ -70,8 +72,9 @@ class Generator:
         self.stats = Stats()
 
     def reset(self) -> None:
-        """Empty the KV cache: a freshly loaded method starts from the buffers' initial values."""
-        self.method = None  # drop the old delegate handle (and its cache) first
+        """Empty the KV cache: a freshly loaded program starts from the buffers' initial values."""
+        self.method = self.program = None  # free the old weights and cache first
+        self.program = Runtime.get().load_program(self.source)
         self.method = self.program.load_method("forward")
         self.pos = 0
 

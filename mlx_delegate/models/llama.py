@@ -49,7 +49,7 @@ class ModelArgs:
         rope = dict(getattr(config, "rope_parameters", None) or {})
         rope_type = rope.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE:
-            raise ValueError(f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE)})")
+            raise ValueError(f"rope_type {rope_type!r} is not supported ({', '.join(SUPPORTED_ROPE)} are)")
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
         return cls(

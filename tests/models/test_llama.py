@@ -1,0 +1,158 @@
+"""The Llama path end to end: export with the KV cache resident in the delegate,
+then generation through the stock ExecuTorch runtime, compared with HF eager."""
+
+import pytest
+import torch
+from executorch.runtime import Runtime
+from torch.export.graph_signature import OutputKind
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import mlx_delegate
+from mlx_delegate.ir import nodes as N
+from mlx_delegate.llm import export as llm_export
+from mlx_delegate.llm.generate import ContextFull, Generator
+from mlx_delegate.llm.sampling import Sampler, top_p_filter
+from mlx_delegate.models import loading
+from mlx_delegate.models.llama import Model, ModelArgs
+from mlx_delegate.testing import delegate_summary
+
+MAX_SEQ_LEN = 64
+NEW_TOKENS = 40
+
+
+def tiny_config() -> LlamaConfig:
+    return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=128, max_position_embeddings=MAX_SEQ_LEN,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(our model, HF model with the same random weights, lowered edge program, .pte bytes)."""
+    loaded = loading.from_config(tiny_config(), max_seq_len=MAX_SEQ_LEN, seed=0)
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(tiny_config()).eval()
+    edge = llm_export.lower(llm_export.export_model(loaded.model),
+                            constant_methods=llm_export.metadata(loaded.model))
+    return loaded.model, hf, edge, edge.to_executorch().buffer
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def hf_next_logits(hf, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0, -1]
+
+
+PROMPT = [5, 17, 99, 3, 42, 7]
+
+
+def test_cache_lives_inside_the_delegate(tiny):
+    model, _, edge, _ = tiny
+    segments, leftover = delegate_summary(edge)
+    assert (segments, leftover) == (1, [])
+    ep = edge.exported_program()
+    # The delegate call takes the user inputs only and returns the logits only.
+    call = next(n for n in ep.graph.nodes if n.op == "call_function")
+    assert [a.name for a in call.args[1:]] == ["tokens", "input_pos"]
+    assert [s.kind for s in ep.graph_signature.output_specs] == [OutputKind.USER_OUTPUT]
+    assert not any("cache" in s.target for s in ep.graph_signature.input_specs if s.target)
+    # ... and keeps every cache as a resident mutable buffer, updated in place.
+    lowered = getattr(ep.graph_module, call.args[0].target)
+    program = N.deserialize(lowered.processed_bytes)
+    caches = sorted(b.name for b in program.buffers)
+    assert len(caches) == 2 * model.args.num_hidden_layers
+    assert all(b.update is not None for b in program.buffers)
+    assert all(name.endswith(("k_cache", "v_cache")) for name in caches)
+
+
+def test_greedy_generation_matches_hf(tiny):
+    _, hf, _, pte = tiny
+    gen = Generator(pte, eos_token_ids=[])
+    ours = list(gen.generate_ids(PROMPT, NEW_TOKENS))
+    assert ours == hf_greedy(hf, PROMPT, NEW_TOKENS)
+    assert gen.stats.generated_tokens == NEW_TOKENS and gen.stats.decode_tps > 0
+
+
+def test_step_logits_match_hf(tiny):
+    _, hf, _, pte = tiny
+    gen = Generator(pte, eos_token_ids=[])
+    tokens = list(PROMPT)
+    logits = gen.step(tokens)
+    for _ in range(8):
+        torch.testing.assert_close(logits, hf_next_logits(hf, tokens), rtol=1e-4, atol=1e-4)
+        tokens.append(int(logits.argmax()))
+        logits = gen.step(tokens[-1:])
+
+
+def test_cache_survives_calls_and_resets(tiny):
+    model, hf, _, pte = tiny
+    gen = Generator(pte, eos_token_ids=[])
+    # Chunked prefill: later chunks attend to what earlier calls left in the cache.
+    gen.step(PROMPT[:2])
+    gen.step(PROMPT[2:5])
+    torch.testing.assert_close(gen.step(PROMPT[5:]), hf_next_logits(hf, PROMPT), rtol=1e-4, atol=1e-4)
+    # A token at position 6 sees the cache: the prompt's keys now ...
+    stale = gen.step([9])
+    torch.testing.assert_close(stale, hf_next_logits(hf, PROMPT + [9]), rtol=1e-4, atol=1e-4)
+    # ... and zeros once the method is reloaded (same answer as the eager model on an empty cache).
+    gen.reset()
+    gen.pos = len(PROMPT)
+    fresh = gen.step([9])
+    model.reset_cache()
+    with torch.no_grad():
+        expected = model(torch.tensor([[9]]), torch.tensor([len(PROMPT)]))[0, -1]
+    torch.testing.assert_close(fresh, expected, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(fresh, stale)
+
+
+def test_prompt_longer_than_cache_is_refused(tiny):
+    _, _, _, pte = tiny
+    gen = Generator(pte, eos_token_ids=[])
+    with pytest.raises(ContextFull, match="exceed the KV cache of 64"):
+        gen.step(list(range(MAX_SEQ_LEN + 1)))
+    gen.step(PROMPT)
+    with pytest.raises(ContextFull, match=f"at position {len(PROMPT)}"):
+        gen.step([1] * (MAX_SEQ_LEN - len(PROMPT) + 1))
+    # The program itself refuses too: ExecuTorch bounds the token count, the delegate the positions.
+    method = Runtime.get().load_program(pte).load_method("forward")
+    with pytest.raises(RuntimeError):
+        method.execute([torch.zeros(1, MAX_SEQ_LEN + 1, dtype=torch.long), torch.tensor([0])])
+    with pytest.raises(RuntimeError):
+        method.execute([torch.zeros(1, 8, dtype=torch.long), torch.tensor([MAX_SEQ_LEN - 4])])
+    assert "Runtime assertion failed" in mlx_delegate._runtime.last_error()
+
+
+def test_sampling():
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.5])
+    assert Sampler()(logits) == 1
+    draws = [Sampler(temperature=1.0, seed=7)(logits) for _ in range(3)]
+    assert draws == [draws[0]] * 3  # seeded: reproducible
+    kept = top_p_filter(torch.softmax(logits, -1), 0.6)
+    assert kept.nonzero().flatten().tolist() == [1, 3] and abs(float(kept.sum()) - 1) < 1e-6
+    with pytest.raises(ValueError):
+        Sampler(top_p=0)
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_matches_hf():
+    path = loading.smollm2_path()
+    config, state = loading.read_gguf(path)
+    hf = LlamaForCausalLM(config).eval()
+    hf.load_state_dict(state, strict=False)
+    key = llm_export.CacheKey("smollm2-test", (path,), (("max_seq_len", 128),))
+
+    def build() -> bytes:
+        model = loading.load_weights(Model(ModelArgs.from_hf(config, 128)), state).eval()
+        return llm_export.to_pte(model)
+
+    pte, _ = llm_export.cached_pte(key, build)
+    tokenizer = loading.load_tokenizer(path)
+    gen = Generator(pte, tokenizer, eos_token_ids=[])
+    prompt = gen.encode_prompt("Once upon a time")
+    assert list(gen.generate_ids(prompt, 32)) == hf_greedy(hf, prompt, 32)
