@@ -20,9 +20,9 @@ mx::array relu6_shift(const mx::array& x) {  // relu6(x + 3) / 6
 }
 
 mx::array softplus(const mx::array& x) {
-  // torch's default threshold (20): linear above it, log1p(exp(x)) below.
-  auto thr = mx::greater(x, scalar_like(20, x));
-  return mx::where(thr, x, mx::log1p(mx::exp(mx::minimum(x, scalar_like(20, x)))));
+  // max(x, 0) + log1p(exp(-|x|)) never overflows (exp(x) does for x > 11 in fp16). Above torch's
+  // threshold (20) the log1p term is below one ulp of x, so the result is x there as in torch.
+  return mx::add(mx::maximum(x, scalar_like(0, x)), mx::log1p(mx::exp(mx::negative(mx::abs(x)))));
 }
 
 // Rows must follow the order of `enum UnaryOp` in the schema.
@@ -84,12 +84,91 @@ const std::array<Unary, static_cast<size_t>(mlxd::UnaryOp::MAX) + 1> kUnary = {
     [](const mx::array& x) { return mx::isneginf(x); },
 };
 
+bool is_float(const mx::array& x) { return mx::issubdtype(x.dtype(), mx::floating); }
+
+// torch raises on an integer zero divisor, where MLX returns an arbitrary number. Checking
+// evaluates the divisor early: cheap for the usual constant one.
+const mx::array& nonzero_divisor(const mx::array& b) {
+  if (!is_float(b) && mx::any(mx::equal(b, scalar_like(0, b))).item<bool>())
+    throw NodeError("ZeroDivisionError: integer division or remainder by zero");
+  return b;
+}
+
+// torch's integer pow: a negative exponent gives 0, except for bases 1 and -1 (C++ would
+// divide by zero in the power loop).
+mx::array torch_power(const mx::array& a, const mx::array& b) {
+  if (is_float(a) || is_float(b) || a.dtype() == mx::bool_) return mx::power(a, b);
+  auto zero = scalar_like(0, b), one = scalar_like(1, a);
+  auto positive = mx::power(a, mx::maximum(b, zero));
+  auto odd = mx::not_equal(mx::remainder(b, scalar_like(2, b)), zero);
+  auto unit = mx::where(mx::equal(a, one), one,
+                        mx::where(mx::equal(a, scalar_like(-1, a)), mx::where(odd, scalar_like(-1, a), one),
+                                  scalar_like(0, a)));
+  return mx::where(mx::less(b, zero), unit, positive);
+}
+
+// fp16/bf16 divisions run in fp32 like torch's: rounding the quotient to 16 bits first can move
+// it across an integer and change the floor/trunc.
+template <typename F>
+mx::array in_fp32(const mx::array& a, const mx::array& b, F f) {
+  auto dt = a.dtype();
+  if (dt != mx::float16 && dt != mx::bfloat16) return f(a, b);
+  return mx::astype(f(mx::astype(a, mx::float32), mx::astype(b, mx::float32)), dt);
+}
+
 mx::array fmod(const mx::array& a, const mx::array& b) {
-  // C fmod: the result takes the sign of the dividend.
-  auto r = mx::remainder(a, b);
-  auto zero = scalar_like(0, r);
-  auto fix = mx::logical_and(mx::not_equal(r, zero), mx::not_equal(mx::less(r, zero), mx::less(a, zero)));
-  return mx::where(fix, mx::subtract(r, b), r);
+  // C fmod (sign of the dividend). On non-negative operands MLX's remainder is exactly fmod.
+  return mx::multiply(mx::sign(a), mx::remainder(mx::abs(a), mx::abs(b)));
+}
+
+// torch's div_floor_floating: (a - fmod(a, b)) / b corrected to the floor, which is exact where
+// floor(a / b) is not (1.0 // 0.1 is 9, but 1.0 / 0.1 rounds to 10).
+mx::array floor_divide_float(const mx::array& a, const mx::array& b) {
+  auto zero = scalar_like(0, a), one = scalar_like(1, a);
+  auto mod = fmod(a, b);
+  auto div = mx::divide(mx::subtract(a, mod), b);
+  auto off = mx::logical_and(mx::not_equal(mod, zero), mx::not_equal(mx::less(b, zero), mx::less(mod, zero)));
+  div = mx::subtract(div, mx::astype(off, a.dtype()));
+  auto fl = mx::floor(div);
+  fl = mx::add(fl, mx::astype(mx::greater(mx::subtract(div, fl), scalar_like(0.5, a)), a.dtype()));
+  auto quotient = mx::divide(a, b);
+  fl = mx::where(mx::equal(div, zero), mx::multiply(zero, quotient), fl);  // signed zero, as torch
+  return mx::where(mx::equal(b, zero), quotient, fl);
+}
+
+mx::array torch_floor_divide(const mx::array& a, const mx::array& b) {
+  return is_float(a) ? in_fp32(a, b, floor_divide_float) : mx::floor_divide(a, b);
+}
+
+mx::array trunc_divide(const mx::array& a, const mx::array& b) {
+  if (is_float(a)) return in_fp32(a, b, [](const mx::array& x, const mx::array& y) { return mx::trunc(mx::divide(x, y)); });
+  // Integers: the floor quotient is one below the truncated one when the signs differ and the
+  // division is inexact.
+  auto zero = scalar_like(0, a);
+  auto inexact = mx::not_equal(mx::remainder(a, b), zero);
+  auto signs_differ = mx::not_equal(mx::less(a, zero), mx::less(b, zero));
+  return mx::add(mx::floor_divide(a, b), mx::astype(mx::logical_and(inexact, signs_differ), a.dtype()));
+}
+
+int bit_width(const mx::array& x) { return static_cast<int>(x.itemsize() * 8); }
+
+// torch defines shifts by a negative amount or by the bit width or more (C++ leaves them
+// undefined): left gives 0, right gives the sign fill.
+mx::array out_of_range_shift(const mx::array& s, const mx::array& x) {
+  return mx::logical_or(mx::less(s, scalar_like(0, s)), mx::greater_equal(s, scalar_like(bit_width(x), s)));
+}
+
+mx::array safe_shift(const mx::array& s, const mx::array& x) {
+  return mx::clip(s, scalar_like(0, s), scalar_like(bit_width(x) - 1, s));
+}
+
+mx::array torch_left_shift(const mx::array& a, const mx::array& b) {
+  return mx::where(out_of_range_shift(b, a), scalar_like(0, a), mx::left_shift(a, safe_shift(b, a)));
+}
+
+mx::array torch_right_shift(const mx::array& a, const mx::array& b) {
+  auto fill = mx::where(mx::less(a, scalar_like(0, a)), scalar_like(-1, a), scalar_like(0, a));
+  return mx::where(out_of_range_shift(b, a), fill, mx::right_shift(a, safe_shift(b, a)));
 }
 
 // Rows must follow the order of `enum BinaryOp` in the schema.
@@ -98,7 +177,7 @@ const std::array<Binary, static_cast<size_t>(mlxd::BinaryOp::MAX) + 1> kBinary =
     [](const mx::array& a, const mx::array& b) { return mx::subtract(a, b); },
     [](const mx::array& a, const mx::array& b) { return mx::multiply(a, b); },
     [](const mx::array& a, const mx::array& b) { return mx::divide(a, b); },
-    [](const mx::array& a, const mx::array& b) { return mx::power(a, b); },
+    [](const mx::array& a, const mx::array& b) { return torch_power(a, b); },
     [](const mx::array& a, const mx::array& b) { return mx::maximum(a, b); },
     [](const mx::array& a, const mx::array& b) { return mx::minimum(a, b); },
     [](const mx::array& a, const mx::array& b) { return mx::equal(a, b); },
@@ -115,13 +194,14 @@ const std::array<Binary, static_cast<size_t>(mlxd::BinaryOp::MAX) + 1> kBinary =
     [](const mx::array& a, const mx::array& b) { return mx::bitwise_and(a, b); },
     [](const mx::array& a, const mx::array& b) { return mx::bitwise_or(a, b); },
     [](const mx::array& a, const mx::array& b) { return mx::bitwise_xor(a, b); },
-    [](const mx::array& a, const mx::array& b) { return mx::remainder(a, b); },
-    [](const mx::array& a, const mx::array& b) { return mx::floor_divide(a, b); },
+    [](const mx::array& a, const mx::array& b) { return mx::remainder(a, nonzero_divisor(b)); },
+    [](const mx::array& a, const mx::array& b) { return torch_floor_divide(a, nonzero_divisor(b)); },
     [](const mx::array& a, const mx::array& b) { return mx::arctan2(a, b); },
     [](const mx::array& a, const mx::array& b) { return mx::logaddexp(a, b); },
-    [](const mx::array& a, const mx::array& b) { return mx::left_shift(a, b); },
-    [](const mx::array& a, const mx::array& b) { return mx::right_shift(a, b); },
-    [](const mx::array& a, const mx::array& b) { return fmod(a, b); },
+    [](const mx::array& a, const mx::array& b) { return torch_left_shift(a, b); },
+    [](const mx::array& a, const mx::array& b) { return torch_right_shift(a, b); },
+    [](const mx::array& a, const mx::array& b) { return fmod(a, nonzero_divisor(b)); },
+    [](const mx::array& a, const mx::array& b) { return trunc_divide(a, nonzero_divisor(b)); },
 };
 
 }  // namespace
