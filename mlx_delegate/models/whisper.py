@@ -6,8 +6,13 @@ Two methods in one program, both built from a `transformers`
 - `encode(features [1, n_mels, 2T]) -> cross_kv [L, 2, 1, H, T, Dh]`: the encoder
   followed by every decoder layer's cross-attention K/V projection, so a window's
   audio is projected once instead of once per token.
-- `decode(token [1, 1], pos [1], cross_kv) -> logits [1, V]`: one decoder step; the
-  self-attention K/V caches are mutable buffers that stay inside the delegate.
+- `decode(token [1, 1], pos [1], cross_update [L, 2, 1, H, n, Dh]) -> logits [1, V]`: one
+  decoder step. The self-attention caches and the cross-attention K/V are mutable
+  buffers that stay inside the delegate; `cross_update` overwrites the first `n`
+  cross positions. The first step of a window passes all of `cross_kv`, later steps
+  its first two rows again (a no-op write; export's dynamic dims start at 2),
+  because passing the whole 37 MB (Whisper base) to every call costs more than
+  the step itself.
 
 `WhisperRunner` does greedy decoding over 30 s windows with the language / task /
 no-timestamps prompt and the same token suppression as `transformers`' `generate`.
@@ -58,7 +63,7 @@ class Encode(nn.Module):
 
 
 class DecodeStep(nn.Module):
-    """One decoder token with per-layer self-attention caches as buffers."""
+    """One decoder token; self-attention caches and cross-attention K/V are buffers."""
 
     def __init__(self, model: nn.Module, max_len: int = MAX_TARGET) -> None:
         super().__init__()
@@ -70,8 +75,11 @@ class DecodeStep(nn.Module):
         for i in range(cfg.decoder_layers):
             self.register_buffer(f"k_cache_{i}", torch.zeros(1, self.n_heads, max_len, dh, dtype=dtype))
             self.register_buffer(f"v_cache_{i}", torch.zeros(1, self.n_heads, max_len, dh, dtype=dtype))
+        self.register_buffer("cross_kv", torch.zeros(cross_kv_shape(model), dtype=dtype))
 
-    def forward(self, token: torch.Tensor, pos: torch.Tensor, cross_kv: torch.Tensor) -> torch.Tensor:
+    def forward(self, token: torch.Tensor, pos: torch.Tensor, cross_update: torch.Tensor) -> torch.Tensor:
+        rows = torch.arange(cross_update.shape[4], device=pos.device)  # index_copy_: a slice would specialise n
+        cross_kv = self.cross_kv.index_copy_(4, rows, cross_update)
         dec = self.decoder
         x = dec.embed_tokens(token) + dec.embed_positions.weight.index_select(0, pos)[None]
         # Positions written so far (stale entries beyond `pos` from an earlier window are masked).
@@ -95,12 +103,16 @@ class DecodeStep(nn.Module):
 
 # --- Export and lowering -----------------------------------------------------------
 
+def cross_kv_shape(model: nn.Module) -> tuple[int, ...]:
+    cfg = model.config
+    heads = cfg.decoder_attention_heads
+    return (cfg.decoder_layers, 2, 1, heads, cfg.max_source_positions, cfg.d_model // heads)
+
+
 def example_inputs(model: nn.Module) -> dict[str, tuple]:
     cfg = model.config
-    frames = 2 * cfg.max_source_positions
-    features = torch.zeros(1, cfg.num_mel_bins, frames)
-    dh = cfg.d_model // cfg.decoder_attention_heads
-    cross = torch.zeros(cfg.decoder_layers, 2, 1, cfg.decoder_attention_heads, cfg.max_source_positions, dh)
+    features = torch.zeros(1, cfg.num_mel_bins, 2 * cfg.max_source_positions)
+    cross = torch.zeros(cross_kv_shape(model))
     return {"encode": (features,),
             "decode": (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long), cross)}
 
@@ -110,8 +122,11 @@ def export(model: nn.Module, max_len: int | None = None) -> dict[str, torch.expo
     max_len = max_len or model.config.max_target_positions
     inputs = example_inputs(model)
     modules = {"encode": Encode(model).eval(), "decode": DecodeStep(model, max_len).eval()}
+    rows = torch.export.Dim("cross_rows", min=2, max=model.config.max_source_positions)
+    shapes = {"encode": None, "decode": {"token": None, "pos": None, "cross_update": {4: rows}}}
     with torch.no_grad():
-        return {k: torch.export.export(m, inputs[k], strict=False) for k, m in modules.items()}
+        return {k: torch.export.export(m, inputs[k], dynamic_shapes=shapes[k], strict=False)
+                for k, m in modules.items()}
 
 
 @dataclass
@@ -134,7 +149,7 @@ def lower(model: nn.Module, max_len: int | None = None) -> Lowering:
     fallback, segments = {}, {}
     for name in programs:
         segments[name], fallback[name] = delegate_summary(_Method(edge, name))
-    # Inputs are not copied into planned memory: cross_kv is large and passed every step.
+    # The encoder's features and the first step's cross K/V need not be copied into planned memory.
     config = ExecutorchBackendConfig(memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False))
     return Lowering(edge.to_executorch(config).buffer, fallback, segments)
 
@@ -207,13 +222,19 @@ class WhisperRunner:
     def encode(self, features: torch.Tensor) -> torch.Tensor:
         return self.encode_method.execute([features.contiguous()])[0]
 
-    def step(self, token: int, pos: int, cross_kv: torch.Tensor) -> torch.Tensor:
-        return self.decode_method.execute([torch.tensor([[token]]), torch.tensor([pos]), cross_kv])[0]
+    def step(self, token: int, pos: int, cross_update: torch.Tensor) -> torch.Tensor:
+        """Logits after `token` at `pos`; `cross_update` (all of cross_kv, or its first rows) is stored first."""
+        return self.decode_method.execute([torch.tensor([[token]]), torch.tensor([pos]), cross_update])[0]
 
     def generate(self, features: torch.Tensor) -> list[int]:
         """Greedy tokens for one window of features [1, n_mels, frames]."""
         cross_kv = self.encode(features)
-        return greedy(lambda tok, pos: self.step(tok, pos, cross_kv), self.prompt, self.max_len)
+        first_rows = cross_kv[:, :, :, :, :2].contiguous()  # rewriting them leaves the stored K/V as they are
+
+        def step(tok: int, pos: int) -> torch.Tensor:
+            return self.step(tok, pos, cross_kv if pos == 0 else first_rows)
+
+        return greedy(step, self.prompt, self.max_len)
 
     def transcribe(self, audio: np.ndarray) -> Transcript:
         start = time.perf_counter()

@@ -98,10 +98,13 @@ def test_decode_steps_match_eager_forward(tiny) -> None:
     for seed, tokens in [(1, [258, 259, 261, 263, 5, 17, 99, 3, 250]), (2, [258, 260, 262, 40])]:
         feats = features_of(4.0, seed)
         cross_kv = runner.encode(feats)
+        first_rows = cross_kv[:, :, :, :, :2].contiguous()
         with torch.no_grad():
             expected = model(feats, decoder_input_ids=torch.tensor([tokens])).logits[0]
         for pos, tok in enumerate(tokens):
-            torch.testing.assert_close(runner.step(tok, pos, cross_kv)[0], expected[pos], **TIGHT)
+            # Cross K/V are stored by the first step; later steps pass two rows (or, once, all again).
+            update = cross_kv if pos in (0, 5) else first_rows
+            torch.testing.assert_close(runner.step(tok, pos, update)[0], expected[pos], **TIGHT)
 
 
 @pytest.mark.parametrize("language,task", [("en", "transcribe"), ("de", "translate")])
