@@ -15,7 +15,7 @@ import torch
 
 from ..builder import ProgramBuilder
 from ..ir import nodes as N
-from ..registry import canonical, register
+from ..registry import register
 from .conv import float_dtype
 
 aten = torch.ops.aten
@@ -107,11 +107,10 @@ register(aten.group_norm.default)(_group_norm(native=False))
 
 
 # ------------------------------------------------------------------ batch norm
-# target -> number of results (1: plain tensor, 3: (out, save_mean, save_invstd)).
-BATCH_NORMS = {
-    aten._native_batch_norm_legit_no_training.default: 3, aten._native_batch_norm_legit.default: 3,
-    aten._native_batch_norm_legit.no_stats: 3, aten.native_batch_norm.default: 3, aten.batch_norm.default: 1,
-}
+# All return (out, save_mean, save_invstd). batch_norm / native_batch_norm are
+# not listed: export always decomposes them into these.
+BATCH_NORMS = (aten._native_batch_norm_legit_no_training.default, aten._native_batch_norm_legit.default,
+               aten._native_batch_norm_legit.no_stats)
 
 
 @register(*BATCH_NORMS)
@@ -128,13 +127,10 @@ def batch_norm(b: ProgramBuilder, n: torch.fx.Node) -> None:
         raise b.unsupported("training-mode batch norm updates its running statistics in place")
     if not training and (mean is None or var is None):
         raise b.unsupported("inference batch norm without running statistics")
-    if BATCH_NORMS[canonical(n.target)] == 1:
-        out, stats = b.out(n), [None, None]
-    else:
-        out, stats = _stat_slots(b, n, 3)
-        # In inference torch returns empty placeholders for the statistics.
-        if not training and any(s is not None for s in stats):
-            raise b.unsupported("the (empty) saved statistics of inference batch norm are read")
+    out, stats = _stat_slots(b, n, 3)
+    # In inference torch returns empty placeholders for the statistics.
+    if not training and any(s is not None for s in stats):
+        raise b.unsupported("the (empty) saved statistics of inference batch norm are read")
     stat_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     b.emit(N.BatchNormNode(x=b.tensor(x), weight=_optional(b, args["weight"], dtype),
                            bias=_optional(b, args["bias"], dtype), mean=_optional(b, mean, stat_dtype),

@@ -69,7 +69,7 @@ def _pool(op: Any, nd: int, with_indices: bool):
         args = b.args(n)
         x = args["self"]
         _check_input(b, x, nd)
-        dtype = float_dtype(b, x)
+        float_dtype(b, x)
         window = _window(b, args, nd)
         extra: dict[str, Any] = {}
         if op == P.Avg:
@@ -80,7 +80,6 @@ def _pool(op: Any, nd: int, with_indices: bool):
         if not with_indices:
             b.emit(N.PoolNode(op=op, x=b.tensor(x), out=b.out(n), **window, **extra))
             return
-        b.ir_dtype(dtype)
         out, indices = b.outs(n, 2)
         b.emit(N.PoolNode(op=op, x=b.tensor(x), out=out, out_indices=indices if 1 in _used_outputs(n) else None,
                           **window))
