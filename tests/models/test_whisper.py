@@ -52,7 +52,8 @@ def tiny_whisper(n_mels: int = 80, source_positions: int = 1500, **kw) -> Whispe
     model = WhisperForConditionalGeneration(WhisperConfig(**cfg)).eval()
     model.generation_config = GenerationConfig(
         decoder_start_token_id=258, eos_token_id=257, pad_token_id=257, bos_token_id=257, max_length=24,
-        is_multilingual=True, lang_to_id={"<|en|>": 259, "<|de|>": 260}, task_to_id={"transcribe": 261, "translate": 262},
+        is_multilingual=True, lang_to_id={"<|en|>": 259, "<|de|>": 260},
+        task_to_id={"transcribe": 261, "translate": 262},
         no_timestamps_token_id=263, suppress_tokens=[1, 2, 7], begin_suppress_tokens=[220, 257])
     return model
 
@@ -111,7 +112,8 @@ def test_decode_steps_match_eager_forward(tiny) -> None:
 def test_greedy_matches_generate(tiny, language: str, task: str) -> None:
     model, low = tiny
     runner = W.load(model, None, language=language, task=task, buffer=low.buffer)
-    assert runner.prompt.tokens == [258, 259 if language == "en" else 260, 261 if task == "transcribe" else 262, 263]
+    lang, task_id = (259 if language == "en" else 260), (261 if task == "transcribe" else 262)
+    assert runner.prompt.tokens == [258, lang, task_id, 263]
     for seconds in (2.0, 11.0):
         feats = features_of(seconds, seed=3)
         ours = runner.generate(feats)
@@ -177,7 +179,8 @@ def test_base_transcribes_clip_like_eager(base) -> None:
     result = runner.transcribe(audio)
     assert word_error_rate(result.text, reference) <= 0.10, result.text
     assert result.tokens == [W.eager_generate(model, A.log_mel_spectrogram(audio)[None])]
-    print(f"whisper base: RTF {result.real_time_factor:.3f} ({result.seconds:.2f} s for {result.audio_seconds:.2f} s)")
+    print(f"whisper base: RTF {result.real_time_factor:.3f} "
+          f"({result.seconds:.2f} s for {result.audio_seconds:.2f} s)")
 
 
 @pytest.mark.slow
@@ -195,7 +198,8 @@ def test_base_long_audio_in_30s_windows(base) -> None:
 
 
 @pytest.mark.slow
-def test_cli_transcribe(base, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+def test_cli_transcribe(base, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                        capsys: pytest.CaptureFixture) -> None:
     """`mlx-delegate transcribe` on a stereo 44.1 kHz WAV, with the lowered program taken from the cache."""
     sf = pytest.importorskip("soundfile")
     from mlx_delegate.cli import main
