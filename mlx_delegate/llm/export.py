@@ -55,10 +55,11 @@ class RestoreExportedRanges(ExportedProgramPassBase):
 
 
 def lower(ep: ExportedProgram, partitioner: MLXPartitioner | None = None,
-          constant_methods: dict[str, Any] | None = None) -> EdgeProgramManager:
+          constant_methods: dict[str, Any] | None = None,
+          pattern_pass: MLXPatternPass | None = None) -> EdgeProgramManager:
     """to_edge + the pattern pass + MLXPartitioner, keeping the exported size ranges."""
     return to_edge_transform_and_lower(
-        ep, transform_passes=[RestoreExportedRanges(ep), MLXPatternPass()],
+        ep, transform_passes=[RestoreExportedRanges(ep), pattern_pass or MLXPatternPass()],
         partitioner=[partitioner or MLXPartitioner()], constant_methods=constant_methods)
 
 

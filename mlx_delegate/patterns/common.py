@@ -96,15 +96,18 @@ def fusable(n: torch.fx.Node) -> bool:
     return True
 
 
-def replace(graph: torch.fx.Graph, old: torch.fx.Node, target: Any, args: tuple) -> bool:
+def replace(ep: ExportedProgram, old: torch.fx.Node, target: Any, args: tuple) -> bool:
     """Put `target(*args)` in place of `old` if the delegate will lower it; True when done."""
-    with graph.inserting_before(old):
-        new = graph.call_function(target, args)
+    with ep.graph.inserting_before(old):
+        new = ep.graph.call_function(target, args)
     new.meta = {**old.meta, "val": old.meta["val"]}
     if not fusable(new):
-        graph.erase_node(new)
+        ep.graph.erase_node(new)
         return False
     old.replace_all_uses_with(new)
+    for spec in ep.graph_signature.output_specs:  # outputs are named after their nodes
+        if getattr(spec.arg, "name", None) == old.name:
+            spec.arg.name = new.name
     return True
 
 

@@ -83,7 +83,7 @@ def apply(ep: ExportedProgram) -> int:
         found = match(ep, r)
         if found is None:
             continue
-        if replace(graph, found.head, exir_ops.edge.mlx_delegate.rms_norm.default,
+        if replace(ep, found.head, exir_ops.edge.mlx_delegate.rms_norm.default,
                    (found.x, found.weight, found.eps)):
             erase_dead(graph, [found.head])
             count += 1

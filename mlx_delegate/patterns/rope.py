@@ -155,7 +155,7 @@ def apply(ep: ExportedProgram) -> int:
         if found is None:
             continue
         base = standard_base(constant_value(ep, found.inv_freq))
-        if replace(graph, found.head, exir_ops.edge.mlx_delegate.rope.default,
+        if replace(ep, found.head, exir_ops.edge.mlx_delegate.rope.default,
                    (found.x, found.inv_freq, found.offset, False, base)):
             erase_dead(graph, [found.head])
             count += 1
