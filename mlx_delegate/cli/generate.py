@@ -20,10 +20,11 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("generate", help="generate text with a Llama-family model (default SmolLM2-135M)",
+    p = subparsers.add_parser("generate", help="generate text with a Llama-family model (default SmolLM2)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--model", default="smollm2", help="smollm2 (default), a .gguf file or a checkpoint directory")
+    p.add_argument("--model", default="smollm2",
+                   help="smollm2 (default), a .gguf file or a checkpoint directory")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --temperature > 0)")

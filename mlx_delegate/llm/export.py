@@ -54,13 +54,21 @@ class RestoreExportedRanges(ExportedProgramPassBase):
         return ExportedProgramPassResult(exported_program, changed)
 
 
+def size_oblivious() -> Any:
+    """Tracing without assuming dynamic sizes are >= 2. Otherwise `start + L <= max_seq_len`
+    becomes the runtime check `start <= max_seq_len - 2`, refusing a decode step into the
+    last cache slot."""
+    return torch.fx.experimental._config.patch(backed_size_oblivious=True)
+
+
 def lower(ep: ExportedProgram, partitioner: MLXPartitioner | None = None,
           constant_methods: dict[str, Any] | None = None,
           pattern_pass: MLXPatternPass | None = None) -> EdgeProgramManager:
     """to_edge + the pattern pass + MLXPartitioner, keeping the exported size ranges."""
-    return to_edge_transform_and_lower(
-        ep, transform_passes=[RestoreExportedRanges(ep), pattern_pass or MLXPatternPass()],
-        partitioner=[partitioner or MLXPartitioner()], constant_methods=constant_methods)
+    with size_oblivious():
+        return to_edge_transform_and_lower(
+            ep, transform_passes=[RestoreExportedRanges(ep), pattern_pass or MLXPatternPass()],
+            partitioner=[partitioner or MLXPartitioner()], constant_methods=constant_methods)
 
 
 class LastLogits(torch.nn.Module):
@@ -81,7 +89,7 @@ def export_model(model: Model, *, full_logits: bool = False, max_len: int | None
     # Two example tokens: a length of 1 would be specialised.
     example = (torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, dtype=torch.long))
     seq = Dim("seq_len", min=1, max=max_len)
-    with torch.no_grad():
+    with torch.no_grad(), size_oblivious():
         return torch.export.export(module.eval(), example, dynamic_shapes=({1: seq}, None), strict=True)
 
 

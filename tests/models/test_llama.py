@@ -1,6 +1,8 @@
 """The Llama path end to end: export with the KV cache resident in the delegate,
 then generation through the stock ExecuTorch runtime, compared with HF eager."""
 
+import json
+
 import pytest
 import torch
 from executorch.runtime import Runtime
@@ -119,6 +121,10 @@ def test_prompt_longer_than_cache_is_refused(tiny):
     gen.step(PROMPT)
     with pytest.raises(ContextFull, match=f"at position {len(PROMPT)}"):
         gen.step([1] * (MAX_SEQ_LEN - len(PROMPT) + 1))
+    gen.step([1] * (MAX_SEQ_LEN - len(PROMPT) - 1))
+    gen.step([2])  # a decode step into the last cache slot
+    with pytest.raises(ContextFull):
+        gen.step([3])
     # The program itself refuses too: ExecuTorch bounds the token count, the delegate the positions.
     method = Runtime.get().load_program(pte).load_method("forward")
     with pytest.raises(RuntimeError):
@@ -156,3 +162,34 @@ def test_smollm2_greedy_matches_hf():
     gen = Generator(pte, tokenizer, eos_token_ids=[])
     prompt = gen.encode_prompt("Once upon a time")
     assert list(gen.generate_ids(prompt, 32)) == hf_greedy(hf, prompt, 32)
+
+
+@pytest.mark.slow
+def test_generate_cli_on_a_checkpoint_dir(tmp_path, monkeypatch, capsys):
+    """`mlx-delegate generate` on an HF directory (random weights, SmolLM2's tokenizer and chat template)."""
+    from mlx_delegate.cli import main
+
+    tokenizer = loading.load_tokenizer(loading.smollm2_path())
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=len(tokenizer), tie_word_embeddings=True)
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    monkeypatch.setenv("MLX_DELEGATE_CACHE", str(tmp_path / "cache"))
+    args = ["generate", "Hello", "--model", str(tmp_path / "tiny"), "--max-new-tokens", "8", "--max-seq-len", "64"]
+    assert main([*args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], tokenize=False,
+                                           add_generation_prompt=True)
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    expected = hf_greedy(hf, ids, 8)
+    eos = expected.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in expected else len(expected)
+    assert result["text"] == tokenizer.decode(expected[:eos], skip_special_tokens=True)
+    assert result["generated_tokens"] == eos and result["decode_tok_s"] > 0
+    assert len(list((tmp_path / "cache").glob("*.pte"))) == 1
+    # A prompt longer than the cache: a one-line error, no traceback.
+    long_prompt = ["generate", "Hello there, how are you doing today?", "--model", str(tmp_path / "tiny"),
+                   "--max-seq-len", "4", "--no-chat"]
+    assert main(long_prompt) == 2
+    assert "exceed the KV cache of 4 positions" in capsys.readouterr().err

@@ -56,7 +56,8 @@ def test_rms_norm_pass_counts():
     """The pass reports what fired; an RMSNorm over float64 is left alone (the delegate refuses it)."""
     fp32 = torch.export.export(NoWeightNorm(), (torch.randn(3, 16),)).run_decompositions({})
     assert apply_patterns(fp32)["rms_norm"] == 1
-    fp64 = torch.export.export(NoWeightNorm(), (torch.randn(3, 16, dtype=torch.float64),)).run_decompositions({})
+    x64 = torch.randn(3, 16, dtype=torch.float64)
+    fp64 = torch.export.export(NoWeightNorm(), (x64,)).run_decompositions({})
     assert apply_patterns(fp64)["rms_norm"] == 0
 
 
