@@ -177,7 +177,8 @@ def test_generate_cli_on_a_checkpoint_dir(tmp_path, monkeypatch, capsys):
     hf.save_pretrained(tmp_path / "tiny")
     tokenizer.save_pretrained(tmp_path / "tiny")
     monkeypatch.setenv("MLX_DELEGATE_CACHE", str(tmp_path / "cache"))
-    args = ["generate", "Hello", "--model", str(tmp_path / "tiny"), "--max-new-tokens", "8", "--max-seq-len", "64"]
+    args = ["generate", "Hello", "--model", str(tmp_path / "tiny"), "--max-new-tokens", "8",
+            "--max-seq-len", "64"]
     assert main([*args, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], tokenize=False,
