@@ -11,6 +11,7 @@ from torch.export import ExportedProgram
 
 from ..builder import build_program
 from ..passes import run_graph_passes
+from ..patterns import ALL_FUSIONS, FUSIONS, apply_fusions
 
 CONSTANT_ALIGNMENT = 64  # lets the runtime wrap constants without copying
 
@@ -24,7 +25,8 @@ class MLXDelegateBackend(BackendDetails):
         specs = {s.key: s.value for s in compile_specs}
         method = specs.get("method", b"").decode()
         disabled = frozenset(filter(None, specs.get("disable", b"").decode().split(",")))
-        run_graph_passes(edge_program.graph, disabled)
+        apply_fusions(edge_program, disabled)  # before CSE: a match's nodes must have no outside readers
+        run_graph_passes(edge_program.graph, disabled - FUSIONS.keys() - {ALL_FUSIONS})
         built = build_program(edge_program, method=method,
                               keep_intermediates="early_release" in disabled)
         store = NamedDataStore()

@@ -21,11 +21,32 @@ from executorch.exir.pass_base import ExportedProgramPassBase, ExportedProgramPa
 from torch.export import ExportedProgram
 
 from .. import custom_ops  # noqa: F401  (the fused ops)
-from . import rms_norm, rope
+from . import activations, attention, layer_norm, rms_norm, rope
 
 log = logging.getLogger(__name__)
 
 PATTERNS = {"rms_norm": rms_norm.apply, "rope": rope.apply}
+
+# Fusions into ops the delegate already lowers (aten.layer_norm, gelu, silu, SDPA). They run
+# on each delegated graph in `MLXDelegateBackend.preprocess`, so every lowering gets them;
+# `MLXPartitioner(disable={name})` switches one off, disable={"fusions"} all of them.
+FUSIONS = {"fuse_layer_norm": layer_norm.apply, "fuse_activations": activations.apply,
+           "fuse_attention": attention.apply}
+ALL_FUSIONS = "fusions"
+
+
+def apply_fusions(ep: ExportedProgram, disabled: frozenset[str] = frozenset()) -> dict[str, int]:
+    """Run the enabled fusions on a delegated program; returns how often each fired."""
+    if ALL_FUSIONS in disabled:
+        return {}
+    counts = {name: fn(ep) for name, fn in FUSIONS.items() if name not in disabled}
+    if any(counts.values()):
+        ep.graph.lint()
+        ep.graph_module.recompile()
+        log.info("mlx_delegate fusions: %s", counts)
+    return counts
+
+
 
 
 def apply_patterns(ep: ExportedProgram) -> dict[str, int]:

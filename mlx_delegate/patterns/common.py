@@ -96,10 +96,11 @@ def fusable(n: torch.fx.Node) -> bool:
     return True
 
 
-def replace(ep: ExportedProgram, old: torch.fx.Node, target: Any, args: tuple) -> bool:
-    """Put `target(*args)` in place of `old` if the delegate will lower it; True when done."""
+def replace(ep: ExportedProgram, old: torch.fx.Node, target: Any, args: tuple,
+            kwargs: dict[str, Any] | None = None) -> bool:
+    """Put `target(*args, **kwargs)` in place of `old` if the delegate will lower it; True when done."""
     with ep.graph.inserting_before(old):
-        new = ep.graph.call_function(target, args)
+        new = ep.graph.call_function(target, args, kwargs)
     new.meta = {**old.meta, "val": old.meta["val"]}
     if not fusable(new):
         ep.graph.erase_node(new)
