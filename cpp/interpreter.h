@@ -1,8 +1,17 @@
 // Runs a LoadedProgram for one delegate call. One Handle per loaded method:
 // it owns the resident mutable buffers and serialises its own calls; distinct
 // handles run in parallel.
+//
+// Compiled graphs: when the same input signature (shapes, scalar inputs and
+// the values item() reads from inputs or buffers) comes back, the node list is
+// traced once into an `mx::compile`d function of (inputs, buffer states) ->
+// (outputs, new buffer states) and replayed, instead of rebuilding the graph
+// node by node. Programs MLX cannot trace fall back to the node-by-node path.
 #pragma once
 
+#include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -13,6 +22,20 @@
 #include "loader.h"
 
 namespace mlxd::rt {
+
+// Process-wide compile switch: on unless MLX_DELEGATE_COMPILE=0 at start-up.
+bool compile_enabled();
+void set_compile_enabled(bool on);
+
+// Process-wide counters (debug stats, read by tests and benchmarks).
+struct CompileStats {
+  uint64_t compiled_calls = 0;     // calls served by a compiled graph (the tracing call included)
+  uint64_t interpreted_calls = 0;  // calls run node by node
+  uint64_t traces = 0;             // graphs traced and compiled
+  uint64_t rejected = 0;           // methods MLX could not trace (they stay on the node-by-node path)
+};
+CompileStats compile_stats();
+void reset_compile_stats();
 
 class Handle {
  public:
@@ -29,16 +52,42 @@ class Handle {
 
   const LoadedProgram& program() const { return *program_; }
 
+  // Why this method never compiles ("" when it may).
+  const std::string& not_compilable() const { return not_compilable_; }
+
  private:
+  using Signature = std::vector<int64_t>;
+  using GraphFn = std::function<std::vector<mx::array>(const std::vector<mx::array>&)>;
+  struct Graph {
+    int seen = 0;  // calls with this signature so far
+    GraphFn fn;    // empty until the signature comes back
+    std::vector<int64_t> value_outputs;  // scalar outputs, fixed by the signature (set while tracing)
+  };
+
   void bind_inputs(executorch::runtime::Span<executorch::runtime::EValue*> args);
+  void plan_compile();
+  Signature signature();
+  bool run_compiled(executorch::runtime::Span<executorch::runtime::EValue*> args);
+  std::vector<mx::array> trace(const std::vector<mx::array>& in, Graph& graph);
+  void exec_node(size_t i, ExecContext& ctx) const;
   void run_nodes();
   void write_outputs(executorch::runtime::Span<executorch::runtime::EValue*> args);
+  void finish(executorch::runtime::Span<executorch::runtime::EValue*> args, std::vector<mx::array> results,
+              std::vector<mx::array> updates, const std::vector<int64_t>& value_outputs);
 
   std::shared_ptr<const LoadedProgram> program_;
   std::vector<mx::array> buffers_;
   std::vector<mx::array> pinned_;  // inputs wrapped zero-copy: kept referenced so MLX never donates them
   std::mutex mutex_;
   ExecContext ctx_;
+
+  // item() nodes whose operand is an input, constant or buffer: read before
+  // tracing and made part of the signature, so the traced graph is valid.
+  std::vector<std::pair<size_t, uint32_t>> item_reads_;  // (instruction, tensor slot)
+  std::vector<Value> item_values_;                       // this call's values, in item_reads_ order
+  std::string not_compilable_;
+  std::string trace_error_;  // set when tracing failed in this call
+  std::map<Signature, Graph> graphs_;
 };
 
 }  // namespace mlxd::rt

@@ -12,6 +12,7 @@
 #include <mlx/memory.h>
 
 #include "backend.h"
+#include "interpreter.h"
 #include "loader.h"
 
 namespace nb = nanobind;
@@ -69,5 +70,15 @@ NB_MODULE(_runtime, m) {
   m.def("peak_memory", [] { return mlx::core::get_peak_memory(); }, "MLX peak memory (bytes) since the last reset.");
   m.def("reset_peak_memory", [] { mlx::core::reset_peak_memory(); });
   m.def("active_memory", [] { return mlx::core::get_active_memory(); });
+  m.def("set_compile", &set_compile_enabled, nb::arg("on"),
+        "Turn compiled graphs on or off process-wide (MLX_DELEGATE_COMPILE=0 starts with them off).");
+  m.def("compile_enabled", &compile_enabled);
+  m.def("compile_stats", [] {
+    auto s = compile_stats();
+    return std::map<std::string, uint64_t>{{"compiled_calls", s.compiled_calls},
+                                           {"interpreted_calls", s.interpreted_calls},
+                                           {"traces", s.traces}, {"rejected", s.rejected}};
+  }, "Process-wide counters: calls served by compiled graphs or node by node, graphs traced, methods rejected.");
+  m.def("reset_compile_stats", &reset_compile_stats);
   if (!register_backend()) throw std::runtime_error("mlx_delegate: could not register the backend with ExecuTorch");
 }
