@@ -92,6 +92,24 @@ def test_step_logits_match_hf(tiny):
         logits = gen.step(tokens[-1:])
 
 
+def test_bf16_step_logits_close_to_fp32(tiny):
+    """bf16 weights and activations: per-step logits within bf16 tolerance of HF fp32."""
+    _, hf, _, _ = tiny
+    loaded = loading.from_config(tiny_config(), dtype=torch.bfloat16, max_seq_len=MAX_SEQ_LEN, seed=0)
+    edge = llm_export.lower(llm_export.export_model(loaded.model),
+                            constant_methods=llm_export.metadata(loaded.model))
+    assert delegate_summary(edge) == (1, [])
+    gen = Generator(edge.to_executorch().buffer, eos_token_ids=[])
+    tokens = list(PROMPT)
+    logits = gen.step(tokens)
+    for _ in range(4):
+        assert logits.dtype == torch.bfloat16
+        expected = hf_next_logits(hf, tokens)
+        torch.testing.assert_close(logits.float(), expected, rtol=0.05, atol=0.05 * float(expected.abs().max()))
+        tokens.append(int(expected.argmax()))
+        logits = gen.step(tokens[-1:])
+
+
 def test_cache_survives_calls_and_resets(tiny):
     model, hf, _, pte = tiny
     gen = Generator(pte, eos_token_ids=[])
