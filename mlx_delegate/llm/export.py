@@ -8,6 +8,10 @@ delegate keeps mutable buffers per loaded method, so two methods would each
 have their own cache. The lowered program is cached under
 $MLX_DELEGATE_CACHE (default ~/.cache/mlx_delegate), keyed by the weights'
 files, the export options and this package's code.
+
+`quantize="int8" | "int4"` (with `group_size`) quantizes the linear layers and
+the embedding with torchao before export; the delegate runs them on MLX's
+quantized kernels (see `mlx_delegate.quantization`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from executorch.exir.pass_base import ExportedProgramPassBase, ExportedProgramPa
 from torch.export import Dim, ExportedProgram
 
 from ..models.llama import Model
+from .. import quantization
 from ..partitioner import MLXPartitioner
 from ..patterns import MLXPatternPass
 
@@ -99,7 +104,18 @@ def metadata(model: Model) -> dict[str, Any]:
             "use_kv_cache": True}
 
 
-def to_pte(model: Model, *, full_logits: bool = False) -> bytes:
+def quantize_weights(model: Model, mode: str | None, group_size: int | None = None) -> Model:
+    """Weight-only quantization in place: mode "int8" (per channel unless group_size) or "int4"
+    (group_size 32 / 64 / 128, default 64); None leaves the model as it is. Returns `model`."""
+    if mode is None:
+        return model
+    return quantization.quantize_model(model, mode, group_size)
+
+
+def to_pte(model: Model, *, full_logits: bool = False, quantize: str | None = None,
+           group_size: int | None = None) -> bytes:
+    """The .pte for `model`; `quantize` (int8 / int4) quantizes it first, in place (see `quantize_weights`)."""
+    quantize_weights(model, quantize, group_size)
     edge = lower(export_model(model, full_logits=full_logits), constant_methods=metadata(model))
     return edge.to_executorch().buffer
 

@@ -21,11 +21,11 @@ from executorch.exir.pass_base import ExportedProgramPassBase, ExportedProgramPa
 from torch.export import ExportedProgram
 
 from .. import custom_ops  # noqa: F401  (the fused ops)
-from . import activations, attention, layer_norm, rms_norm, rope
+from . import activations, attention, layer_norm, quantized_linear, rms_norm, rope
 
 log = logging.getLogger(__name__)
 
-PATTERNS = {"rms_norm": rms_norm.apply, "rope": rope.apply}
+PATTERNS = {"rms_norm": rms_norm.apply, "rope": rope.apply, "quantized": quantized_linear.apply}
 
 # Fusions into ops the delegate already lowers (aten.layer_norm, gelu, silu, SDPA). They run
 # on each delegated graph in `MLXDelegateBackend.preprocess`, so every lowering gets them;
@@ -45,8 +45,6 @@ def apply_fusions(ep: ExportedProgram, disabled: frozenset[str] = frozenset()) -
         ep.graph_module.recompile()
         log.info("mlx_delegate fusions: %s", counts)
     return counts
-
-
 
 
 def apply_patterns(ep: ExportedProgram) -> dict[str, int]:

@@ -1,0 +1,141 @@
+"""Weight-only quantization: the fused `mlx_delegate::quantized_linear` /
+`quantized_embedding` ops (emitted by the `quantized_linear` pattern, weights
+already in MLX's affine format) map to `mx::quantized_matmul` and a gather of
+packed rows + `mx::dequantize`.
+
+`torchao.dequantize_affine` left unfused (a layout MLX's kernels cannot take,
+or a weight read by other ops) is lowered as plain element-wise MLX ops, so a
+quantized model stays correct inside the delegate; ExecuTorch's runtime has no
+kernel for it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from typing import Any
+
+import torch
+
+from .. import quantization as q
+from ..builder import ProgramBuilder
+from ..ir import nodes as N
+from ..registry import register
+from .indexing import index_tensor
+
+mlxd = torch.ops.mlx_delegate
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _static(b: ProgramBuilder, dims: list[Any], what: str) -> list[int]:
+    if not all(isinstance(d, int) for d in dims):
+        raise b.unsupported(f"{what} must have a static shape, got {dims}")
+    return [int(d) for d in dims]
+
+
+def _packed(b: ProgramBuilder, w: Any, scales: Any, biases: Any, group_size: int, bits: int,
+            dtype: torch.dtype) -> int:
+    """Validate a packed weight and its scales / biases; returns the unpacked row length K."""
+    if group_size not in q.MLX_GROUP_SIZES or bits not in q.PACKABLE_BITS:
+        raise b.unsupported(f"group size {group_size} / {bits} bits is not an MLX affine layout")
+    if b.dtype_of(w) != torch.int32:
+        raise b.unsupported(f"packed weights must be int32 words, got {b.dtype_of(w)}")
+    if dtype not in FLOAT_DTYPES or b.dtype_of(scales) != dtype or b.dtype_of(biases) != dtype:
+        raise b.unsupported(f"scales / biases must be in the activations' float dtype {dtype}")
+    rows, words = _static(b, b.shape_of(w), "packed weight")
+    k = words * 32 // bits
+    if k % group_size or _static(b, b.shape_of(scales), "scales") != [rows, k // group_size] \
+            or b.shape_of(biases) != b.shape_of(scales):
+        raise b.unsupported(f"scales {b.shape_of(scales)} do not fit a [{rows}, {k}] weight in groups of {group_size}")
+    return k
+
+
+@register(mlxd.quantized_linear.default)
+def quantized_linear(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    """mx::quantized_matmul (+ bias); groups of 32/64/128, 2/4/8 bits, scales in the input's dtype."""
+    x, w, scales, biases, bias, group_size, bits = n.args
+    dtype = b.dtype_of(x)
+    k = _packed(b, w, scales, biases, group_size, bits, dtype)
+    if not b.shape_of(x) or b.shape_of(x)[-1] != k:
+        raise b.unsupported(f"input {b.shape_of(x)} does not end in the weight's {k} columns")
+    if bias is not None and (b.dtype_of(bias) != dtype or len(b.shape_of(bias)) != 1):
+        raise b.unsupported("bias must be 1-D in the input's dtype")
+    b.emit(N.QuantizedLinearNode(x=b.tensor(x), w=b.tensor(w), scales=b.tensor(scales), biases=b.tensor(biases),
+                                 bias=b.tensor(bias) if bias is not None else None, group_size=group_size,
+                                 bits=bits, out=b.out(n)))
+
+
+@register(mlxd.quantized_embedding.default)
+def quantized_embedding(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    """Gathers packed rows, then mx::dequantize; groups of 32/64/128, 2/4/8 bits."""
+    w, scales, biases, indices, group_size, bits = n.args
+    _packed(b, w, scales, biases, group_size, bits, b.dtype_of(scales))
+    b.emit(N.QuantizedEmbeddingNode(w=b.tensor(w), scales=b.tensor(scales), biases=b.tensor(biases),
+                                    indices=index_tensor(b, indices), group_size=group_size, bits=bits,
+                                    out=b.out(n)))
+
+
+# ----------------------------------------------------------- unfused dequantize
+def reduction_shapes(block: list[int], shape: list[int]) -> tuple[list[int], list[int]]:
+    """(input viewed with each block split out, the scale's broadcast shape): torchao's block layout."""
+    split, reduced = [], []
+    for size, blk in zip(shape, block):
+        if blk != size and blk > 1:
+            split += [size // blk, blk]
+            reduced += [size // blk, 1]
+        else:
+            split.append(size)
+            reduced.append(1 if blk != 1 else size)
+    return split, reduced
+
+
+def _reshape(b: ProgramBuilder, x: Any, shape: list[int]) -> Any:
+    t = b.temp()
+    b.emit(N.ReshapeNode(x=x, shape=[b.int_or_vid(d) for d in shape], out=t))
+    return t
+
+
+def _binary(b: ProgramBuilder, op: Any, x: Any, y: Any) -> Any:
+    t = b.temp()
+    b.emit(N.BinaryNode(op=op, a=x, b=y, out=t))
+    return t
+
+
+def _dequantize_affine_target() -> Any:
+    """torchao's op, or None when torchao is not installed (no graph can hold it then)."""
+    if importlib.util.find_spec("torchao") is None:
+        return None
+    import torchao.quantization.quant_primitives  # noqa: F401  (defines the op)
+
+    return torch.ops.torchao.dequantize_affine.default
+
+
+def dequantize_affine(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    """Unfused: (q - zero_point) * scale per block as element-wise ops, in torchao's order and dtypes."""
+    args = b.args(n)
+    x, scale, zp = args["input"], args["scale"], args["zero_point"]
+    out_dtype = b.dtype_of(n)
+    if out_dtype not in FLOAT_DTYPES:
+        raise b.unsupported(f"output dtype {out_dtype}")
+    shape = _static(b, b.shape_of(x), "quantized input")
+    block = [int(s) for s in args["block_size"]]
+    if len(block) != len(shape) or any(blk < 1 or (blk != size and size % blk) for blk, size in zip(block, shape)):
+        raise b.unsupported(f"block size {block} does not tile shape {shape}")
+    split, groups = reduction_shapes(block, shape)
+    for param in (scale, zp):
+        if param is not None and math.prod(_static(b, b.shape_of(param), param.name)) != math.prod(groups):
+            raise b.unsupported(f"{param.name} {b.shape_of(param)} does not give one value per block {groups}")
+    # torchao: x.to(out) - zp.to(out), times scale (promoting), then .to(out).
+    y = b.cast(_reshape(b, b.tensor(x), split), b.dtype_of(x), out_dtype)
+    if zp is not None:
+        z = b.cast(_reshape(b, b.tensor(zp), groups), b.dtype_of(zp), out_dtype)
+        y = _binary(b, N.BinaryOp.Sub, y, z)
+    compute = torch.promote_types(out_dtype, b.dtype_of(scale))
+    s = b.cast(_reshape(b, b.tensor(scale), groups), b.dtype_of(scale), compute)
+    y = b.cast(_binary(b, N.BinaryOp.Mul, b.cast(y, out_dtype, compute), s), compute, out_dtype)
+    b.emit(N.ReshapeNode(x=y, shape=[b.int_or_vid(d) for d in shape], out=b.out(n)))
+
+
+_TARGET = _dequantize_affine_target()
+if _TARGET is not None:
+    register(_TARGET)(dequantize_affine)

@@ -1,0 +1,134 @@
+"""Weight-only quantization (torchao int8 / int4): quantized linears and
+embeddings lower to MLX's quantized kernels, match the same quantized model in
+eager torch, and layouts MLX cannot take still run (unfused) in the delegate."""
+
+from collections import Counter
+
+import pytest
+import torch
+from executorch.runtime import Runtime
+from torchao.quantization import IntxWeightOnlyConfig, MappingType, quantize_
+from torchao.quantization.granularity import PerGroup
+from transformers import LlamaConfig
+
+from mlx_delegate import quantization as Q
+from mlx_delegate.ir import nodes as N
+from mlx_delegate.llm import export as llm_export
+from mlx_delegate.llm.generate import Generator
+from mlx_delegate.models import loading
+from mlx_delegate.patterns import MLXPatternPass
+from mlx_delegate.testing import TOLERANCE, assert_close, delegate_summary
+
+FUSED = {"QuantizedLinearNode", "QuantizedEmbeddingNode"}
+PLAIN = {"LinearNode", "MatmulNode", "AddmmNode", "TakeNode"}
+
+
+class LinearsAndEmbedding(torch.nn.Module):
+    def __init__(self, k: int = 256) -> None:
+        super().__init__()
+        self.biased = torch.nn.Linear(k, 48)
+        self.plain = torch.nn.Linear(k, 40, bias=False)
+        self.emb = torch.nn.Embedding(24, k)
+
+    def forward(self, x, tokens):
+        return self.biased(x), self.plain(x), self.emb(tokens)
+
+
+def ir_nodes(edge) -> Counter:
+    """Node types in every delegate payload of the lowered program."""
+    gm, counts = edge.exported_program().graph_module, Counter()
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and n.target.startswith("lowered_module"):
+            program = N.deserialize(getattr(gm, n.target).processed_bytes)
+            counts.update(type(i.node).__name__ for i in program.instructions)
+    return counts
+
+
+def lower_quantized(module, inputs, dtype):
+    """Lower with the pattern pass, check against eager; returns (pattern counts, summary, IR node counts)."""
+    pattern_pass = MLXPatternPass()
+    ep = torch.export.export(module, inputs, strict=True)
+    edge = llm_export.lower(ep, pattern_pass=pattern_pass)
+    buffer = edge.to_executorch().buffer  # the program reads from it: keep it alive
+    method = Runtime.get().load_program(buffer).load_method("forward")
+    with torch.no_grad():
+        assert_close(method.execute(list(inputs)), module(*inputs), *TOLERANCE[dtype])
+    return pattern_pass.counts["quantized"], delegate_summary(edge), ir_nodes(edge)
+
+
+def sample(dtype, k=256):
+    return torch.randn(2, 3, k, dtype=dtype), torch.tensor([[0, 5, 23], [7, 7, 1]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mode,group_size", [("int8", None), ("int8", 32), ("int4", 32), ("int4", 64),
+                                             ("int4", 128), ("int8", 128)])
+def test_quantized_layers_fuse(mode, group_size, dtype):
+    module = Q.quantize_model(LinearsAndEmbedding().to(dtype).eval(), mode, group_size)
+    fused, summary, nodes = lower_quantized(module, sample(dtype), dtype)
+    assert fused == 3 and summary == (1, [])
+    assert nodes["QuantizedLinearNode"] == 2 and nodes["QuantizedEmbeddingNode"] == 1
+    assert not PLAIN & set(nodes) and not {"BinaryNode", "AsTypeNode"} & set(nodes)  # no dequantize + matmul
+
+
+def test_asymmetric_zero_points_fold_into_biases():
+    module = LinearsAndEmbedding().eval()
+    quantize_(module, IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32),
+                                           mapping_type=MappingType.ASYMMETRIC),
+              filter_fn=lambda m, _: isinstance(m, (torch.nn.Linear, torch.nn.Embedding)))
+    assert (module.biased.weight.zero_point != 0).any()
+    fused, summary, nodes = lower_quantized(module, sample(torch.float32), torch.float32)
+    assert fused == 3 and summary == (1, []) and FUSED <= set(nodes)
+
+
+def test_unsupported_group_size_runs_unfused():
+    """Groups of 16 are not an MLX layout: the dequantize runs as element-wise ops, the product as a linear."""
+    module = LinearsAndEmbedding(k=48).eval()
+    quantize_(module, IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(16)),
+              filter_fn=lambda m, _: isinstance(m, (torch.nn.Linear, torch.nn.Embedding)))
+    fused, summary, nodes = lower_quantized(module, sample(torch.float32, k=48), torch.float32)
+    assert fused == 0 and summary == (1, [])
+    assert not FUSED & set(nodes) and nodes["LinearNode"] == 2 and nodes["TakeNode"] == 1
+
+
+def test_repacking_is_exact():
+    """MLX's w = scale * u + bias reproduces torchao's (q - zp) * scale, including the per-channel split."""
+    q = torch.randint(-8, 8, (6, 256), dtype=torch.int8)
+    scale, zp = torch.rand(6, 1) + 0.1, torch.randint(-3, 3, (6, 1), dtype=torch.int8)
+    packed = Q.to_mlx(q, scale, zp, 256, -8, 7, torch.float32)
+    assert (packed.group_size, packed.bits, tuple(packed.w.shape)) == (128, 4, (6, 32))
+    expected = (q.float() - zp.float()) * scale
+    torch.testing.assert_close(Q.dequantize_mlx(packed.w, packed.scales, packed.biases, 128, 4), expected)
+    assert Q.to_mlx(q, scale, zp, 256, -8, 8, torch.float32).bits == 8  # 17 levels need a wider field
+    assert Q.to_mlx(q.reshape(12, 128), scale.repeat(2, 1), None, 128, -8, 7, torch.float32) is not None
+    assert Q.to_mlx(q[:, :48], scale, zp, 48, -8, 7, torch.float32) is None  # 48 is no MLX group
+
+
+def test_bad_modes_are_refused():
+    with pytest.raises(ValueError, match="int3"):
+        Q.quantize_model(torch.nn.Linear(64, 8), "int3")
+    with pytest.raises(ValueError, match="group size 48"):
+        Q.quantize_model(torch.nn.Linear(96, 8), "int4", 48)
+
+
+def test_int4_llama_generates_like_eager():
+    """A tiny random Llama with tied embeddings, int4 group 32: greedy tokens equal eager torch's."""
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
+                         tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    model = loading.from_config(config, max_seq_len=64, seed=0).model
+    edge = llm_export.lower(llm_export.export_model(llm_export.quantize_weights(model, "int4", 32)),
+                            constant_methods=llm_export.metadata(model))
+    nodes = ir_nodes(edge)
+    assert delegate_summary(edge) == (1, [])
+    assert nodes["QuantizedLinearNode"] == 2 * 7 + 1 and nodes["QuantizedEmbeddingNode"] == 1  # + tied lm_head
+    prompt, steps = [5, 17, 99, 3, 42, 7], 16
+    ours = list(Generator(edge.to_executorch().buffer, eos_token_ids=[]).generate_ids(prompt, steps))
+    tokens = list(prompt)
+    model.reset_cache()
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens]), torch.tensor([0]))[0, -1]
+        for _ in range(steps):
+            tokens.append(int(logits.argmax()))
+            logits = model(torch.tensor([tokens[-1:]]), torch.tensor([len(tokens) - 1]))[0, -1]
+    assert ours == tokens[len(prompt):]
