@@ -212,3 +212,16 @@ def test_generate_cli_on_a_checkpoint_dir(tmp_path, monkeypatch, capsys):
                    "--max-seq-len", "4", "--no-chat"]
     assert main(long_prompt) == 2
     assert "exceed the KV cache of 4 positions" in capsys.readouterr().err
+
+
+def test_pte_stores_each_weight_once():
+    """Tied embedding/head stored once; the .pte is the unique weights plus a small program."""
+    config = tiny_config()
+    config.vocab_size, config.tie_word_embeddings = 4096, True
+    loaded = loading.from_config(config, max_seq_len=MAX_SEQ_LEN)
+    params = {p.data_ptr(): p for p in loaded.model.parameters()}  # tied weights share storage
+    weight_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    embedding_bytes = config.vocab_size * config.hidden_size * 4
+    pte = llm_export.to_pte(loaded.model)
+    print(f"pte {len(pte)} bytes, unique weights {weight_bytes} bytes")
+    assert weight_bytes <= len(pte) < weight_bytes + embedding_bytes // 4
