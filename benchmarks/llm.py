@@ -1,0 +1,492 @@
+"""LLM prefill and decode, side by side: SmolLM2-135M and a 1.2B Llama-3.2-shaped model.
+
+Each engine runs the same `mlx_delegate.models.llama.Model` (weights shared):
+
+- `mlx_delegate`: `mlx_delegate.llm.export.to_pte` (one dynamic method, KV cache resident in the
+  delegate) through the stock `executorch.runtime`. Generation never repeats a position, so every
+  decode step is a new signature for the compiled-graph cache and runs node by node (as in real use);
+  the row `mlx_delegate, compiled` replays the timed positions again so each step is a cached
+  `mx::compile` graph: what a fixed-shape decode step would get.
+- `eager torch`: the module itself, KV cache written in place, 2 threads.
+- `ET XNNPACK` (fp32): the same module exported with the cache update as `slice_scatter`, lowered
+  with `XnnpackPartitioner` (what XNNPACK does not take runs on ExecuTorch's portable kernels).
+- `MLX Python`: the model written directly in MLX (mlx-lm style: `mx.fast` RMSNorm, RoPE and SDPA,
+  preallocated KV cache), weights copied from torch.
+
+A round is one prefill of `--prompt` tokens at position 0 followed by `--decode` single-token steps
+(fixed token ids, so every engine does the same work); figures are medians over rounds. Engines take
+turns within each round for the small model; for the 1.2B model they run one after another, each
+freed before the next is built (several copies of 5 GB of weights do not fit). The memory bandwidth
+is measured in the same run; `% bw` is decode tok/s over the bound from reading every weight once
+per token.
+
+    python benchmarks/llm.py [--quick] [--json out.json] [--models smollm2,1.2b] [--dtypes fp32,bf16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import inspect
+import json
+import os
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+from common import format_table, machine_meta, one_line, peak_rss_mb, rss_mb  # first: mlx_delegate before mlx
+import mlx.core as mx  # noqa: I001
+import mlx.nn as mnn
+import numpy as np
+import torch
+from executorch.runtime import Runtime
+
+from mlx_delegate import _runtime
+from mlx_delegate.llm import export as llm_export
+from mlx_delegate.models import llama as llama_module
+from mlx_delegate.models import loading
+from mlx_delegate.models.llama import Model, ModelArgs
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MX_DTYPES = {torch.float32: mx.float32, torch.bfloat16: mx.bfloat16}
+QUANTIZED = ("int8", "int4")  # delegate rows, when llm.export.to_pte has quantize=
+
+
+# ---------------------------------------------------------------- models
+
+@dataclass(frozen=True)
+class ModelSpec:
+    key: str
+    build: Callable[[int], Model]  # max_seq_len -> fp32 model
+    interleave: bool  # engines loaded together (small models) or one after another
+
+
+def smollm2(max_seq_len: int) -> Model:
+    return loading.load("smollm2", max_seq_len=max_seq_len).model
+
+
+def random_llama(max_seq_len: int, **shape: Any) -> Model:
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**shape, max_position_embeddings=max(max_seq_len, 2048),
+                         rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    return loading.from_config(config, max_seq_len=max_seq_len, seed=0).model
+
+
+LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)
+TINY = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=256, vocab_size=1024, tie_word_embeddings=True)
+
+MODELS = {
+    "smollm2": ModelSpec("SmolLM2-135M", smollm2, interleave=True),
+    "1.2b": ModelSpec("Llama-1.2B (random)", lambda n: random_llama(n, **LLAMA_1B), interleave=False),
+    "tiny": ModelSpec("tiny Llama (random)", lambda n: random_llama(n, **TINY), interleave=True),
+}
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes one decode step reads: every parameter once (tied weights count once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+# ---------------------------------------------------------------- engines
+
+class Runner:
+    """One engine on one model: `step(tokens, pos)` -> last-position logits (materialised)."""
+
+    def step(self, tokens: list[int], pos: int) -> np.ndarray:
+        raise NotImplementedError
+
+
+@contextmanager
+def plain_kv_update(in_place: bool) -> Iterator[None]:
+    """The model's cache update as plain torch: in place for eager, `slice_scatter` for export."""
+
+    def update(cache: torch.Tensor, new: torch.Tensor, start_pos: int) -> torch.Tensor:
+        end = start_pos + new.shape[2]
+        if in_place:
+            cache[:, :, start_pos:end] = new
+            return cache  # the caller's copy_ onto itself is a no-op
+        return torch.slice_scatter(cache, new, dim=2, start=start_pos, end=end)
+
+    saved = llama_module.kv_cache_update
+    llama_module.kv_cache_update = update
+    try:
+        yield
+    finally:
+        llama_module.kv_cache_update = saved
+
+
+def _inputs(tokens: list[int], pos: int) -> list[torch.Tensor]:
+    return [torch.tensor([tokens], dtype=torch.long), torch.tensor([pos], dtype=torch.long)]
+
+
+class MethodRunner(Runner):
+    def __init__(self, pte: bytes, compile_graphs: bool = False) -> None:
+        self.program = Runtime.get().load_program(pte)
+        self.method = self.program.load_method("forward")
+        self.compile_graphs = compile_graphs
+
+    def step(self, tokens: list[int], pos: int) -> np.ndarray:
+        was = _runtime.compile_enabled()
+        _runtime.set_compile(self.compile_graphs)
+        try:
+            return self.method.execute(_inputs(tokens, pos))[0][0, -1].float().numpy()
+        finally:
+            _runtime.set_compile(was)
+
+
+def delegate(model: Model, quantize: str | None = None, compile_graphs: bool = False) -> Runner:
+    if quantize:
+        model = copy.deepcopy(model)
+        pte = llm_export.to_pte(model, quantize=quantize)
+        del model
+    else:
+        pte = llm_export.to_pte(model)
+    return MethodRunner(pte, compile_graphs)
+
+
+class EagerRunner(Runner):
+    def __init__(self, model: Model) -> None:
+        self.model = model
+
+    def step(self, tokens: list[int], pos: int) -> np.ndarray:
+        with torch.no_grad(), plain_kv_update(in_place=True):
+            return self.model(*_inputs(tokens, pos), last_only=True)[0, -1].float().numpy()
+
+
+def xnnpack(model: Model) -> Runner:
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    with plain_kv_update(in_place=False):
+        ep = llm_export.export_model(model)
+    with llm_export.size_oblivious():
+        edge = to_edge_transform_and_lower(ep, transform_passes=[llm_export.RestoreExportedRanges(ep)],
+                                           partitioner=[XnnpackPartitioner()])
+    pte = edge.to_executorch().buffer
+    del edge, ep
+    model.reset_cache()
+    return MethodRunner(pte)
+
+
+# ---------------------------------------------------------------- MLX Python mirror
+
+class MxAttention(mnn.Module):
+    def __init__(self, a: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim, self.base = (a.num_attention_heads, a.num_key_value_heads,
+                                                             a.head_dim, a.rope_theta)
+        dim, bias = a.hidden_size, a.attention_bias
+        self.q_proj = mnn.Linear(dim, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = mnn.Linear(dim, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = mnn.Linear(dim, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = mnn.Linear(self.n_heads * self.head_dim, dim, bias=bias)
+
+    def __call__(self, x: mx.array, cache: list[mx.array], offset: int) -> mx.array:
+        b, n, _ = x.shape
+
+        def heads(t: mx.array, h: int) -> mx.array:
+            return t.reshape(b, n, h, self.head_dim).transpose(0, 2, 1, 3)
+
+        q, k, v = heads(self.q_proj(x), self.n_heads), heads(self.k_proj(x), self.n_kv), heads(self.v_proj(x), self.n_kv)
+        q = mx.fast.rope(q, self.head_dim, traditional=False, base=self.base, scale=1.0, offset=offset)
+        k = mx.fast.rope(k, self.head_dim, traditional=False, base=self.base, scale=1.0, offset=offset)
+        end = offset + n
+        cache[0][..., offset:end, :] = k
+        cache[1][..., offset:end, :] = v
+        out = mx.fast.scaled_dot_product_attention(q, cache[0][..., :end, :], cache[1][..., :end, :],
+                                                   scale=self.head_dim ** -0.5, mask="causal" if n > 1 else None)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+
+class MxMLP(mnn.Module):
+    def __init__(self, a: ModelArgs) -> None:
+        super().__init__()
+        self.gate_proj = mnn.Linear(a.hidden_size, a.intermediate_size, bias=a.mlp_bias)
+        self.up_proj = mnn.Linear(a.hidden_size, a.intermediate_size, bias=a.mlp_bias)
+        self.down_proj = mnn.Linear(a.intermediate_size, a.hidden_size, bias=a.mlp_bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(mnn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MxNorm(mnn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight, self.eps = mx.ones((dim,)), eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, self.weight, self.eps)
+
+
+class MxBlock(mnn.Module):
+    def __init__(self, a: ModelArgs) -> None:
+        super().__init__()
+        self.self_attn, self.mlp = MxAttention(a), MxMLP(a)
+        self.input_layernorm = MxNorm(a.hidden_size, a.rms_norm_eps)
+        self.post_attention_layernorm = MxNorm(a.hidden_size, a.rms_norm_eps)
+
+    def __call__(self, x: mx.array, cache: list[mx.array], offset: int) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), cache, offset)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MxLlamaModel(mnn.Module):
+    def __init__(self, a: ModelArgs) -> None:
+        super().__init__()
+        self.embed_tokens = mnn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = [MxBlock(a) for _ in range(a.num_hidden_layers)]
+        self.norm = MxNorm(a.hidden_size, a.rms_norm_eps)
+
+
+class MxLlama(mnn.Module):
+    """Parameter names equal the torch model's, so its state dict loads as is."""
+
+    def __init__(self, a: ModelArgs, dtype: mx.Dtype) -> None:
+        super().__init__()
+        self.args = a
+        self.model = MxLlamaModel(a)
+        if not a.tie_word_embeddings:
+            self.lm_head = mnn.Linear(a.hidden_size, a.vocab_size, bias=False)
+        shape = (1, a.num_key_value_heads, a.max_seq_len, a.head_dim)
+        self._cache = [[mx.zeros(shape, dtype), mx.zeros(shape, dtype)] for _ in range(a.num_hidden_layers)]
+
+    def __call__(self, tokens: mx.array, offset: int) -> mx.array:
+        h = self.model.embed_tokens(tokens)
+        for layer, cache in zip(self.model.layers, self._cache):
+            h = layer(h, cache, offset)
+        h = self.model.norm(h[:, -1:])
+        return self.model.embed_tokens.as_linear(h) if self.args.tie_word_embeddings else self.lm_head(h)
+
+
+class MlxRunner(Runner):
+    def __init__(self, model: Model, dtype: torch.dtype) -> None:
+        self.mirror = MxLlama(model.args, MX_DTYPES[dtype])
+        weights = [(k, mx.array(v.detach().float().numpy()).astype(MX_DTYPES[dtype]))
+                   for k, v in model.state_dict().items()]
+        self.mirror.load_weights(weights, strict=True)
+        mx.eval(self.mirror.parameters(), self.mirror._cache)
+
+    def step(self, tokens: list[int], pos: int) -> np.ndarray:
+        logits = self.mirror(mx.array([tokens]), pos)
+        mx.eval(logits, self.mirror._cache)
+        return np.array(logits[0, -1].astype(mx.float32))
+
+
+# ---------------------------------------------------------------- rows
+
+@dataclass
+class Row:
+    model: str
+    dtype: str
+    engine: str
+    prefill_tok_s: float | None = None
+    decode_tok_s: float | None = None
+    bw_share: float | None = None  # decode tok/s / bandwidth bound
+    max_abs_err: float | None = None  # prefill logits vs eager torch in the same dtype
+    rounds: int = 0
+    load_s: float | None = None
+    rss_delta_mb: float | None = None
+    note: str = ""
+    error: str | None = None
+    prefill_s: list[float] = field(default_factory=list)
+    decode_s: list[float] = field(default_factory=list)  # per token
+
+
+@dataclass
+class Job:
+    engine: str
+    dtype: str
+    build: Callable[[], Runner]
+    note: str = ""
+    warm_rounds: int = 0  # full untimed rounds after the warm-up call (so replayed positions are compiled)
+
+
+def jobs_for(model: Model, dtypes: Sequence[str], quick: bool) -> Iterator[tuple[str, Callable[[], Model], list[Job]]]:
+    """(dtype label, model in that dtype, engine jobs) per dtype; quantized rows after fp32."""
+    quantize_ok = "quantize" in inspect.signature(llm_export.to_pte).parameters
+    for label in dtypes:
+        def typed(label: str = label) -> Model:
+            return model if label == "fp32" else copy.deepcopy(model).to_dtype(DTYPES[label])
+
+        def jobs(m: Model, label: str = label) -> list[Job]:
+            out = [Job("mlx_delegate", label, lambda: delegate(m)),
+                   Job("mlx_delegate, compiled", label, lambda: delegate(m, compile_graphs=True),
+                       "positions replayed: cached graphs", warm_rounds=2),
+                   Job("MLX Python", label, lambda: MlxRunner(m, DTYPES[label])),
+                   Job("eager torch", label, lambda: EagerRunner(m))]
+            if label == "fp32":
+                out.append(Job("ET XNNPACK", label, lambda: xnnpack(m)))
+            return out
+
+        yield label, typed, jobs
+        if label == "fp32" and quantize_ok and not quick:
+            for q in QUANTIZED:
+                yield q, typed, (lambda m, q=q: [Job("mlx_delegate", q, lambda: delegate(m, quantize=q))])
+
+
+def run_round(runner: Runner, prompt: list[int], decode: list[int]) -> tuple[float, float, np.ndarray]:
+    """(prefill s, decode s per token, prefill logits) for one prefill + len(decode) steps."""
+    t0 = time.perf_counter()
+    logits = runner.step(prompt, 0)
+    prefill = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for i, tok in enumerate(decode):
+        runner.step([tok], len(prompt) + i)
+    return prefill, (time.perf_counter() - t0) / len(decode), logits
+
+
+def measure(spec: ModelSpec, label: str, m: Model, jobs: list[Job], args: argparse.Namespace,
+            reference: dict[str, np.ndarray]) -> list[Row]:
+    """Load each job's engine, run `args.rounds` rounds (interleaved when the spec allows), fill rows."""
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, m.args.vocab_size, args.prompt).tolist()
+    decode = rng.integers(0, m.args.vocab_size, args.decode).tolist()
+    rows = {j.engine: Row(spec.key, label, j.engine, note=j.note) for j in jobs}
+    ready: dict[str, Runner] = {}
+
+    def load(job: Job) -> None:
+        row = rows[job.engine]
+        print(f"  {spec.key} {label}: loading {job.engine} ...", file=sys.stderr, flush=True)
+        rss0, t0 = rss_mb(), time.perf_counter()
+        try:
+            runner = job.build()
+            row.load_s = time.perf_counter() - t0
+            _, _, logits = run_round(runner, prompt, decode[:2])  # warm-up
+            for _ in range(job.warm_rounds):
+                run_round(runner, prompt, decode)
+            row.rss_delta_mb = rss_mb() - rss0
+            if job.engine == "eager torch":
+                reference[label] = logits
+            ref = reference.get(label)
+            row.max_abs_err = float(np.max(np.abs(logits - ref))) if ref is not None else None
+            ready[job.engine] = runner
+        except Exception as e:  # noqa: BLE001  (a failing engine is a table entry)
+            row.error = one_line(e)
+
+    def time_rounds(names: Sequence[str]) -> None:
+        for r in range(args.rounds):
+            order = list(names)[r % max(len(names), 1):] + list(names)[:r % max(len(names), 1)]
+            for name in order:
+                if name not in ready:
+                    continue
+                try:
+                    p, d, _ = run_round(ready[name], prompt, decode)
+                    rows[name].prefill_s.append(p)
+                    rows[name].decode_s.append(d)
+                except Exception as e:  # noqa: BLE001
+                    rows[name].error = one_line(e)
+                    del ready[name]
+
+    # eager first: its prefill logits are the reference for the others
+    jobs = sorted(jobs, key=lambda j: j.engine != "eager torch")
+    if spec.interleave:
+        for job in jobs:
+            load(job)
+        time_rounds([j.engine for j in jobs])
+    else:
+        for job in jobs:
+            load(job)
+            time_rounds([job.engine])
+            ready.clear()
+            gc.collect()
+    ready.clear()
+    gc.collect()
+    for row in rows.values():
+        if row.prefill_s:
+            row.rounds = len(row.prefill_s)
+            row.prefill_tok_s = args.prompt / float(np.median(row.prefill_s))
+            row.decode_tok_s = 1.0 / float(np.median(row.decode_s))
+    return [rows[j.engine] for j in sorted(jobs, key=lambda j: list(rows).index(j.engine))]
+
+
+# ---------------------------------------------------------------- output
+
+def fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(rows: Sequence[Row]) -> str:
+    headers = ["model", "dtype", "engine", "prefill tok/s", "decode tok/s", "% bw", "max|err|", "n", "load",
+               "+RSS MB", "note / error"]
+    cells, last = [], None
+    for r in rows:
+        key = (r.model, r.dtype)
+        cells.append([r.model if key != last else "", r.dtype if key != last else "", r.engine,
+                      fmt(r.prefill_tok_s, ".1f"), fmt(r.decode_tok_s, ".2f"),
+                      fmt(r.bw_share * 100 if r.bw_share else None, ".0f"), fmt(r.max_abs_err, ".1e"),
+                      str(r.rounds or "-"), fmt(r.load_s, ".1f") + ("s" if r.load_s else ""),
+                      fmt(r.rss_delta_mb, ".0f"), f"ERROR {r.error}" if r.error else r.note])
+        last = key
+    return format_table(headers, cells, [False, False, False] + [True] * 7 + [False])
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="smoke run: a tiny random Llama, 2 rounds, short sequences")
+    p.add_argument("--models", help=f"comma-separated subset of {','.join(MODELS)} (default smollm2,1.2b)")
+    p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated subset of fp32,bf16")
+    p.add_argument("--prompt", type=int, help="prompt tokens (default 64; quick 16)")
+    p.add_argument("--decode", type=int, help="decode steps per round (default 32; quick 8)")
+    p.add_argument("--rounds", type=int, help="timed rounds per engine (default 3; quick 2)")
+    p.add_argument("--json", metavar="PATH", help="also write meta and rows as JSON")
+    p.add_argument("--no-bandwidth", action="store_true", help="skip the 1 GiB memory bandwidth probe")
+    args = p.parse_args(argv)
+    args.models = (args.models or ("tiny" if args.quick else "smollm2,1.2b")).split(",")
+    args.dtypes = args.dtypes.split(",")
+    for name, pool in (("model", MODELS), ("dtype", DTYPES)):
+        bad = set(getattr(args, name + "s")) - set(pool)
+        if bad:
+            p.error(f"unknown {name}s {sorted(bad)}; choose from {list(pool)}")
+    args.prompt = args.prompt or (16 if args.quick else 64)
+    args.decode = args.decode or (8 if args.quick else 32)
+    args.rounds = args.rounds or (2 if args.quick else 3)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    meta = machine_meta(bandwidth=not args.no_bandwidth) | {
+        "prompt": args.prompt, "decode": args.decode, "rounds": args.rounds,
+        "compile_default": os.environ.get("MLX_DELEGATE_COMPILE", "1")}
+    bw = meta.get("bandwidth_gbs")
+    rows: list[Row] = []
+    max_seq_len = args.prompt + args.decode + 8
+    for key in args.models:
+        spec = MODELS[key]
+        print(f"building {spec.key} ...", file=sys.stderr, flush=True)
+        base = spec.build(max_seq_len).eval()
+        reference: dict[str, np.ndarray] = {}
+        for label, typed, jobs in jobs_for(base, args.dtypes, args.quick):
+            m = typed()
+            got = measure(spec, label, m, jobs(m), args, reference)
+            for r in got:
+                if bw and r.decode_tok_s:
+                    r.bw_share = r.decode_tok_s * weight_bytes(m) / (bw * 1e9) if label in DTYPES else None
+            rows += got
+            del m
+            gc.collect()
+        del base
+        gc.collect()
+    meta |= {"loadavg_end": [round(x, 2) for x in os.getloadavg()], "peak_rss_mb": round(peak_rss_mb()),
+             "wall_s": round(time.perf_counter() - started, 1)}
+    print()
+    print("  ".join(f"{k}={v}" for k, v in meta.items()))
+    print()
+    print(table(rows))
+    if bw:
+        print(f"% bw: decode tok/s over {bw} GB/s / weight bytes (fp32/bf16 rows; every weight read once per token)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
