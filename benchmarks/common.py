@@ -116,6 +116,26 @@ def _executorch(make_partitioner: Callable[[], Any]) -> Engine:
     return prepare
 
 
+def _node_by_node(engine: Engine) -> Engine:
+    """`engine` with the delegate's compiled graphs off during its calls (MLX_DELEGATE_COMPILE=0)."""
+    from mlx_delegate import _runtime
+
+    def prepare(w: Workload) -> Prepared:
+        p = engine(w)
+
+        def run() -> Any:
+            was = _runtime.compile_enabled()
+            _runtime.set_compile(False)
+            try:
+                return p.run()
+            finally:
+                _runtime.set_compile(was)
+
+        return replace(p, run=run)
+
+    return prepare
+
+
 def _xnnpack_partitioner() -> Any:
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 
@@ -125,10 +145,14 @@ def _xnnpack_partitioner() -> Any:
 # Display name and adapter per engine, in table order.
 ENGINES: dict[str, tuple[str, Engine]] = {
     "delegate": ("mlx_delegate", _executorch(mlx_delegate.MLXPartitioner)),
+    "nodes": ("mlx_delegate, node by node", _node_by_node(_executorch(mlx_delegate.MLXPartitioner))),
     "mlx": ("MLX Python", _mlx_python),
     "eager": ("eager torch", _eager),
     "xnnpack": ("ET XNNPACK", _executorch(_xnnpack_partitioner)),
 }
+
+# `nodes` (compiled graphs off) only when asked for: it shows what the graph cache saves.
+DEFAULT_ENGINES = [k for k in ENGINES if k != "nodes"]
 
 
 # ---------------------------------------------------------------- timing
@@ -420,8 +444,8 @@ def parse_args(description: str, argv: Sequence[str] | None = None) -> argparse.
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--quick", action="store_true", help="smaller smoke run (fewer rounds, smaller shapes)")
     p.add_argument("--json", metavar="PATH", help="also write meta and results as JSON")
-    p.add_argument("--engines", default=",".join(ENGINES),
-                   help=f"comma-separated subset of {','.join(ENGINES)} (default: all)")
+    p.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
+                   help=f"comma-separated subset of {','.join(ENGINES)} (default: {','.join(DEFAULT_ENGINES)})")
     p.add_argument("--budget", type=float, help="timed seconds per engine and case (overrides the default)")
     p.add_argument("--no-bandwidth", action="store_true", help="skip the 1 GiB memory bandwidth probe")
     args = p.parse_args(argv)
