@@ -21,7 +21,7 @@ from torch.export import ExportedProgram
 from .common import aten, dtype, erase_dead, is_op, replace, same_shape, same_size, shape
 from .subgraph import closed, scalar_constant
 
-MEAN, VAR = aten.mean.dim, aten.var.correction
+MEAN = aten.mean.dim
 MUL, DIV, SUB = aten.mul.Tensor, aten.div.Tensor, aten.sub.Tensor
 ADD = (aten.add.Tensor, aten.add.Scalar)
 
@@ -41,10 +41,10 @@ def _other(n: torch.fx.Node, known: object) -> object:
     return b if a is known else a if b is known else None
 
 
-def _over_last_axis(n: torch.fx.Node, x: torch.fx.Node) -> bool:
+def _over_last_axis(n: torch.fx.Node, x: torch.fx.Node, keepdim_at: int = 2) -> bool:
     """A keepdim reduction of `x`-shaped input over its last axis only."""
     dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
-    keepdim = n.args[2] if len(n.args) > 2 and is_op(n, MEAN) else n.kwargs.get("keepdim", False)
+    keepdim = n.args[keepdim_at] if len(n.args) > keepdim_at else n.kwargs.get("keepdim", False)
     rank = len(shape(x))
     return bool(keepdim) and isinstance(dims, (list, tuple)) and list(dims) in ([-1], [rank - 1])
 
@@ -60,8 +60,10 @@ def _variance(centered: list[torch.fx.Node], x: torch.fx.Node) -> tuple[torch.fx
                 if is_op(v, MEAN) and _over_last_axis(v, x):
                     return v, [sq]
     for v in x.users:
-        if is_op(v, VAR) and _over_last_axis(v, x) and v.kwargs.get("correction") in (0, 0.0):
+        if is_op(v, aten.var.correction) and _over_last_axis(v, x) and v.kwargs.get("correction") in (0, 0.0):
             return v, []
+        if is_op(v, aten.var.dim) and len(v.args) > 2 and v.args[2] is False and _over_last_axis(v, x, 3):
+            return v, []  # var(x, dims, unbiased=False, keepdim)
     return None
 
 
