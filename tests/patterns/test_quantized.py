@@ -3,6 +3,7 @@ embeddings lower to MLX's quantized kernels, match the same quantized model in
 eager torch, and layouts MLX cannot take still run (unfused) in the delegate."""
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -34,6 +35,27 @@ class LinearsAndEmbedding(torch.nn.Module):
         return self.biased(x), self.plain(x), self.emb(tokens)
 
 
+# (mode, group size, torchao mapping): every layout the fused kernels take, in one program per dtype.
+LAYOUTS = [("int8", None, "symmetric"), ("int8", 32, "symmetric"), ("int8", 128, "symmetric"),
+           ("int4", 32, "symmetric"), ("int4", 64, "symmetric"), ("int4", 128, "symmetric"),
+           ("int4", 32, "asymmetric")]
+
+
+class AllLayouts(torch.nn.Module):
+    """One LinearsAndEmbedding per layout, quantized as that row says."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(LinearsAndEmbedding() for _ in LAYOUTS)
+        self.to(dtype).eval()
+        for block, (mode, group_size, mapping) in zip(self.blocks, LAYOUTS):
+            config = replace(Q.torchao_config(mode, group_size), mapping_type=MappingType[mapping.upper()])
+            quantize_(block, config, filter_fn=lambda m, _: isinstance(m, (torch.nn.Linear, torch.nn.Embedding)))
+
+    def forward(self, x, tokens):
+        return [y for block in self.blocks for y in block(x, tokens)]
+
+
 def ir_nodes(edge) -> Counter:
     """Node types in every delegate payload of the lowered program."""
     gm, counts = edge.exported_program().graph_module, Counter()
@@ -61,24 +83,15 @@ def sample(dtype, k=256):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("mode,group_size", [("int8", None), ("int8", 32), ("int4", 32), ("int4", 64),
-                                             ("int4", 128), ("int8", 128)])
-def test_quantized_layers_fuse(mode, group_size, dtype):
-    module = Q.quantize_model(LinearsAndEmbedding().to(dtype).eval(), mode, group_size)
+def test_quantized_layers_fuse(dtype):
+    """int8 (per channel, groups of 32 and 128) and int4 (groups of 32/64/128, symmetric and not):
+    linears with and without bias and an embedding each become one quantized node."""
+    module = AllLayouts(dtype)
+    assert (module.blocks[-1].biased.weight.zero_point != 0).any()  # the asymmetric row has zero points
     fused, summary, nodes = lower_quantized(module, sample(dtype), dtype)
-    assert fused == 3 and summary == (1, [])
-    assert nodes["QuantizedLinearNode"] == 2 and nodes["QuantizedEmbeddingNode"] == 1
+    assert fused == 3 * len(LAYOUTS) and summary == (1, [])
+    assert nodes["QuantizedLinearNode"] == 2 * len(LAYOUTS) and nodes["QuantizedEmbeddingNode"] == len(LAYOUTS)
     assert not PLAIN & set(nodes) and not {"BinaryNode", "AsTypeNode"} & set(nodes)  # no dequantize + matmul
-
-
-def test_asymmetric_zero_points_fold_into_biases():
-    module = LinearsAndEmbedding().eval()
-    quantize_(module, IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32),
-                                           mapping_type=MappingType.ASYMMETRIC),
-              filter_fn=lambda m, _: isinstance(m, (torch.nn.Linear, torch.nn.Embedding)))
-    assert (module.biased.weight.zero_point != 0).any()
-    fused, summary, nodes = lower_quantized(module, sample(torch.float32), torch.float32)
-    assert fused == 3 and summary == (1, []) and FUSED <= set(nodes)
 
 
 def test_unsupported_group_size_runs_unfused():
