@@ -1,9 +1,10 @@
 """Each graph/memory optimisation off and on, side by side.
 
 For a Llama-shaped decoder step (KV caches as buffers, per-layer mask
-construction) and a Whisper-shaped encoder, prints IR node count, delegate
-call inputs/outputs, MLX peak memory during one call and median latency with
-every optimisation on, then with each one switched off.
+construction, attention written out) and a Whisper-shaped encoder (LayerNorm,
+attention and GELU written out, as hand-written modules export them), prints
+IR node count, delegate call inputs/outputs, MLX peak memory during one call
+and median latency with every optimisation on, then with each one switched off.
 
     python benchmarks/optimizations.py [--quick]
 """
@@ -23,7 +24,9 @@ from mlx_delegate import MLXPartitioner, _runtime
 from mlx_delegate.ir import nodes as N
 from mlx_delegate.testing import lower
 
-CONFIGS = {"all on": set(), "cse off": {"cse"}, "early_release off": {"early_release"}}
+CONFIGS = {"all on": set(), "cse off": {"cse"}, "early_release off": {"early_release"},
+           "fuse_layer_norm off": {"fuse_layer_norm"}, "fuse_activations off": {"fuse_activations"},
+           "fuse_attention off": {"fuse_attention"}, "all fusions off": {"fusions"}}
 
 
 class DecoderStep(torch.nn.Module):
@@ -37,8 +40,8 @@ class DecoderStep(torch.nn.Module):
         self.up = torch.nn.ModuleList(torch.nn.Linear(dim, 6 * dim, bias=False) for _ in range(layers))
         self.down = torch.nn.ModuleList(torch.nn.Linear(3 * dim, dim, bias=False) for _ in range(layers))
         for i in range(layers):
-            self.register_buffer(f"k{i}", torch.zeros(heads, ctx, dim // heads))
-            self.register_buffer(f"v{i}", torch.zeros(heads, ctx, dim // heads))
+            self.register_buffer(f"k{i}", torch.zeros(1, heads, ctx, dim // heads))
+            self.register_buffer(f"v{i}", torch.zeros(1, heads, ctx, dim // heads))
 
     @staticmethod
     def norm(x: torch.Tensor) -> torch.Tensor:
@@ -49,32 +52,42 @@ class DecoderStep(torch.nn.Module):
         for i, (qkv, o, up, down) in enumerate(zip(self.qkv, self.o, self.up, self.down)):
             # The same mask is rebuilt per layer, as exported HF models do (CSE merges it).
             mask = torch.arange(self.ctx) <= pos
-            q, k, v = qkv(self.norm(x)).view(1, 3, h, d).unbind(1)
+            q, k, v = qkv(self.norm(x)).view(1, 3, h, 1, d).unbind(1)  # [B, H, L, D]
             kc, vc = getattr(self, f"k{i}"), getattr(self, f"v{i}")
-            kc.index_copy_(1, pos.view(1), k.transpose(0, 1))
-            vc.index_copy_(1, pos.view(1), v.transpose(0, 1))
-            att = (q.transpose(0, 1) @ kc.transpose(1, 2)) / d**0.5
+            kc.index_copy_(2, pos.view(1), k)
+            vc.index_copy_(2, pos.view(1), v)
+            att = (q @ kc.transpose(-1, -2)) / d**0.5
             att = torch.where(mask, att, torch.full_like(att, -1e9)).softmax(-1)
-            x = x + o((att @ vc).transpose(0, 1).reshape(1, -1))
+            x = x + o((att @ vc).transpose(1, 2).reshape(1, -1))
             g, u = up(self.norm(x)).chunk(2, -1)
             x = x + down(torch.nn.functional.silu(g) * u)
         return x
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    c = x - x.mean(-1, keepdim=True)
+    return c / torch.sqrt((c * c).mean(-1, keepdim=True) + 1e-5) * weight + bias
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1 + torch.erf(x / 2**0.5))
 
 
 class EncoderLayer(torch.nn.Module):
     def __init__(self, dim: int, heads: int = 4):
         super().__init__()
         self.heads = heads
-        self.ln1, self.ln2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.ln1, self.ln2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)  # parameters only
         self.qkv, self.out = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
         self.fc1, self.fc2 = torch.nn.Linear(dim, 4 * dim), torch.nn.Linear(4 * dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).reshape(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        h = layer_norm(x, self.ln1.weight, self.ln1.bias)
+        q, k, v = self.qkv(h).reshape(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
         a = torch.softmax(q @ k.transpose(-1, -2) / (c // self.heads) ** 0.5, dim=-1) @ v
         x = x + self.out(a.transpose(1, 2).reshape(b, t, c))
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+        return x + self.fc2(gelu(self.fc1(layer_norm(x, self.ln2.weight, self.ln2.bias))))
 
 
 class EncoderBlock(torch.nn.Module):
@@ -87,7 +100,7 @@ class EncoderBlock(torch.nn.Module):
         self.layers = torch.nn.ModuleList(EncoderLayer(dim) for _ in range(layers))
 
     def forward(self, mel: torch.Tensor) -> torch.Tensor:
-        x = torch.nn.functional.gelu(self.conv2(torch.nn.functional.gelu(self.conv1(mel)))).transpose(1, 2)
+        x = gelu(self.conv2(gelu(self.conv1(mel)))).transpose(1, 2)
         for layer in self.layers:
             x = layer(x)
         return x
