@@ -43,7 +43,9 @@ mx::array load_named(const executorch::runtime::NamedDataMap* map, const flatbuf
                      mlxd::DType dtype, const flatbuffers::Vector<int64_t>* shape, const std::string& what) {
   if (key == nullptr) fail(what + ": missing data key");
   if (map == nullptr) fail(what + ": program has no named data map");
-  size_t expected = checked_numel(shape, what) * dtype_size(dtype);
+  size_t numel = checked_numel(shape, what);
+  if (numel > std::numeric_limits<size_t>::max() / dtype_size(dtype)) fail(what + ": size overflows");
+  size_t expected = numel * dtype_size(dtype);
   auto data = map->get_data(std::string_view(key->c_str(), key->size()));
   if (!data.ok()) fail(what + ": named data '" + key->str() + "' not found");
   if (data->size() != expected)
@@ -105,10 +107,117 @@ void check_io(const flatbuffers::Vector<flatbuffers::Offset<mlxd::IOSlot>>* io, 
       fail(name + ": unknown slot kind");
     }
     if (s->shape() && s->shape()->size() > kMaxRank) fail(name + ": rank too large");
+    // Sizes must fit ExecuTorch's int32 SizesType; a dynamic dim needs min <= max.
+    constexpr int64_t kMaxDim = std::numeric_limits<int32_t>::max();
     if (s->shape())
       for (const auto* d : *s->shape())
-        if (d->size() < 0 || d->min() < 0 || d->min() > d->max()) fail(name + ": bad dimension bounds");
+        if (d->size() < 0 || d->size() > kMaxDim ||
+            (d->dynamic() && (d->min() < 0 || d->min() > d->max() || d->max() > kMaxDim)))
+          fail(name + ": bad dimension bounds");
   }
+}
+
+// ---------------------------------------------------------------------------
+// Per-node field checks that need no tensor shapes: axes within the largest
+// rank, strides/kernels/dilations/groups positive, paddings non-negative. The
+// exec functions check what depends on shapes at run time; these catch what
+// would otherwise reach MLX as a division by zero or an out-of-bounds view.
+
+void check_axis(int64_t a, const char* field) {
+  if (a < -kMaxRank || a >= kMaxRank) fail(std::string(field) + " " + std::to_string(a) + " out of range");
+}
+void check_axes(const flatbuffers::Vector<int32_t>* v, const char* field) {
+  if (v == nullptr) return;
+  if (v->size() > kMaxRank) fail(std::string(field) + ": too many entries");
+  for (int32_t a : *v) check_axis(a, field);
+}
+void check_min(int64_t x, int64_t lo, const char* field) {
+  if (x < lo) fail(std::string(field) + " " + std::to_string(x) + " must be >= " + std::to_string(lo));
+}
+// An int list of at most kMaxRank entries, each >= lo.
+void check_all(const flatbuffers::Vector<int32_t>* v, int64_t lo, const char* field) {
+  if (v == nullptr) return;
+  if (v->size() > kMaxRank) fail(std::string(field) + ": too many entries");
+  for (int32_t x : *v) check_min(x, lo, field);
+}
+
+using NodeCheck = void (*)(const void*);
+template <typename T, void (*F)(const T&)>
+void typed(const void* n) { F(*static_cast<const T*>(n)); }
+
+void axis_of(const auto& n) { check_axis(n.axis(), "axis"); }
+void axes_of(const auto& n) { check_axes(n.axes(), "axes"); }
+void slice_fields(const auto& n) { axis_of(n); if (n.step() == 0) fail("step must not be 0"); }
+void conv_fields(const mlxd::ConvNode& n) {
+  check_all(n.stride(), 1, "stride");
+  check_all(n.dilation(), 1, "dilation");
+  check_all(n.padding(), 0, "padding");
+  check_all(n.output_padding(), 0, "output_padding");
+  check_min(n.groups(), 1, "groups");
+}
+void pool_fields(const mlxd::PoolNode& n) {
+  check_all(n.kernel(), 1, "kernel");
+  check_all(n.stride(), 1, "stride");
+  check_all(n.dilation(), 1, "dilation");
+  check_all(n.padding(), 0, "padding");
+  check_min(n.divisor(), 0, "divisor");
+}
+void transpose_fields(const mlxd::TransposeNode& n) { check_axes(n.perm(), "perm"); }
+void tile_fields(const mlxd::TileNode& n) { check_all(n.reps(), 0, "reps"); }
+void pixel_shuffle_fields(const mlxd::PixelShuffleNode& n) { check_min(n.factor(), 1, "factor"); }
+void group_norm_fields(const mlxd::GroupNormNode& n) { check_min(n.groups(), 1, "groups"); }
+void norm_ndim(const auto& n) {
+  check_min(n.normalized_ndim(), 0, "normalized_ndim");
+  check_axis(n.normalized_ndim() - 1, "normalized_ndim");
+}
+void sym_size_fields(const mlxd::SymSizeNode& n) { check_axis(n.dim(), "dim"); }
+void roll_fields(const mlxd::RollNode& n) {
+  check_axes(n.axes(), "axes");
+  if (n.shifts() && n.shifts()->size() > kMaxRank) fail("shifts: too many entries");
+}
+
+// Indexed by mlxd::Node; node types without static fields to check stay null.
+const std::vector<NodeCheck>& node_checks() {
+  static const std::vector<NodeCheck> table = [] {
+    std::vector<NodeCheck> t(kNumNodeTypes + 1, nullptr);
+    auto on = [&](mlxd::Node type, NodeCheck f) { t[static_cast<size_t>(type)] = f; };
+    using N = mlxd::Node;
+    on(N::ReduceNode, typed<mlxd::ReduceNode, axes_of>);
+    on(N::ArgReduceNode, typed<mlxd::ArgReduceNode, axis_of>);
+    on(N::SoftmaxNode, typed<mlxd::SoftmaxNode, axis_of>);
+    on(N::VarNode, typed<mlxd::VarNode, axes_of>);
+    on(N::CumulativeNode, typed<mlxd::CumulativeNode, axis_of>);
+    on(N::TransposeNode, typed<mlxd::TransposeNode, transpose_fields>);
+    on(N::ExpandDimsNode, typed<mlxd::ExpandDimsNode, axes_of>);
+    on(N::SqueezeNode, typed<mlxd::SqueezeNode, axes_of>);
+    on(N::SliceNode, typed<mlxd::SliceNode, slice_fields>);
+    on(N::SelectNode, typed<mlxd::SelectNode, axis_of>);
+    on(N::ConcatNode, typed<mlxd::ConcatNode, axis_of>);
+    on(N::StackNode, typed<mlxd::StackNode, axis_of>);
+    on(N::SplitNode, typed<mlxd::SplitNode, axis_of>);
+    on(N::TakeNode, typed<mlxd::TakeNode, axis_of>);
+    on(N::TakeAlongAxisNode, typed<mlxd::TakeAlongAxisNode, axis_of>);
+    on(N::LayerNormNode, typed<mlxd::LayerNormNode, norm_ndim>);
+    on(N::RmsNormNode, typed<mlxd::RmsNormNode, norm_ndim>);
+    on(N::SymSizeNode, typed<mlxd::SymSizeNode, sym_size_fields>);
+    on(N::TileNode, typed<mlxd::TileNode, tile_fields>);
+    on(N::RollNode, typed<mlxd::RollNode, roll_fields>);
+    on(N::FlipNode, typed<mlxd::FlipNode, axes_of>);
+    on(N::GatherNode, typed<mlxd::GatherNode, axes_of>);
+    on(N::ScatterNode, typed<mlxd::ScatterNode, axes_of>);
+    on(N::ScatterAxisNode, typed<mlxd::ScatterAxisNode, axis_of>);
+    on(N::SliceUpdateNode, typed<mlxd::SliceUpdateNode, slice_fields>);
+    on(N::ConvNode, typed<mlxd::ConvNode, conv_fields>);
+    on(N::PoolNode, typed<mlxd::PoolNode, pool_fields>);
+    on(N::PixelShuffleNode, typed<mlxd::PixelShuffleNode, pixel_shuffle_fields>);
+    on(N::GroupNormNode, typed<mlxd::GroupNormNode, group_norm_fields>);
+    on(N::VectorNormNode, typed<mlxd::VectorNormNode, axes_of>);
+    on(N::SortNode, typed<mlxd::SortNode, axis_of>);
+    on(N::TopkNode, typed<mlxd::TopkNode, axis_of>);
+    on(N::MedianNode, typed<mlxd::MedianNode, axis_of>);
+    return t;
+  }();
+  return table;
 }
 
 }  // namespace
@@ -188,6 +297,7 @@ std::shared_ptr<const LoadedProgram> load_program(const void* data, size_t size,
       } writes{checker};
       visit_slots(type, ins->node(), reads);
       visit_slots(type, ins->node(), writes);
+      if (auto check = node_checks()[static_cast<size_t>(type)]) check(ins->node());
     } catch (const LoadError& e) {
       fail("instruction " + std::to_string(i) + " (" + kNodeNames[int(type)] + "): " + e.what());
     }

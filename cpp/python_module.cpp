@@ -1,11 +1,16 @@
 // Python entry point: `mlx_delegate._runtime`. Importing it registers the
 // backend with the executorch wheel's runtime.
 #include <map>
+#include <memory>
+#include <numeric>
 #include <string>
+#include <vector>
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include <executorch/runtime/core/named_data_map.h>
 
@@ -46,12 +51,154 @@ class DictDataMap final : public executorch::runtime::NamedDataMap {
   std::map<std::string, std::string> data_;
 };
 
+// {name: bytes} from Python as the named data map a .pte would provide.
+DictDataMap data_map(const nb::dict& named_data) {
+  std::map<std::string, std::string> data;
+  for (auto [key, value] : named_data) {
+    nb::bytes b = nb::cast<nb::bytes>(value);
+    data.emplace(nb::cast<std::string>(key), std::string(b.c_str(), b.size()));
+  }
+  return DictDataMap(std::move(data));
+}
+
 // Loads (verifies) a payload; raises ValueError naming the problem.
-void check_payload(nb::bytes payload, std::map<std::string, std::string> named_data) {
-  DictDataMap map(std::move(named_data));
+void check_payload(nb::bytes payload, nb::dict named_data) {
+  DictDataMap map = data_map(named_data);
   try {
     auto lp = load_program(payload.c_str(), payload.size(), &map);
     (void)lp;
+  } catch (const std::exception& e) {
+    throw nb::value_error(e.what());
+  }
+}
+
+namespace et = executorch::aten;
+
+// ExecuTorch scalar type for each IR dtype (indexed by mlxd::DType); u16..u64
+// have no ExecuTorch tensor type.
+constexpr et::ScalarType kScalarTypes[] = {
+    et::ScalarType::Float, et::ScalarType::Half,  et::ScalarType::BFloat16, et::ScalarType::Double,
+    et::ScalarType::Char,  et::ScalarType::Short, et::ScalarType::Int,      et::ScalarType::Long,
+    et::ScalarType::Byte,  et::ScalarType::Undefined, et::ScalarType::Undefined, et::ScalarType::Undefined,
+    et::ScalarType::Bool};
+static_assert(std::size(kScalarTypes) == size_t(mlxd::DType::MAX) + 1);
+
+// A contiguous ExecuTorch tensor over memory this object owns.
+struct OwnedTensor {
+  std::vector<et::SizesType> sizes;
+  std::vector<et::DimOrderType> dim_order;
+  std::vector<et::StridesType> strides;
+  std::string data;
+  std::unique_ptr<et::TensorImpl> impl;
+
+  OwnedTensor(mlxd::DType dtype, std::vector<et::SizesType> shape, std::string bytes)
+      : sizes(std::move(shape)), dim_order(sizes.size()), strides(sizes.size()), data(std::move(bytes)) {
+    std::iota(dim_order.begin(), dim_order.end(), et::DimOrderType(0));
+    int64_t stride = 1;
+    for (size_t d = sizes.size(); d-- > 0;) {
+      strides[d] = static_cast<et::StridesType>(stride);
+      stride *= sizes[d];
+    }
+    impl = std::make_unique<et::TensorImpl>(kScalarTypes[int(dtype)], ssize_t(sizes.size()), sizes.data(),
+                                            data.data(), dim_order.data(), strides.data(),
+                                            et::TensorShapeDynamism::DYNAMIC_BOUND);
+  }
+};
+
+mlxd::DType dtype_named(const std::string& name) {
+  for (int d = 0; d <= int(mlxd::DType::MAX); ++d)
+    if (name == mlxd::EnumNameDType(mlxd::DType(d)) && kScalarTypes[d] != et::ScalarType::Undefined)
+      return mlxd::DType(d);
+  throw nb::value_error(("unsupported dtype '" + name + "'").c_str());
+}
+
+// Output capacity: every dimension at its exported upper bound when that fits
+// in `cap` bytes, else at its lower bound (a larger result is then an error).
+std::vector<et::SizesType> output_sizes(const mlxd::IOSlot* s, size_t cap) {
+  std::vector<et::SizesType> hi, lo;
+  size_t bytes = to_mlx(s->dtype()).size();
+  if (s->shape() == nullptr) return hi;
+  for (const auto* d : *s->shape()) {
+    int64_t upper = d->dynamic() ? d->max() : d->size();
+    int64_t lower = d->dynamic() ? d->min() : d->size();
+    bytes = upper > 0 && bytes > cap / size_t(upper) ? cap + 1 : bytes * size_t(std::max<int64_t>(upper, 0));
+    hi.push_back(et::SizesType(std::min<int64_t>(upper, INT32_MAX)));
+    lo.push_back(et::SizesType(std::min<int64_t>(lower, INT32_MAX)));
+  }
+  if (bytes <= cap) return hi;
+  size_t low_bytes = to_mlx(s->dtype()).size();
+  for (auto d : lo) low_bytes = d && low_bytes > cap / size_t(d) ? cap + 1 : low_bytes * size_t(d);
+  if (low_bytes > cap) throw nb::value_error("output is larger than max_output_bytes");
+  return lo;
+}
+
+using TensorArg = std::tuple<std::string, std::vector<int32_t>, nb::bytes>;  // (dtype, shape, data)
+
+// Loads a payload and runs it once on `inputs` (TensorArg, int or float each),
+// without ExecuTorch's program machinery: the fuzzer's entry point. Returns the
+// outputs (TensorArg or int). Every failure is a ValueError naming the problem.
+std::vector<nb::object> run_payload(nb::bytes payload, nb::dict named_data, nb::list inputs,
+                                    size_t max_output_bytes) {
+  DictDataMap map = data_map(named_data);
+  std::vector<std::unique_ptr<OwnedTensor>> tensors;
+  std::vector<executorch::runtime::EValue> values;
+  try {
+    Handle handle(load_program(payload.c_str(), payload.size(), &map));
+    const auto* p = handle.program().program;
+    for (nb::handle x : inputs) {
+      if (nb::isinstance<nb::int_>(x)) values.emplace_back(nb::cast<int64_t>(x));
+      else if (nb::isinstance<nb::float_>(x)) values.emplace_back(nb::cast<double>(x));
+      else {
+        auto [name, shape, data] = nb::cast<TensorArg>(x);
+        mlxd::DType dtype = dtype_named(name);
+        size_t n = to_mlx(dtype).size();
+        for (int32_t d : shape) n = d < 0 ? SIZE_MAX : n * size_t(d);
+        if (n != data.size()) throw nb::value_error("input data size does not match its shape and dtype");
+        tensors.push_back(std::make_unique<OwnedTensor>(
+            dtype, std::vector<et::SizesType>(shape.begin(), shape.end()), std::string(data.c_str(), data.size())));
+        values.emplace_back(et::Tensor(tensors.back()->impl.get()));
+      }
+    }
+    size_t n_out = p->outputs() ? p->outputs()->size() : 0;
+    std::vector<OwnedTensor*> outs;
+    for (size_t i = 0; i < n_out; ++i) {
+      const auto* s = p->outputs()->Get(i);
+      if (s->kind() != mlxd::SlotKind::Tensor || kScalarTypes[int(s->dtype())] == et::ScalarType::Undefined) {
+        values.emplace_back();
+        outs.push_back(nullptr);
+        continue;
+      }
+      auto sizes = output_sizes(s, max_output_bytes);
+      size_t n = std::accumulate(sizes.begin(), sizes.end(), size_t(1),
+                                 [](size_t a, et::SizesType b) { return a * size_t(b); });
+      tensors.push_back(std::make_unique<OwnedTensor>(s->dtype(), std::move(sizes),
+                                                      std::string(n * to_mlx(s->dtype()).size(), '\0')));
+      values.emplace_back(et::Tensor(tensors.back()->impl.get()));
+      outs.push_back(tensors.back().get());
+    }
+    std::vector<executorch::runtime::EValue*> args;
+    for (auto& v : values) args.push_back(&v);
+    {
+      nb::gil_scoped_release release;
+      handle.execute({args.data(), args.size()});
+    }
+    std::vector<nb::object> result;
+    for (size_t i = 0; i < n_out; ++i) {
+      const auto& v = values[values.size() - n_out + i];
+      if (outs[i] == nullptr) {
+        result.push_back(v.isInt() ? nb::cast(v.toInt()) : nb::none());
+        continue;
+      }
+      const auto& t = v.toTensor();
+      std::vector<int32_t> shape(t.sizes().begin(), t.sizes().end());
+      result.push_back(nb::cast(TensorArg(mlxd::EnumNameDType(p->outputs()->Get(i)->dtype()), shape,
+                                          nb::bytes(outs[i]->data.data(), t.nbytes()))));
+    }
+    return result;
+  } catch (const nb::python_error&) {
+    throw;
+  } catch (const nb::builtin_exception&) {
+    throw;
   } catch (const std::exception& e) {
     throw nb::value_error(e.what());
   }
@@ -65,8 +212,14 @@ NB_MODULE(_runtime, m) {
   m.def("backend_id", [] { return std::string(kBackendId); });
   m.def("schema_version", [] { return kSchemaVersion; });
   m.def("last_error", [] { return last_error(); }, "Message of this thread's last delegate error.");
-  m.def("check_payload", &check_payload, nb::arg("payload"), nb::arg("named_data") = std::map<std::string, std::string>{},
+  m.def("check_payload", &check_payload, nb::arg("payload"), nb::arg("named_data") = nb::dict(),
         "Verify and load a delegate payload; raises ValueError naming the problem.");
+  m.def("run_payload", &run_payload, nb::arg("payload"), nb::arg("named_data"), nb::arg("inputs"),
+        nb::arg("max_output_bytes") = size_t(1) << 28,
+        "Load a payload and run it once on (dtype, shape, bytes) / int / float inputs (fuzzing and tests).");
+  m.def("set_max_tensor_bytes", &set_max_tensor_bytes, nb::arg("bytes"),
+        "Largest tensor a node may produce (0: physical memory).");
+  m.def("max_tensor_bytes", &max_tensor_bytes);
   m.def("peak_memory", [] { return mlx::core::get_peak_memory(); }, "MLX peak memory (bytes) since the last reset.");
   m.def("reset_peak_memory", [] { mlx::core::reset_peak_memory(); });
   m.def("active_memory", [] { return mlx::core::get_active_memory(); });

@@ -1,6 +1,31 @@
 #include "runtime.h"
 
+#include <atomic>
+
+#include <unistd.h>
+
 namespace mlxd::rt {
+namespace {
+
+size_t physical_memory() {
+  long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<size_t>(pages) * static_cast<size_t>(page) : size_t(1) << 40;
+}
+
+std::atomic<size_t> g_max_tensor_bytes{physical_memory()};
+
+}  // namespace
+
+size_t max_tensor_bytes() { return g_max_tensor_bytes.load(std::memory_order_relaxed); }
+void set_max_tensor_bytes(size_t bytes) { g_max_tensor_bytes.store(bytes ? bytes : physical_memory()); }
+
+void check_tensor_size(const mx::array& a) {
+  // size() is the product of int32 dims: compare in elements to avoid overflow.
+  size_t limit = max_tensor_bytes() / a.itemsize();
+  if (a.size() > limit)
+    throw NodeError("result of " + std::to_string(a.size()) + " elements exceeds the " +
+                    std::to_string(max_tensor_bytes()) + "-byte tensor limit");
+}
 
 mx::Dtype to_mlx(mlxd::DType dtype) {
   switch (dtype) {

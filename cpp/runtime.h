@@ -30,6 +30,14 @@ struct NodeError : std::runtime_error {
 mx::Dtype to_mlx(mlxd::DType dtype);
 const char* dtype_name(mlxd::DType dtype);
 
+// Largest tensor (bytes) a node may produce. MLX does not survive a failed
+// allocation (it dereferences the null buffer), so a payload whose shapes ask
+// for more than the machine has must fail here, before evaluation. Defaults to
+// the physical memory size; process-wide.
+size_t max_tensor_bytes();
+void set_max_tensor_bytes(size_t bytes);
+void check_tensor_size(const mx::array& a);
+
 struct ExecContext {
   std::vector<std::optional<mx::array>> tensors;
   std::vector<Value> values;
@@ -46,6 +54,7 @@ struct ExecContext {
 
   void set(const mlxd::Tid* tid, mx::array value) {
     if (tid == nullptr) throw NodeError("missing output tensor field");
+    check_tensor_size(value);
     tensors[tid->idx()] = std::move(value);
   }
 

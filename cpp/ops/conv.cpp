@@ -101,10 +101,12 @@ struct Window {
 // torch's pooled length, including the ceil-mode rule that the last window
 // must start inside the input or its left padding.
 int pooled_size(int in, int k, int s, int p, int d, bool ceil_mode) {
-  int span = in + 2 * p - d * (k - 1) - 1;
-  int out = (span + (ceil_mode ? s - 1 : 0)) / s + 1;
-  if (ceil_mode && (out - 1) * s >= in + p) --out;
-  return std::max(out, 0);
+  // int64: a payload's dilation * kernel may overflow int.
+  int64_t span = int64_t(in) + 2 * int64_t(p) - int64_t(d) * (k - 1) - 1;
+  if (span < 0) throw NodeError("pooling window is larger than the padded input");
+  int64_t out = (span + (ceil_mode ? s - 1 : 0)) / s + 1;
+  if (ceil_mode && (out - 1) * s >= int64_t(in) + p) --out;
+  return static_cast<int>(out);
 }
 
 std::vector<int> pooled_sizes(const mx::Shape& spatial, const Window& w) {
