@@ -117,9 +117,9 @@ def _masked(ep: ExportedProgram, s: torch.fx.Node, nodes: list) -> tuple[object,
     if not _single_user(s):
         return s, None, False
     if is_op(s, aten.add.Tensor) and len(s.args) == 2 and not s.kwargs:
-        for i in (0, 1):
+        for i in (0, 1):  # the scores are the operand that is (a scaled) q @ k^T
             scores, mask = s.args[i], s.args[1 - i]
-            if is_op(scores, MATMUL, aten.mul.Tensor, aten.div.Tensor) and isinstance(mask, torch.fx.Node):
+            if is_op(_scale_of(ep, scores, [])[0], MATMUL) and isinstance(mask, torch.fx.Node):
                 nodes.append(s)
                 return scores, mask, False
     if is_op(s, aten.masked_fill.Scalar):

@@ -187,6 +187,18 @@ class AdditiveMask(torch.nn.Module):
         return torch.softmax(scores(q, k, self.scale_form) + mask, dim=-1) @ v
 
 
+class ComputedMaskFirst(AdditiveMask):
+    """mask + scores, the mask itself a scaled tensor: the scores are told apart by their matmul."""
+
+    def forward(self, q, k, v, mask):
+        return torch.softmax(mask * 2.0 + scores(q, k, "mul"), dim=-1) @ v
+
+
+def test_attention_with_computed_mask_first_fuses():
+    _, nodes = lowered_kinds(ComputedMaskFirst(), (*qkv(torch.float32), torch.randn(1, 1, 8, 8)))
+    assert sum(type(n).__name__ == "SdpaNode" for n in nodes) == 1 and len(nodes) == 2  # mask * 2, SDPA
+
+
 class CausalBuffer(torch.nn.Module):
     """nanoGPT: masked_fill with a slice of a constant lower-triangular buffer."""
 
