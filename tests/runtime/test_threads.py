@@ -18,7 +18,7 @@ class Block(torch.nn.Module):
         return torch.tanh(x @ self.w) * x + 1.0
 
 
-RUNS = 200
+RUNS = 1000
 
 
 def _inputs():
