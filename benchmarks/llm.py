@@ -63,6 +63,7 @@ class ModelSpec:
     key: str
     build: Callable[[int], Model]  # max_seq_len -> fp32 model
     interleave: bool  # engines loaded together (small models) or one after another
+    quantized: bool = True  # int8/int4 rows (one more export each)
 
 
 def smollm2(max_seq_len: int) -> Model:
@@ -84,7 +85,8 @@ TINY = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key
 
 MODELS = {
     "smollm2": ModelSpec("SmolLM2-135M", smollm2, interleave=True),
-    "1.2b": ModelSpec("Llama-1.2B (random)", lambda n: random_llama(n, **LLAMA_1B), interleave=False),
+    "1.2b": ModelSpec("Llama-1.2B (random)", lambda n: random_llama(n, **LLAMA_1B), interleave=False,
+                      quantized=False),
     "tiny": ModelSpec("tiny Llama (random)", lambda n: random_llama(n, **TINY), interleave=True),
 }
 
@@ -315,7 +317,7 @@ class Job:
     warm_rounds: int = 0  # full untimed rounds after the warm-up call (so replayed positions are compiled)
 
 
-def jobs_for(model: Model, dtypes: Sequence[str], quick: bool) -> Iterator[tuple[str, Callable[[], Model], list[Job]]]:
+def jobs_for(model: Model, dtypes: Sequence[str], quantized: Sequence[str]) -> Iterator[tuple[str, Callable[[], Model], list[Job]]]:
     """(dtype label, model in that dtype, engine jobs) per dtype; quantized rows after fp32."""
     quantize_ok = "quantize" in inspect.signature(llm_export.to_pte).parameters
     for label in dtypes:
@@ -326,7 +328,7 @@ def jobs_for(model: Model, dtypes: Sequence[str], quick: bool) -> Iterator[tuple
             pte = SharedPte(m)
             out = [Job("mlx_delegate", label, lambda: MethodRunner(pte.get())),
                    Job("mlx_delegate, compiled", label, lambda: MethodRunner(pte.take(), compile_graphs=True),
-                       "positions replayed: cached graphs", warm_rounds=2),
+                       "positions replayed: cached graphs", warm_rounds=1),
                    Job("MLX Python", label, lambda: MlxRunner(m, DTYPES[label])),
                    Job("eager torch", label, lambda: EagerRunner(m))]
             if label == "fp32":
@@ -334,8 +336,8 @@ def jobs_for(model: Model, dtypes: Sequence[str], quick: bool) -> Iterator[tuple
             return out
 
         yield label, typed, jobs
-        if label == "fp32" and quantize_ok and not quick:
-            for q in QUANTIZED:
+        if label == "fp32" and quantize_ok:
+            for q in quantized:
                 yield q, typed, (lambda m, q=q: [Job("mlx_delegate", q, lambda: MethodRunner(SharedPte(m, q).take()))])
 
 
@@ -440,6 +442,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smoke run: a tiny random Llama, 2 rounds, short sequences")
     p.add_argument("--models", help=f"comma-separated subset of {','.join(MODELS)} (default smollm2,1.2b)")
     p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated subset of fp32,bf16")
+    p.add_argument("--quantize", default=",".join(QUANTIZED),
+                   help="delegate rows for these weight-only modes (models that allow it; '' for none)")
     p.add_argument("--prompt", type=int, help="prompt tokens (default 64; quick 16)")
     p.add_argument("--decode", type=int, help="decode steps per round (default 32; quick 8)")
     p.add_argument("--rounds", type=int, help="timed rounds per engine (default 3; quick 2)")
@@ -448,6 +452,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.models = (args.models or ("tiny" if args.quick else "smollm2,1.2b")).split(",")
     args.dtypes = args.dtypes.split(",")
+    args.quantize = [q for q in args.quantize.split(",") if q]
+    if set(args.quantize) - set(QUANTIZED):
+        p.error(f"--quantize takes a subset of {','.join(QUANTIZED)}")
     for name, pool in (("model", MODELS), ("dtype", DTYPES)):
         bad = set(getattr(args, name + "s")) - set(pool)
         if bad:
@@ -472,13 +479,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"building {spec.key} ...", file=sys.stderr, flush=True)
         base = spec.build(max_seq_len).eval()
         reference: dict[str, np.ndarray] = {}
-        for label, typed, jobs in jobs_for(base, args.dtypes, args.quick):
+        quantized = args.quantize if spec.quantized and not args.quick else []
+        for label, typed, jobs in jobs_for(base, args.dtypes, quantized):
             m = typed()
             got = measure(spec, label, m, jobs(m), args, reference)
             for r in got:
                 if bw and r.decode_tok_s:
                     r.bw_share = r.decode_tok_s * weight_bytes(m) / (bw * 1e9) if label in DTYPES else None
             rows += got
+            print(table(rows), file=sys.stderr, flush=True)  # progress: the table so far
             del m
             gc.collect()
         del base
