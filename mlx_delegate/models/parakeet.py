@@ -79,13 +79,19 @@ def example_inputs(model: nn.Module, frames: int = 8 * 25 - 4) -> tuple[torch.Te
     return torch.zeros(1, frames, n_mels), torch.tensor([frames])
 
 
-def export(model: nn.Module, max_frames: int = 8 * 1000 - 4) -> torch.export.ExportedProgram:
-    """Export with frames = 8k - 4 for 1 <= k <= (max_frames + 4) / 8 (10 ms frames: 80 s by default)."""
-    k = torch.export.Dim("k", min=2, max=(max_frames + 4) // SUBSAMPLING)
-    shapes = {"features": {1: SUBSAMPLING * k - 4}, "length": None}
+def export(model: nn.Module, max_frames: int = 8 * 1000 - 4,
+           static: bool = False) -> torch.export.ExportedProgram:
+    """Export with frames = 8k - 4 for 1 <= k <= (max_frames + 4) / 8 (10 ms frames: 80 s by default).
+
+    `static` fixes the frame count at `max_frames` instead (shorter input is still padded and masked).
+    """
+    if static:
+        inputs, shapes = example_inputs(model, padded_frames(max_frames)), None
+    else:
+        k = torch.export.Dim("k", min=2, max=(max_frames + 4) // SUBSAMPLING)
+        inputs, shapes = example_inputs(model), {"features": {1: SUBSAMPLING * k - 4}, "length": None}
     with torch.no_grad(), _export_attention(model):
-        return torch.export.export(CTCLogits(model).eval(), example_inputs(model), dynamic_shapes=shapes,
-                                   strict=False)
+        return torch.export.export(CTCLogits(model).eval(), inputs, dynamic_shapes=shapes, strict=False)
 
 
 @dataclass
@@ -95,13 +101,16 @@ class Lowering:
     segments: dict[str, int]
 
 
-def lower(model: nn.Module, max_frames: int = 8 * 1000 - 4) -> Lowering:
+def lower(model: nn.Module, max_frames: int = 8 * 1000 - 4, partitioner: Any = None,
+          static: bool = False) -> Lowering:
+    """Export and lower `forward` (`MLXPartitioner` unless given another, e.g. XNNPACK's for comparison)."""
     from executorch.exir import to_edge_transform_and_lower
 
     from ..partitioner import MLXPartitioner
     from ..testing import delegate_summary
 
-    edge = to_edge_transform_and_lower(export(model, max_frames), partitioner=[MLXPartitioner()])
+    partitioner = partitioner or MLXPartitioner()
+    edge = to_edge_transform_and_lower(export(model, max_frames, static), partitioner=[partitioner])
     segments, fallback = delegate_summary(edge)
     return Lowering(edge.to_executorch().buffer, {"forward": fallback}, {"forward": segments})
 

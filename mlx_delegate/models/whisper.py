@@ -137,8 +137,8 @@ class Lowering:
     segments: dict[str, int]
 
 
-def lower(model: nn.Module, max_len: int | None = None) -> Lowering:
-    """Export and lower both methods through `MLXPartitioner` into one ExecuTorch program."""
+def lower(model: nn.Module, max_len: int | None = None, partitioner: Any = None) -> Lowering:
+    """Export and lower both methods into one ExecuTorch program (`MLXPartitioner` unless given another)."""
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
 
@@ -146,7 +146,7 @@ def lower(model: nn.Module, max_len: int | None = None) -> Lowering:
     from ..testing import delegate_summary
 
     programs = export(model, max_len)
-    edge = to_edge_transform_and_lower(programs, partitioner=[MLXPartitioner()])
+    edge = to_edge_transform_and_lower(programs, partitioner=[partitioner or MLXPartitioner()])
     fallback, segments = {}, {}
     for name in programs:
         segments[name], fallback[name] = delegate_summary(_Method(edge, name))
