@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 from executorch.runtime import Runtime
+from torch.export import Dim
 from torchao.quantization import IntxWeightOnlyConfig, MappingType, quantize_
 from torchao.quantization.granularity import PerGroup
 from transformers import LlamaConfig
@@ -66,20 +67,23 @@ def ir_nodes(edge) -> Counter:
     return counts
 
 
-def lower_quantized(module, inputs, dtype):
-    """Lower with the pattern pass, check against eager; returns (pattern counts, summary, IR node counts)."""
+def lower_quantized(module, inputs, dtype, more_inputs=()):
+    """Lower with the pattern pass (token count dynamic), check every input set against eager;
+    returns (pattern count, delegate summary, IR node counts)."""
     pattern_pass = MLXPatternPass()
-    ep = torch.export.export(module, inputs, strict=True)
+    dynamic = ({1: Dim("L", min=1, max=16)}, {1: Dim("T", min=1, max=16)})
+    ep = torch.export.export(module, inputs, dynamic_shapes=dynamic, strict=True)
     edge = llm_export.lower(ep, pattern_pass=pattern_pass)
     buffer = edge.to_executorch().buffer  # the program reads from it: keep it alive
     method = Runtime.get().load_program(buffer).load_method("forward")
-    with torch.no_grad():
-        assert_close(method.execute(list(inputs)), module(*inputs), *TOLERANCE[dtype])
+    for args in (inputs, *more_inputs):
+        with torch.no_grad():
+            assert_close(method.execute(list(args)), module(*args), *TOLERANCE[dtype])
     return pattern_pass.counts["quantized"], delegate_summary(edge), ir_nodes(edge)
 
 
-def sample(dtype, k=256):
-    return torch.randn(2, 3, k, dtype=dtype), torch.tensor([[0, 5, 23], [7, 7, 1]])
+def sample(dtype, k=256, length=3):
+    return torch.randn(2, length, k, dtype=dtype), torch.randint(0, 24, (2, length))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -88,7 +92,8 @@ def test_quantized_layers_fuse(dtype):
     linears with and without bias and an embedding each become one quantized node."""
     module = AllLayouts(dtype)
     assert (module.blocks[-1].biased.weight.zero_point != 0).any()  # the asymmetric row has zero points
-    fused, summary, nodes = lower_quantized(module, sample(dtype), dtype)
+    # 6 rows and 16 rows: on the CPU the runtime switches from quantized_matmul to dequantize + matmul at 8.
+    fused, summary, nodes = lower_quantized(module, sample(dtype), dtype, [sample(dtype, length=8)])
     assert fused == 3 * len(LAYOUTS) and summary == (1, [])
     assert nodes["QuantizedLinearNode"] == 2 * len(LAYOUTS) and nodes["QuantizedEmbeddingNode"] == len(LAYOUTS)
     assert not PLAIN & set(nodes) and not {"BinaryNode", "AsTypeNode"} & set(nodes)  # no dequantize + matmul
@@ -145,3 +150,13 @@ def test_int4_llama_generates_like_eager():
             tokens.append(int(logits.argmax()))
             logits = model(torch.tensor([tokens[-1:]]), torch.tensor([len(tokens) - 1]))[0, -1]
     assert ours == tokens[len(prompt):]
+
+
+def test_generate_cli_quantize_options():
+    from mlx_delegate.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "hi", "--quantize", "int4", "--group-size", "32"])
+    assert (args.quantize, args.group_size) == ("int4", 32)
+    assert build_parser().parse_args(["generate", "hi"]).quantize is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "hi", "--quantize", "int4", "--group-size", "48"])
