@@ -120,7 +120,8 @@ def delegate_io(lowered: Any) -> str:
     return "+".join(f"{len(c.args) - 1}/{len(c.users)}" for c in calls)
 
 
-def prepare(module: torch.nn.Module, inputs: tuple, disabled: set[str]) -> tuple[list[str], Callable[[], Any]]:
+def prepare(module: torch.nn.Module, inputs: tuple,
+            disabled: set[str]) -> tuple[list[str], Callable[[], Any]]:
     """Lower with `disabled` switched off; (IR nodes, segments, delegate in/out, MLX peak above what is
     resident before the call, max |diff| vs eager) and one call."""
     lowered = lower(module, inputs, partitioner=MLXPartitioner(disable=disabled))
@@ -174,8 +175,8 @@ def main(argv: list[str] | None = None) -> None:
         medians = interleaved_medians(calls, runs)
         rows += [[name, config, *cols, fmt_time(medians[config]) if config in medians else ""]
                  for config, cols in columns.items()]
-    headers = ["model", "optimisations", "IR nodes", "segments", "delegate in/out", "MLX peak (call)", "max |diff|",
-               "median"]
+    headers = ["model", "optimisations", "IR nodes", "segments", "delegate in/out", "MLX peak (call)",
+               "max |diff|", "median"]
     print(format_table(headers, rows, right=[False, False, True, False, True, True, True, True]))
 
 

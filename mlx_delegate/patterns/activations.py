@@ -68,7 +68,10 @@ def _heads(anchor: torch.fx.Node) -> list[torch.fx.Node]:
     return chain
 
 
-def match(ep: ExportedProgram, anchor: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, object, dict] | None:
+Found = tuple[torch.fx.Node, torch.fx.Node, object, dict]  # (x, head, fused target, its kwargs)
+
+
+def match(ep: ExportedProgram, anchor: torch.fx.Node) -> Found | None:
     """(x, head, fused target, kwargs) for the activation around `anchor`, if it is one."""
     heads = _heads(anchor)
     for x in _inputs(ep, anchor):

@@ -70,7 +70,7 @@ def _swaps_last_two(t: torch.fx.Node) -> bool:
     return {a % rank for a in t.args[1:3]} == {rank - 2, rank - 1}
 
 
-def _unrepeated(ep: ExportedProgram, x: object, nodes: list) -> tuple[object, bool]:
+def _unrepeated(x: object, nodes: list) -> tuple[object, bool]:
     """(k, True) for k repeated per query group: view(clone?(expand(unsqueeze(k, 2)))), else (x, False)."""
     view = x
     if not is_op(view, *VIEWS) or not _single_user(view):
@@ -165,8 +165,8 @@ def match(ep: ExportedProgram, pv: torch.fx.Node) -> Match | None:
         return None
     nodes.append(kt)
     q, q_scale = _scale_of(ep, q, nodes)
-    k, k_gqa = _unrepeated(ep, kt.args[0], nodes)
-    v, v_gqa = _unrepeated(ep, pv.args[1], nodes)
+    k, k_gqa = _unrepeated(kt.args[0], nodes)
+    v, v_gqa = _unrepeated(pv.args[1], nodes)
     if k_gqa != v_gqa or any(len(shape(t)) != 4 for t in (q, k, v)):
         return None
     if len({dtype(q), dtype(k), dtype(v), dtype(pv)}) != 1:

@@ -67,7 +67,8 @@ def _variance(centered: list[torch.fx.Node], x: torch.fx.Node) -> tuple[torch.fx
     return None
 
 
-def _normalized(a: torch.fx.Node, centered: list[torch.fx.Node]) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+def _normalized(a: torch.fx.Node, centered: list[torch.fx.Node]
+                ) -> tuple[torch.fx.Node, torch.fx.Node] | None:
     """(y, the rsqrt/sqrt node) for y = c * rsqrt(a) or c / sqrt(a)."""
     if len(a.users) != 1:
         return None

@@ -14,8 +14,8 @@ from .common import TO_COPY, aten, constant_value, is_op
 # Element-wise ops an activation may be written with (scalars broadcast, nothing else).
 ELEMENTWISE = (
     aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Scalar, aten.mul.Tensor,
-    aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.pow.Tensor_Scalar, aten.neg.default, aten.erf.default,
-    aten.tanh.default, aten.sigmoid.default, aten.exp.default, aten.reciprocal.default, aten.sqrt.default,
+    aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.pow.Tensor_Scalar, aten.neg.default,
+    aten.erf.default, aten.tanh.default, aten.sigmoid.default, aten.exp.default, aten.reciprocal.default, aten.sqrt.default,
     aten.rsqrt.default, *TO_COPY,
 )
 MAX_EVAL_ELEMENTS = 1 << 20  # constant masks larger than this are not evaluated at lowering time

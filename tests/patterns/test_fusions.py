@@ -94,7 +94,8 @@ class LeakyLayerNorm(HandLayerNorm):
         return c * torch.rsqrt((c * c).mean(-1, keepdim=True) + 1e-6), c
 
 
-@pytest.mark.parametrize("module", [BesselLayerNorm(16, ""), LeakyLayerNorm(16, "")], ids=["unbiased", "leaky"])
+@pytest.mark.parametrize("module", [BesselLayerNorm(16, ""), LeakyLayerNorm(16, "")],
+                         ids=["unbiased", "leaky"])
 def test_layer_norm_lookalikes_stay_unfused(module):
     kinds, _ = lowered_kinds(module, (torch.randn(3, 16),))
     assert "LayerNormNode" not in kinds
@@ -143,7 +144,8 @@ class Gated(torch.nn.Module):
 
 
 @pytest.mark.parametrize("act,kind", [(ACTIVATIONS["silu"][0], "UnaryNode.Silu"),
-                                      (ACTIVATIONS["gelu_tanh"][0], "UnaryNode.GeluTanh")], ids=["swiglu", "geglu"])
+                                      (ACTIVATIONS["gelu_tanh"][0], "UnaryNode.GeluTanh")],
+                         ids=["swiglu", "geglu"])
 def test_gated_activation_is_one_unary_and_one_multiply(act, kind):
     kinds, _ = lowered_kinds(Gated(act), (torch.randn(3, 64),))
     assert kinds[kind] == 1 and kinds["BinaryNode.Mul"] == 1
