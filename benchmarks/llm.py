@@ -54,6 +54,8 @@ from mlx_delegate.models.llama import Model, ModelArgs
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MX_DTYPES = {torch.float32: mx.float32, torch.bfloat16: mx.bfloat16}
 QUANTIZED = ("int8", "int4")  # delegate rows, when llm.export.to_pte has quantize=
+ENGINE_KEYS = {"mlx_delegate": "delegate", "mlx_delegate, compiled": "compiled", "MLX Python": "mlx",
+               "eager torch": "eager", "ET XNNPACK": "xnnpack"}
 
 
 # ---------------------------------------------------------------- models
@@ -317,7 +319,7 @@ class Job:
     warm_rounds: int = 0  # full untimed rounds after the warm-up call (so replayed positions are compiled)
 
 
-def jobs_for(model: Model, dtypes: Sequence[str], quantized: Sequence[str]) -> Iterator[tuple[str, Callable[[], Model], list[Job]]]:
+def jobs_for(model: Model, dtypes: Sequence[str], quantized: Sequence[str], engines: Sequence[str]) -> Iterator[tuple[str, Callable[[], Model], list[Job]]]:
     """(dtype label, model in that dtype, engine jobs) per dtype; quantized rows after fp32."""
     quantize_ok = "quantize" in inspect.signature(llm_export.to_pte).parameters
     for label in dtypes:
@@ -333,7 +335,7 @@ def jobs_for(model: Model, dtypes: Sequence[str], quantized: Sequence[str]) -> I
                    Job("eager torch", label, lambda: EagerRunner(m))]
             if label == "fp32":
                 out.append(Job("ET XNNPACK", label, lambda: xnnpack(m)))
-            return out
+            return [j for j in out if ENGINE_KEYS[j.engine] in engines]
 
         yield label, typed, jobs
         if label == "fp32" and quantize_ok:
@@ -404,6 +406,10 @@ def measure(spec: ModelSpec, label: str, m: Model, jobs: list[Job], args: argpar
         for job in jobs:
             load(job)
             time_rounds([job.engine])
+            r = rows[job.engine]
+            if r.prefill_s:  # progress: the big model's engines take minutes each
+                print(f"    {job.engine}: prefill {args.prompt / float(np.median(r.prefill_s)):.1f} tok/s, decode "
+                      f"{1 / float(np.median(r.decode_s)):.2f} tok/s, err {r.max_abs_err}", file=sys.stderr, flush=True)
             ready.clear()
             gc.collect()
     ready.clear()
@@ -442,6 +448,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smoke run: a tiny random Llama, 2 rounds, short sequences")
     p.add_argument("--models", help=f"comma-separated subset of {','.join(MODELS)} (default smollm2,1.2b)")
     p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated subset of fp32,bf16")
+    p.add_argument("--engines", default=",".join(ENGINE_KEYS.values()),
+                   help=f"comma-separated subset of {','.join(ENGINE_KEYS.values())}")
     p.add_argument("--quantize", default=",".join(QUANTIZED),
                    help="delegate rows for these weight-only modes (models that allow it; '' for none)")
     p.add_argument("--prompt", type=int, help="prompt tokens (default 64; quick 16)")
@@ -453,6 +461,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.models = (args.models or ("tiny" if args.quick else "smollm2,1.2b")).split(",")
     args.dtypes = args.dtypes.split(",")
     args.quantize = [q for q in args.quantize.split(",") if q]
+    args.engines = args.engines.split(",")
+    if set(args.engines) - set(ENGINE_KEYS.values()):
+        p.error(f"--engines takes a subset of {','.join(ENGINE_KEYS.values())}")
     if set(args.quantize) - set(QUANTIZED):
         p.error(f"--quantize takes a subset of {','.join(QUANTIZED)}")
     for name, pool in (("model", MODELS), ("dtype", DTYPES)):
@@ -472,6 +483,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "prompt": args.prompt, "decode": args.decode, "rounds": args.rounds,
         "compile_default": os.environ.get("MLX_DELEGATE_COMPILE", "1")}
     bw = meta.get("bandwidth_gbs")
+    print("  ".join(f"{k}={v}" for k, v in meta.items()), file=sys.stderr, flush=True)
     rows: list[Row] = []
     max_seq_len = args.prompt + args.decode + 8
     for key in args.models:
@@ -480,7 +492,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         base = spec.build(max_seq_len).eval()
         reference: dict[str, np.ndarray] = {}
         quantized = args.quantize if spec.quantized and not args.quick else []
-        for label, typed, jobs in jobs_for(base, args.dtypes, quantized):
+        for label, typed, jobs in jobs_for(base, args.dtypes, quantized, args.engines):
             m = typed()
             got = measure(spec, label, m, jobs(m), args, reference)
             for r in got:
