@@ -32,7 +32,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from common import THREADS, fmt_time, format_table, graph_note, load_note, machine_meta, one_line, peak_rss_mb
+import common
+from common import THREADS, fmt_time, format_table, graph_note, load_note, machine_meta, one_line
 import executorch.runtime  # noqa: F401,I001  (every worker imports the same set, so their baselines agree)
 import mlx_delegate
 import numpy as np
@@ -62,6 +63,19 @@ PARAKEET_LAYERS = 6
 
 def progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory since its exec.
+
+    Linux's ru_maxrss survives exec, so a worker would inherit the orchestrator's peak at fork; VmHWM
+    belongs to the address space and starts afresh.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        return common.peak_rss_mb()  # no procfs (macOS)
 
 
 def partitioner(engine: str) -> Any:
@@ -566,7 +580,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for case in {r.case: None for r in rows}:
         for line in texts([r for r in rows if r.case == case]):
             print(line)
-    print(f"peak RSS: each engine's worker process (ru_maxrss: Python, libraries, weights/program, first "
+    print(f"peak RSS: each engine's worker process (VmHWM: Python, libraries, weights/program, first "
           f"and timed calls); +imports: above a worker that only imports the same modules "
           f"({_fmt(base_mb, '.0f')} MB)")
     for line in load_note(meta):
