@@ -42,8 +42,12 @@ def reset_peak() -> None:
 
 
 class Phases:
-    def __init__(self, weights_bytes: int) -> None:
+    """Per phase: peak and after-phase resident memory; the multiple is of the weights,
+    over the resident memory before the model was built (the imports)."""
+
+    def __init__(self, weights_bytes: int, base_bytes: float) -> None:
         self.weights = weights_bytes
+        self.base = base_bytes
         self.rows: list[tuple[str, float, float, float]] = []
         self.start = time.perf_counter()
 
@@ -51,8 +55,10 @@ class Phases:
         gc.collect()
         now = time.perf_counter()
         self.rows.append((name, peak_mb() * 2**20, rss_mb() * 2**20, now - self.start))
-        print(f"{name:<28} peak {self.rows[-1][1] / GB:6.2f} GB ({self.rows[-1][1] / self.weights:4.2f}x weights)  "
-              f"after {self.rows[-1][2] / GB:6.2f} GB  {now - self.start:6.1f} s", flush=True)
+        _, peak, after, _ = self.rows[-1]
+        print(f"{name:<32} peak {peak / GB:6.2f} GB ({(peak - self.base) / self.weights:4.2f}x weights)  "
+              f"after {after / GB:6.2f} GB ({(after - self.base) / self.weights:4.2f}x)  {now - self.start:6.1f} s",
+              flush=True)
         reset_peak()
         self.start = time.perf_counter()
 
@@ -75,7 +81,7 @@ def main() -> None:
     weights = sum(p.numel() * p.element_size() for p in model.parameters())  # parameters() dedupes tied
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e9:.3f} B parameters, {weights / GB:.2f} GB fp32 weights")
-    phases = Phases(weights)
+    phases = Phases(weights, start_rss)
     phases.done("build model")
 
     ep = llm_export.export_model(model, max_len=8)
