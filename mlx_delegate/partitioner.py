@@ -26,6 +26,8 @@ from . import registry
 from .backend import MLXDelegateBackend
 from .builder import ProgramBuilder
 from .errors import Unsupported
+from .passes import GRAPH_PASSES, RUNTIME_SWITCHES
+from .patterns import ALL_FUSIONS, FUSIONS
 
 log = logging.getLogger(__name__)
 
@@ -62,19 +64,28 @@ class _HandlerSupport(OperatorSupportBase):
         return reason is None
 
 
+# Every name `MLXPartitioner(disable=...)` accepts.
+SWITCHES = sorted({*GRAPH_PASSES, *RUNTIME_SWITCHES, *FUSIONS, ALL_FUSIONS})
+
+
 class MLXPartitioner(Partitioner):
     """Partition an Edge program for the MLX delegate.
 
     Args:
         compile_specs: extra specs passed to `MLXDelegateBackend.preprocess`.
         exclude: op base names (e.g. "exp", "view_copy") to leave to ExecuTorch, for debugging.
-        disable: optimisation passes to turn off (see `mlx_delegate.passes.GRAPH_PASSES`).
+        disable: optimisations to turn off, for debugging: graph passes (`passes.GRAPH_PASSES`),
+            runtime switches (`passes.RUNTIME_SWITCHES`) and fusions (`patterns.FUSIONS`, or
+            "fusions" for all of them).
     """
 
     def __init__(self, compile_specs: list[CompileSpec] | None = None, *,
                  exclude: Iterable[str] = (), disable: Iterable[str] = ()) -> None:
         super().__init__()
         self.exclude = frozenset(exclude)
+        unknown = set(disable) - set(SWITCHES)
+        if unknown:
+            raise ValueError(f"unknown optimisations {sorted(unknown)}; known: {SWITCHES}")
         specs = list(compile_specs or [])
         if disable:
             specs.append(CompileSpec("disable", ",".join(sorted(disable)).encode()))
