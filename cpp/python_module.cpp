@@ -18,6 +18,7 @@
 
 #include "backend.h"
 #include "interpreter.h"
+#include "kernels/qgemv_cpu.h"
 #include "loader.h"
 
 namespace nb = nanobind;
@@ -233,5 +234,7 @@ NB_MODULE(_runtime, m) {
                                            {"traces", s.traces}, {"rejected", s.rejected}};
   }, "Process-wide counters: calls served by compiled graphs or node by node, graphs traced, methods rejected.");
   m.def("reset_compile_stats", &reset_compile_stats);
+  m.def("cpu_kernel_calls", &mlxd::rt::qgemv_cpu_calls,
+        "How many times the CPU quantized GEMV kernel has run (MLX_DELEGATE_CPU_KERNELS=0 turns it off).");
   if (!register_backend()) throw std::runtime_error("mlx_delegate: could not register the backend with ExecuTorch");
 }

@@ -2,15 +2,16 @@
 // weights (stored as int32 words, viewed as uint32 here) with per-group scales
 // and biases, w = scales * q + biases along the last axis.
 #include "../ops_common.h"
+#include "kernels/qgemv_cpu.h"
 
 namespace mlxd::rt {
 namespace {
 
-// MLX's CPU quantized matmul is a plain loop: the fastest choice for a few rows
-// (decode), but several times slower than dequantize + the BLAS matmul for many
-// rows (prefill), and much slower in bf16/fp16 than in fp32. On the CPU we
-// therefore compute in fp32 and dequantize from this many rows on; GPUs always
-// run quantized_matmul.
+// For a few rows (decode) the CPU runs our own kernel (kernels/qgemv_cpu.h)
+// unless MLX_DELEGATE_CPU_KERNELS=0 turns it off; then MLX's CPU quantized
+// matmul, a plain loop, runs in fp32 (it is much slower in bf16/fp16). From
+// this many rows on (prefill) dequantize + the BLAS matmul is several times
+// faster than either. GPUs always run quantized_matmul.
 constexpr int64_t kCpuDequantizeRows = 8;
 
 // The payload stores the packed words as int32 (torch has no usable uint32);
@@ -24,6 +25,8 @@ mx::array packed_words(const mx::array& w) {
 mx::array cpu_product(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                       int group_size, int bits) {
   auto f32 = [](const mx::array& a) { return mx::astype(a, mx::float32); };
+  if (qgemv_cpu_applies(x, group_size, bits))
+    return mx::astype(qgemv_cpu(x, w, scales, biases, group_size, bits), x.dtype());
   int64_t k = x.ndim() ? x.shape(-1) : 0;
   int64_t rows = k ? static_cast<int64_t>(x.size()) / k : 0;
   auto y = rows >= kCpuDequantizeRows

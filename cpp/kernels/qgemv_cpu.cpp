@@ -1,0 +1,323 @@
+// Quantized GEMV on the CPU. Per output element and group g of K:
+//   y[m, n] += scale[n, g] * dot(q[n, g], x[m, g]) + bias[n, g] * sum(x[m, g])
+// The group sums of x are computed once per call; the dot products are the
+// only per-weight work, so each packed word is unpacked once and used for all
+// M rows. Rows of w (N) are split across the cores.
+#include "kernels/qgemv_cpu.h"
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <mlx/backend/cpu/encoder.h>
+#include <mlx/primitives.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define MLXD_QGEMV_X86 1
+#endif
+
+namespace mlxd::rt {
+namespace mx = mlx::core;
+namespace {
+
+std::atomic<uint64_t> g_calls{0};
+
+bool env_kernels_enabled() {
+  const char* v = std::getenv("MLX_DELEGATE_CPU_KERNELS");
+  return !(v && std::strcmp(v, "0") == 0);
+}
+
+// Everything one call needs; workers read it, each writing its own columns of y.
+struct Problem {
+  const float* x;       // [M, K]
+  const float* xsums;   // [M, G]: sum of x over each group
+  const uint32_t* w;    // [N, K * bits / 32]
+  const float* scales;  // [N, G]
+  const float* biases;  // [N, G]
+  float* y;             // [M, N]
+  int64_t n_rows, k, groups, group_size, words_per_row;
+};
+
+// ---- Portable kernel: scalar, any M <= 8 -------------------------------------
+
+template <int Bits, int M>
+void rows_portable(const Problem& p, int64_t n0, int64_t n1) {
+  constexpr int per_word = 32 / Bits;
+  constexpr uint32_t mask = (1u << Bits) - 1;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint32_t* wn = p.w + n * p.words_per_row;
+    float total[M] = {};
+    for (int64_t g = 0; g < p.groups; ++g) {
+      float acc[M] = {};
+      const int64_t k0 = g * p.group_size;
+      for (int64_t i = 0; i < p.group_size; ++i) {
+        int64_t e = k0 + i;
+        float q = static_cast<float>((wn[e / per_word] >> (Bits * (e % per_word))) & mask);
+        for (int m = 0; m < M; ++m) acc[m] += q * p.x[m * p.k + e];
+      }
+      const float s = p.scales[n * p.groups + g], b = p.biases[n * p.groups + g];
+      for (int m = 0; m < M; ++m) total[m] += s * acc[m] + b * p.xsums[m * p.groups + g];
+    }
+    for (int m = 0; m < M; ++m) p.y[m * p.n_rows + n] = total[m];
+  }
+}
+
+// ---- AVX2 + FMA kernel: 8 weights per step, converted once for all M rows ----
+
+#ifdef MLXD_QGEMV_X86
+#define MLXD_AVX2 __attribute__((target("avx2,fma")))
+
+// Eight weights starting at element e (a multiple of 8) as floats.
+template <int Bits>
+MLXD_AVX2 inline __m256 load_q8(const uint32_t* wn, int64_t e) {
+  if constexpr (Bits == 4) {
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    __m256i words = _mm256_set1_epi32(static_cast<int>(wn[e / 8]));
+    __m256i q = _mm256_and_si256(_mm256_srlv_epi32(words, shifts), _mm256_set1_epi32(0xF));
+    return _mm256_cvtepi32_ps(q);
+  } else {
+    __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint8_t*>(wn) + e));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+  }
+}
+
+MLXD_AVX2 inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int Bits, int M>
+MLXD_AVX2 void rows_avx2(const Problem& p, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint32_t* wn = p.w + n * p.words_per_row;
+    __m256 total[M];
+    float bias_part[M];
+    for (int m = 0; m < M; ++m) total[m] = _mm256_setzero_ps(), bias_part[m] = 0.f;
+    for (int64_t g = 0; g < p.groups; ++g) {
+      __m256 acc[M];
+      for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+      const int64_t k0 = g * p.group_size;
+      for (int64_t e = k0; e < k0 + p.group_size; e += 8) {
+        __m256 q = load_q8<Bits>(wn, e);
+        for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(q, _mm256_loadu_ps(p.x + m * p.k + e), acc[m]);
+      }
+      const __m256 s = _mm256_set1_ps(p.scales[n * p.groups + g]);
+      const float b = p.biases[n * p.groups + g];
+      for (int m = 0; m < M; ++m) {
+        total[m] = _mm256_fmadd_ps(s, acc[m], total[m]);
+        bias_part[m] += b * p.xsums[m * p.groups + g];
+      }
+    }
+    for (int m = 0; m < M; ++m) p.y[m * p.n_rows + n] = hsum(total[m]) + bias_part[m];
+  }
+}
+
+bool cpu_has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+#endif
+
+// ---- Kernel table: [bits is 8][rows - 1] -------------------------------------
+
+using RowsFn = void (*)(const Problem&, int64_t, int64_t);
+
+template <template <int, int> class Pick, int Bits, int... Ms>
+constexpr std::array<RowsFn, sizeof...(Ms)> row_table(std::integer_sequence<int, Ms...>) {
+  return {Pick<Bits, Ms + 1>::fn...};
+}
+
+template <int Bits, int M>
+struct Portable {
+  static constexpr RowsFn fn = rows_portable<Bits, M>;
+};
+#ifdef MLXD_QGEMV_X86
+template <int Bits, int M>
+struct Avx2 {
+  static constexpr RowsFn fn = rows_avx2<Bits, M>;
+};
+#endif
+
+template <template <int, int> class Pick>
+constexpr std::array<std::array<RowsFn, kQgemvMaxRows>, 2> kernel_table() {
+  auto rows = std::make_integer_sequence<int, kQgemvMaxRows>{};
+  return {row_table<Pick, 4>(rows), row_table<Pick, 8>(rows)};
+}
+
+RowsFn pick_kernel(int bits, int64_t m) {
+  static const auto table = [] {
+#ifdef MLXD_QGEMV_X86
+    if (cpu_has_avx2()) return kernel_table<Avx2>();
+#endif
+    return kernel_table<Portable>();
+  }();
+  return table[bits == 8][m - 1];
+}
+
+// ---- Workers: persistent helper threads, one part of N each ------------------
+
+// A call runs part 0 on its own thread and parts 1.. on helpers. One call at a
+// time: a concurrent call (another stream) runs all of its work serially
+// rather than queueing or adding threads.
+class Workers {
+ public:
+  static Workers& get() {
+    static Workers* w = new Workers();  // never destroyed: helpers may be parked at exit
+    return *w;
+  }
+  int size() const { return static_cast<int>(helpers_) + 1; }
+
+  template <class F>
+  void run(int parts, const F& fn) {
+    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+    if (!busy || parts <= 1) {
+      for (int i = 0; i < parts; ++i) fn(i);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      task_ = [&fn](int i) { fn(i); };
+      parts_ = parts;
+      pending_ = parts - 1;
+      ++generation_;
+    }
+    wake_.notify_all();
+    fn(0);
+    std::unique_lock<std::mutex> lock(m_);
+    done_.wait(lock, [&] { return pending_ == 0; });
+    task_ = nullptr;
+  }
+
+ private:
+  Workers() {
+    unsigned hw = std::thread::hardware_concurrency();
+    helpers_ = hw > 1 ? std::min(hw, 8u) - 1 : 0;
+    for (unsigned i = 0; i < helpers_; ++i) std::thread([this, i] { loop(static_cast<int>(i) + 1); }).detach();
+  }
+
+  void loop(int part) {
+    uint64_t seen = 0;
+    for (;;) {
+      std::function<void(int)> task;
+      {
+        std::unique_lock<std::mutex> lock(m_);
+        wake_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
+        if (part >= parts_) continue;
+        task = task_;
+      }
+      task(part);
+      std::lock_guard<std::mutex> lock(m_);
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+
+  unsigned helpers_ = 0;
+  std::mutex busy_, m_;
+  std::condition_variable wake_, done_;
+  std::function<void(int)> task_;
+  int parts_ = 0, pending_ = 0;
+  uint64_t generation_ = 0;
+};
+
+// Below this many weights per call, waking a helper costs more than it saves.
+constexpr int64_t kParallelWeights = 1 << 15;
+
+void run_problem(const Problem& p, int bits, int64_t m) {
+  RowsFn kernel = pick_kernel(bits, m);
+  auto& workers = Workers::get();
+  int64_t parts = p.n_rows * p.k >= kParallelWeights ? std::min<int64_t>(workers.size(), p.n_rows) : 1;
+  workers.run(static_cast<int>(parts), [&](int i) { kernel(p, p.n_rows * i / parts, p.n_rows * (i + 1) / parts); });
+}
+
+// ---- The MLX primitive --------------------------------------------------------
+
+class QGemvCpu : public mx::UnaryPrimitive {
+ public:
+  QGemvCpu(mx::Stream s, int group_size, int bits) : mx::UnaryPrimitive(s), group_size_(group_size), bits_(bits) {}
+
+  // inputs: x [M, K], w [N, K * bits / 32], scales, biases [N, G]; all row-contiguous float32 / uint32.
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : in) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    const int64_t m = in[0].shape(0), k = in[0].shape(1), n = in[1].shape(0);
+    Problem p{in[0].data<float>(), nullptr, in[1].data<uint32_t>(), in[2].data<float>(), in[3].data<float>(),
+              out.data<float>(), n, k, k / group_size_, group_size_, in[1].shape(1)};
+    g_calls.fetch_add(1, std::memory_order_relaxed);
+    encoder.dispatch([p, m, bits = bits_]() mutable {
+      std::vector<float> xsums(static_cast<size_t>(m * p.groups));
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t g = 0; g < p.groups; ++g) {
+          const float* xg = p.x + r * p.k + g * p.group_size;
+          float s = 0.f;
+          for (int64_t i = 0; i < p.group_size; ++i) s += xg[i];
+          xsums[r * p.groups + g] = s;
+        }
+      p.xsums = xsums.data();
+      run_problem(p, bits, m);
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("QGemvCpu runs on the CPU only");
+  }
+  const char* name() const override { return "QGemvCpu"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const QGemvCpu&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {{in[0].shape(0), in[1].shape(0)}};
+  }
+
+ private:
+  int group_size_, bits_;
+};
+
+}  // namespace
+
+bool qgemv_cpu_applies(const mx::array& x, int group_size, int bits) {
+  static const bool enabled = env_kernels_enabled();
+  if (!enabled || mx::default_device() != mx::Device::cpu) return false;
+  if ((bits != 4 && bits != 8) || group_size <= 0 || group_size % 32 != 0) return false;
+  if (x.ndim() == 0 || x.shape(-1) == 0 || x.shape(-1) % group_size != 0) return false;
+  int64_t rows = static_cast<int64_t>(x.size()) / x.shape(-1);
+  return rows >= 1 && rows <= kQgemvMaxRows;
+}
+
+mx::array qgemv_cpu(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                    int group_size, int bits) {
+  const int k = x.shape(-1), n = w.shape(0), groups = k / group_size;
+  auto f32 = [](const mx::array& a) { return mx::contiguous(mx::astype(a, mx::float32)); };
+  if (w.dtype() != mx::uint32 || w.ndim() != 2 || static_cast<int64_t>(w.shape(1)) * 32 != int64_t{k} * bits)
+    throw std::invalid_argument("qgemv_cpu: packed weights do not match x's last axis");
+  mx::Shape side{n, groups};
+  if (scales.shape() != side || biases.shape() != side)
+    throw std::invalid_argument("qgemv_cpu: scales and biases must be [N, K / group_size]");
+  int rows = static_cast<int>(x.size() / k);
+  auto x2 = f32(mx::reshape(x, {rows, k}));
+  std::vector<mx::array> inputs{x2, mx::contiguous(w), f32(scales), f32(biases)};
+  auto y = mx::array({rows, n}, mx::float32, std::make_shared<QGemvCpu>(mx::default_stream(mx::Device::cpu),
+                                                                       group_size, bits),
+                     std::move(inputs));
+  auto shape = x.shape();
+  shape.back() = n;
+  return mx::reshape(y, shape);
+}
+
+uint64_t qgemv_cpu_calls() { return g_calls.load(std::memory_order_relaxed); }
+
+}  // namespace mlxd::rt

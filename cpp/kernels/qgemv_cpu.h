@@ -1,0 +1,28 @@
+// A CPU kernel for weight-only quantized products with few rows (decode):
+// y[M, N] = x[M, K] . dequantize(w)^T in MLX's affine layout, as an MLX
+// primitive so it runs on the CPU stream like any other op. MLX's own CPU
+// quantized_matmul is a single-threaded scalar loop; this one is vectorised
+// (AVX2 + FMA where the CPU has them) and splits N across the cores.
+#pragma once
+
+#include <cstdint>
+
+#include <mlx/mlx.h>
+
+namespace mlxd::rt {
+
+// Whether qgemv_cpu takes this product: CPU default device, kernels not turned
+// off (MLX_DELEGATE_CPU_KERNELS=0), bits 4 or 8, a group size that is a
+// multiple of 32 dividing K, at most kQgemvMaxRows rows.
+constexpr int64_t kQgemvMaxRows = 8;
+bool qgemv_cpu_applies(const mlx::core::array& x, int group_size, int bits);
+
+// x [..., K] float32, w [N, K * bits / 32] uint32, scales and biases [N, K / group_size]
+// float32; returns [..., N] float32.
+mlx::core::array qgemv_cpu(const mlx::core::array& x, const mlx::core::array& w, const mlx::core::array& scales,
+                           const mlx::core::array& biases, int group_size, int bits);
+
+// How many times the kernel has run (eval_cpu calls): tests use it to prove it ran.
+uint64_t qgemv_cpu_calls();
+
+}  // namespace mlxd::rt
