@@ -32,9 +32,17 @@ namespace {
 
 std::atomic<uint64_t> g_calls{0};
 
-bool env_kernels_enabled() {
-  const char* v = std::getenv("MLX_DELEGATE_CPU_KERNELS");
-  return !(v && std::strcmp(v, "0") == 0);
+// MLX_DELEGATE_CPU_KERNELS: "0" turns the kernel off, "portable" skips the
+// AVX2 code (to test the fallback on a CPU that has AVX2), anything else: on.
+enum class Mode { off, best, portable };
+
+Mode env_mode() {
+  static const Mode mode = [] {
+    const char* v = std::getenv("MLX_DELEGATE_CPU_KERNELS");
+    if (v && std::strcmp(v, "0") == 0) return Mode::off;
+    return v && std::strcmp(v, "portable") == 0 ? Mode::portable : Mode::best;
+  }();
+  return mode;
 }
 
 // Everything one call needs; workers read it, each writing its own columns of y.
@@ -159,7 +167,7 @@ constexpr std::array<std::array<RowsFn, kQgemvMaxRows>, 2> kernel_table() {
 RowsFn pick_kernel(int bits, int64_t m) {
   static const auto table = [] {
 #ifdef MLXD_QGEMV_X86
-    if (cpu_has_avx2()) return kernel_table<Avx2>();
+    if (env_mode() == Mode::best && cpu_has_avx2()) return kernel_table<Avx2>();
 #endif
     return kernel_table<Portable>();
   }();
@@ -290,8 +298,7 @@ class QGemvCpu : public mx::UnaryPrimitive {
 }  // namespace
 
 bool qgemv_cpu_applies(const mx::array& x, int group_size, int bits) {
-  static const bool enabled = env_kernels_enabled();
-  if (!enabled || mx::default_device() != mx::Device::cpu) return false;
+  if (env_mode() == Mode::off || mx::default_device() != mx::Device::cpu) return false;
   if ((bits != 4 && bits != 8) || group_size <= 0 || group_size % 32 != 0) return false;
   if (x.ndim() == 0 || x.shape(-1) == 0 || x.shape(-1) % group_size != 0) return false;
   int64_t rows = static_cast<int64_t>(x.size()) / x.shape(-1);

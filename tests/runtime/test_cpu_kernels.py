@@ -1,9 +1,10 @@
 """The CPU quantized GEMV kernel (cpp/kernels/qgemv_cpu.cpp): decode-sized
 quantized linears (1 and 4 rows) in int4/int8, groups of 32/64/128, fp32 and
-bf16 activations match eager torch of the same quantized model and MLX's own
-quantized_matmul (MLX_DELEGATE_CPU_KERNELS=0, in a subprocess), and the kernel
-really runs (its call counter)."""
+bf16 activations match eager torch of the same quantized model, MLX's own
+quantized_matmul (MLX_DELEGATE_CPU_KERNELS=0) and the portable non-AVX2 code
+(=portable), each in a subprocess; the call counter proves which one ran."""
 
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -48,8 +49,8 @@ class Layouts(torch.nn.Module):
 
 LINEARS = len(LAYOUTS) * len(WIDTHS)
 
-# Runs a saved program on saved inputs with the kernel off; saves the outputs and the kernel's call count.
-KERNELS_OFF = """
+# Runs a saved program on saved inputs; saves the outputs and the kernel's call count.
+RUN_SAVED = """
 import sys, torch
 from executorch.runtime import Runtime
 from mlx_delegate import _runtime
@@ -60,13 +61,15 @@ torch.save({"outputs": outputs, "calls": _runtime.cpu_kernel_calls()}, out)
 """
 
 
-def run_kernels_off(buffer: bytes, inputs: list[torch.Tensor], tmp_path: Path) -> dict:
+def run_in_subprocess(buffer: bytes, inputs: list[torch.Tensor], tmp_path: Path, kernels: str) -> dict:
+    """Outputs and kernel call count of the program on `inputs` with MLX_DELEGATE_CPU_KERNELS=kernels."""
     program, saved, out = tmp_path / "p.pte", tmp_path / "inputs.pt", tmp_path / "out.pt"
     program.write_bytes(buffer)
     torch.save(inputs, saved)
-    env = {**__import__("os").environ, "MLX_DELEGATE_CPU_KERNELS": "0"}
-    subprocess.run([sys.executable, "-c", KERNELS_OFF, str(program), str(saved), str(out)], env=env, check=True,
-                   capture_output=True)
+    env = {**os.environ, "MLX_DELEGATE_CPU_KERNELS": kernels}
+    done = subprocess.run([sys.executable, "-c", RUN_SAVED, str(program), str(saved), str(out)], env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(out)
 
 
@@ -93,10 +96,12 @@ def test_quantized_gemv_matches_eager_and_mlx(dtype, tmp_path):
             assert_close(got, module(x), *TOLERANCE[dtype])
         ours.append(got)
 
-    off = run_kernels_off(buffer, inputs, tmp_path)
-    assert off["calls"] == 0
-    for got, mlx in zip(ours, off["outputs"]):
-        assert_close(got, mlx, *TOLERANCE[dtype])  # both compute in fp32; bf16 rounds the outputs
+    off = run_in_subprocess(buffer, inputs, tmp_path, "0")
+    portable = run_in_subprocess(buffer, inputs, tmp_path, "portable")
+    assert off["calls"] == 0 and portable["calls"] == len(inputs) * LINEARS
+    for got, mlx, plain in zip(ours, off["outputs"], portable["outputs"]):
+        assert_close(got, mlx, *TOLERANCE[dtype])  # all compute in fp32; bf16 rounds the outputs
+        assert_close(got, plain, *TOLERANCE[dtype])
 
 
 def test_many_rows_do_not_use_the_kernel():
