@@ -7,7 +7,7 @@ quantized_matmul (MLX_DELEGATE_CPU_KERNELS=0) and the portable non-AVX2 code
 import os
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -49,32 +49,19 @@ class Layouts(torch.nn.Module):
 
 LINEARS = len(LAYOUTS) * len(WIDTHS)
 
-# Runs a saved program on saved inputs; saves the outputs and the kernel's call count.
-RUN_SAVED = """
-import sys, torch
-from executorch.runtime import Runtime
-from mlx_delegate import _runtime
-program, inputs, out = sys.argv[1:]
-method = Runtime.get().load_program(open(program, "rb").read()).load_method("forward")
-outputs = [method.execute([x]) for x in torch.load(inputs)]
-torch.save({"outputs": outputs, "calls": _runtime.cpu_kernel_calls()}, out)
-"""
+DTYPES = (torch.float32, torch.bfloat16)
 
 
-def run_in_subprocess(buffer: bytes, inputs: list[torch.Tensor], tmp_path: Path, kernels: str) -> dict:
-    """Outputs and kernel call count of the program on `inputs` with MLX_DELEGATE_CPU_KERNELS=kernels."""
-    program, saved, out = tmp_path / "p.pte", tmp_path / "inputs.pt", tmp_path / "out.pt"
-    program.write_bytes(buffer)
-    torch.save(inputs, saved)
-    env = {**os.environ, "MLX_DELEGATE_CPU_KERNELS": kernels}
-    done = subprocess.run([sys.executable, "-c", RUN_SAVED, str(program), str(saved), str(out)], env=env,
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return torch.load(out)
+@dataclass
+class Case:
+    """One dtype's quantized module, its lowered program and the decode-sized inputs."""
+
+    module: Layouts
+    buffer: bytes  # the loaded program reads from it: keep it alive
+    inputs: list[torch.Tensor]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_quantized_gemv_matches_eager_and_mlx(dtype, tmp_path):
+def make_case(dtype: torch.dtype) -> Case:
     torch.manual_seed(0)
     module = Layouts(dtype)
     example = torch.randn(1, 2, K, dtype=dtype)
@@ -82,37 +69,78 @@ def test_quantized_gemv_matches_eager_and_mlx(dtype, tmp_path):
     pattern_pass = MLXPatternPass()
     edge = llm_export.lower(ep, pattern_pass=pattern_pass)
     assert pattern_pass.counts["quantized"] == LINEARS and delegate_summary(edge) == (1, [])
-    buffer = edge.to_executorch().buffer
-    method = Runtime.get().load_program(buffer).load_method("forward")
-    inputs = [torch.randn(1, rows, K, dtype=dtype) for rows in ROWS]
+    return Case(module, edge.to_executorch().buffer, [torch.randn(1, rows, K, dtype=dtype) for rows in ROWS])
 
-    ours = []
-    for x in inputs:
+
+@pytest.fixture(scope="module")
+def cases() -> dict[torch.dtype, Case]:
+    return {dtype: make_case(dtype) for dtype in DTYPES}
+
+
+# Runs saved programs on saved inputs; saves the outputs and the kernel's call count.
+RUN_SAVED = """
+import sys, torch
+from executorch.runtime import Runtime
+from mlx_delegate import _runtime
+saved, out = sys.argv[1:]
+outputs = [[Runtime.get().load_program(buffer).load_method("forward").execute([x]) for x in inputs]
+           for buffer, inputs in torch.load(saved)]
+torch.save({"outputs": outputs, "calls": _runtime.cpu_kernel_calls()}, out)
+"""
+
+
+def run_in_subprocess(cases: dict[torch.dtype, Case], tmp_path: Path, kernels: str) -> dict:
+    """Outputs per dtype (per input) and the kernel call count with MLX_DELEGATE_CPU_KERNELS=kernels."""
+    saved, out = tmp_path / "cases.pt", tmp_path / f"out-{kernels}.pt"
+    torch.save([(c.buffer, c.inputs) for c in cases.values()], saved)
+    env = {**os.environ, "MLX_DELEGATE_CPU_KERNELS": kernels}
+    done = subprocess.run([sys.executable, "-c", RUN_SAVED, str(saved), str(out)], env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = torch.load(out)
+    return {"calls": result["calls"], "outputs": dict(zip(cases, result["outputs"]))}
+
+
+@pytest.fixture(scope="module")
+def other_paths(cases, tmp_path_factory) -> dict[str, dict]:
+    """The kernel off (MLX's quantized_matmul) and the portable loop, each in its own process."""
+    tmp_path = tmp_path_factory.mktemp("cpu_kernels")
+    return {kernels: run_in_subprocess(cases, tmp_path, kernels) for kernels in ("0", "portable")}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_quantized_gemv_matches_eager(dtype, cases):
+    case = cases[dtype]
+    method = Runtime.get().load_program(case.buffer).load_method("forward")
+    for x in case.inputs:
         before = _runtime.cpu_kernel_calls()
         for _ in range(2):  # the second call runs the compiled graph
             got = method.execute([x])
         assert _runtime.cpu_kernel_calls() - before == 2 * LINEARS
         with torch.no_grad():
-            assert_close(got, module(x), *TOLERANCE[dtype])
-        ours.append(got)
+            assert_close(got, case.module(x), *TOLERANCE[dtype])
 
-    off = run_in_subprocess(buffer, inputs, tmp_path, "0")
-    portable = run_in_subprocess(buffer, inputs, tmp_path, "portable")
-    assert off["calls"] == 0 and portable["calls"] == len(inputs) * LINEARS
-    for got, mlx, plain in zip(ours, off["outputs"], portable["outputs"]):
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_quantized_gemv_matches_mlx_and_portable_loop(dtype, cases, other_paths):
+    case = cases[dtype]
+    method = Runtime.get().load_program(case.buffer).load_method("forward")
+    off, portable = other_paths["0"], other_paths["portable"]
+    runs = len(DTYPES) * len(ROWS)
+    assert off["calls"] == 0 and portable["calls"] == runs * LINEARS
+    for x, mlx, plain in zip(case.inputs, off["outputs"][dtype], portable["outputs"][dtype]):
+        got = method.execute([x])
         assert_close(got, mlx, *TOLERANCE[dtype])  # all compute in fp32; bf16 rounds the outputs
         assert_close(got, plain, *TOLERANCE[dtype])
 
 
-def test_many_rows_do_not_use_the_kernel():
+def test_many_rows_do_not_use_the_kernel(cases):
     """From 8 rows on the CPU dequantizes and runs the BLAS matmul instead."""
-    module = Layouts(torch.float32)
-    ep = torch.export.export(module, (torch.randn(1, 2, K),), dynamic_shapes=({1: Dim("L", min=1, max=16)},))
-    buffer = llm_export.lower(ep, pattern_pass=MLXPatternPass()).to_executorch().buffer  # the program reads it
-    method = Runtime.get().load_program(buffer).load_method("forward")
+    case = cases[torch.float32]
+    method = Runtime.get().load_program(case.buffer).load_method("forward")
     x = torch.randn(1, 9, K)
     before = _runtime.cpu_kernel_calls()
     got = method.execute([x])
     assert _runtime.cpu_kernel_calls() == before
     with torch.no_grad():
-        assert_close(got, module(x), *TOLERANCE[torch.float32])
+        assert_close(got, case.module(x), *TOLERANCE[torch.float32])
