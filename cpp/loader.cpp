@@ -240,7 +240,12 @@ std::shared_ptr<const LoadedProgram> load_program(const void* data, size_t size,
     fail("payload schema version " + std::to_string(p->version()) + " is not supported (runtime reads " +
          std::to_string(kSchemaVersion) + ")");
   const uint32_t nt = p->num_tensors(), nv = p->num_values();
-  if (nt > kMaxSlots || nv > kMaxSlots) fail("too many slots");
+  // Every slot in use is named by at least one 4-byte id in the payload, so
+  // counts above the payload size are corrupt (and would cost memory per call).
+  const size_t slot_cap = std::min<size_t>(kMaxSlots, std::max<size_t>(size, 64));
+  if (nt > slot_cap || nv > slot_cap)
+    fail("slot counts (" + std::to_string(nt) + " tensors, " + std::to_string(nv) + " values) exceed what a " +
+         std::to_string(size) + "-byte payload can use");
   lp->method = p->method() ? p->method()->str() : "";
   check_io(p->inputs(), "input", nt, nv);
   check_io(p->outputs(), "output", nt, nv);
