@@ -16,7 +16,7 @@ FUZZ_SECONDS = 45
 def test_fuzzed_payloads_are_rejected_cleanly(tmp_path):
     # Artifacts (crash-*, timeout-*) land in tmp_path; a finding exits non-zero.
     proc = subprocess.run(
-        [sys.executable, str(FUZZER), f"-max_total_time={FUZZ_SECONDS}", "-timeout=20",
+        [sys.executable, str(FUZZER), f"-max_total_time={FUZZ_SECONDS}", "-timeout=30",
          f"-artifact_prefix={tmp_path}/"],
         cwd=tmp_path, capture_output=True, text=True, timeout=FUZZ_SECONDS + 240)
     log = proc.stdout + proc.stderr
