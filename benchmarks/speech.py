@@ -187,9 +187,9 @@ class ParakeetBench:
     """ParakeetForCTC with random weights on the features of 30 s; parity is the CTC output."""
 
     case = "parakeet-ctc"
-    # The dynamic-length export (as `mlx-delegate transcribe` uses) records a smaller input bound than
-    # it was exported with, so 30 s do not fit (the error shows in the table); both ExecuTorch engines
-    # also run a copy exported for exactly the benchmark's frame count.
+    # ExecuTorch fails to load XNNPACK's program of the dynamic-length export (`mlx-delegate transcribe`
+    # uses that export; the error shows in the table), so both ExecuTorch engines also run a copy
+    # exported for exactly the benchmark's frame count.
     engines = ("delegate", "delegate-static", "eager", "xnnpack", "xnnpack-static")
 
     def __init__(self, layers: int, quick: bool) -> None:
