@@ -18,6 +18,8 @@
 #include <utility>
 #include <vector>
 
+#include <unistd.h>
+
 #include <mlx/backend/cpu/encoder.h>
 #include <mlx/primitives.h>
 
@@ -190,7 +192,8 @@ class Workers {
   template <class F>
   void run(int parts, const F& fn) {
     std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
-    if (!busy || parts <= 1) {
+    // A forked child has none of the helper threads: it runs serially.
+    if (!busy || parts <= 1 || getpid() != owner_) {
       for (int i = 0; i < parts; ++i) fn(i);
       return;
     }
@@ -209,7 +212,7 @@ class Workers {
   }
 
  private:
-  Workers() {
+  Workers() : owner_(getpid()) {
     unsigned hw = std::thread::hardware_concurrency();
     helpers_ = hw > 1 ? std::min(hw, 8u) - 1 : 0;
     for (unsigned i = 0; i < helpers_; ++i) std::thread([this, i] { loop(static_cast<int>(i) + 1); }).detach();
@@ -232,6 +235,7 @@ class Workers {
     }
   }
 
+  pid_t owner_;
   unsigned helpers_ = 0;
   std::mutex busy_, m_;
   std::condition_variable wake_, done_;
