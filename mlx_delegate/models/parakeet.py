@@ -83,7 +83,8 @@ def export(model: nn.Module, max_frames: int = 8 * 1000 - 4,
            static: bool = False) -> torch.export.ExportedProgram:
     """Export with frames = 8k - 4 for 1 <= k <= (max_frames + 4) / 8 (10 ms frames: 80 s by default).
 
-    `static` fixes the frame count at `max_frames` instead (shorter input is still padded and masked).
+    `static` fixes the frame count at `padded_frames(max_frames)` instead: the runner then takes input
+    that pads to exactly that count (the padding masked as usual).
     """
     if static:
         inputs, shapes = example_inputs(model, padded_frames(max_frames)), None

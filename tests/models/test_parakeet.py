@@ -88,6 +88,18 @@ def test_logits_match_eager_at_any_length(lowered, frames: int) -> None:
     torch.testing.assert_close(runner.logits(features), expected, rtol=1e-4, atol=1e-4)
 
 
+def test_static_export_masks_padding() -> None:
+    """`static=True` fixes the frame count (benchmarks/speech.py's XNNPACK rows); the padded frames are masked."""
+    model = tiny_parakeet()
+    low = P.lower(model, 8 * 20 - 4, static=True)
+    runner = P.ParakeetRunner(low.buffer, None, model.config.pad_token_id)
+    assert runner.max_frames == 8 * 20 - 4
+    features = torch.randn(1, 8 * 20 - 6, 80)  # padded by 2 frames to the exported count
+    with torch.no_grad():
+        expected = model(input_features=features).logits
+    torch.testing.assert_close(runner.logits(features), expected, rtol=1e-4, atol=1e-4)
+
+
 def test_too_long_is_a_clear_error(lowered) -> None:
     model, low = lowered
     runner = P.ParakeetRunner(low.buffer, None, model.config.pad_token_id)
