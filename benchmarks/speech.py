@@ -7,8 +7,9 @@ the KV cache.
 - eager torch: `transformers`' greedy `generate` with the same weights and prompt
 - ET XNNPACK: the same exported encode/decode programs lowered with `XnnpackPartitioner`, run by
   the same `WhisperRunner`
-A `ParakeetForCTC` built from a config (random weights; the 0.6B FastConformer's shapes by default)
-turns the features of the same 30 s into CTC logits, decoded greedily (as `ParakeetRunner` does).
+A `ParakeetForCTC` built from a config (random weights; the 0.6B FastConformer's layer shapes, 6 of
+its 24 layers by default) turns the features of the same 30 s into CTC logits, decoded greedily (as
+`ParakeetRunner` does).
 
 Each engine lives in its own worker process, so its peak RSS is its own; export and lowering run in
 further processes. Workers take turns call by call (interleaved rounds) so machine load hits them alike.
