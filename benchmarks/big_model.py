@@ -20,26 +20,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import rss_mb  # first: mlx_delegate before mlx
+from common import peak_rss_mb, rss_mb  # first: mlx_delegate before mlx
 
 import torch  # noqa: E402
 from executorch.runtime import Runtime  # noqa: E402
 
 from mlx_delegate.llm import export as llm_export  # noqa: E402
+from mlx_delegate.memory import reset_peak_rss  # noqa: E402
 from mlx_delegate.models.llama import Model, ModelArgs  # noqa: E402
 
 GB = 1e9
-
-
-def peak_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM")
-
-
-def reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
 
 
 class Phases:
@@ -55,12 +45,12 @@ class Phases:
     def done(self, name: str) -> None:
         gc.collect()
         now = time.perf_counter()
-        self.rows.append((name, peak_mb() * 2**20, rss_mb() * 2**20, now - self.start))
+        self.rows.append((name, peak_rss_mb() * 2**20, rss_mb() * 2**20, now - self.start))
         _, peak, after, _ = self.rows[-1]
         print(f"{name:<32} peak {peak / GB:6.2f} GB ({(peak - self.base) / self.weights:4.2f}x weights)  "
               f"after {after / GB:6.2f} GB ({(after - self.base) / self.weights:4.2f}x)  {now - self.start:6.1f} s",
               flush=True)
-        reset_peak()
+        reset_peak_rss()
         self.start = time.perf_counter()
 
 
@@ -72,7 +62,7 @@ def main() -> None:
     p.add_argument("--max-seq-len", type=int, default=128)
     args = p.parse_args()
 
-    reset_peak()
+    reset_peak_rss()
     start_rss = rss_mb() * 2**20
     print(f"start: {start_rss / GB:.2f} GB resident (torch, executorch, mlx imported)")
     torch.manual_seed(0)

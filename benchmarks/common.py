@@ -18,7 +18,6 @@ import json
 import math
 import os
 import platform
-import resource
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ import mlx_delegate  # before mlx: it routes MLX's sgemm to torch's BLAS only if
 import mlx.core as mx  # noqa: I001
 import numpy as np
 from mlx_delegate import _blas
+from mlx_delegate.memory import peak_rss_mb, rss_mb  # noqa: F401  (re-exported to the scripts)
 from mlx_delegate.testing import lower
 
 # Deprecation chatter from torch/executorch internals, once per export: not ours to fix.
@@ -310,21 +310,6 @@ def run_workload(w: Workload, engines: Sequence[str], s: Settings) -> list[Resul
 
 
 # ---------------------------------------------------------------- machine probes
-
-def rss_mb() -> float:
-    """Current resident set size of this process."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except OSError:
-        return peak_rss_mb()  # no procfs (macOS): the peak is the best available figure
-
-
-def peak_rss_mb() -> float:
-    """Peak resident set size of this process so far."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
-
 
 def memory_bandwidth_gbs(gib: float = 1.0, reps: int = 5) -> float:
     """Read bandwidth from torch summing `gib` GiB of fp32 with THREADS threads (best of `reps`)."""

@@ -45,6 +45,7 @@ from transformers import (
 )
 
 from mlx_delegate import audio as A
+from mlx_delegate.memory import peak_rss_mb
 from mlx_delegate.models import parakeet as P
 from mlx_delegate.models import whisper as W
 
@@ -64,19 +65,6 @@ PARAKEET_LAYERS = 6
 
 def progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident memory since its exec.
-
-    Linux's ru_maxrss survives exec, so a worker would inherit the orchestrator's peak at fork; VmHWM
-    belongs to the address space and starts afresh.
-    """
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
-    except (OSError, StopIteration):
-        return common.peak_rss_mb()  # no procfs (macOS)
 
 
 def partitioner(engine: str) -> Any:

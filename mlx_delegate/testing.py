@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
-from executorch.exir import to_edge_transform_and_lower
+from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 from executorch.runtime import Runtime
 
 from .partitioner import MLXPartitioner
@@ -109,10 +109,14 @@ class BoundMethod:
 
 
 def lower(module: torch.nn.Module, inputs: tuple, dynamic_shapes: Any = None,
-          partitioner: MLXPartitioner | None = None) -> Lowered:
-    """Export, lower through MLXPartitioner, serialize and load with the stock runtime."""
+          partitioner: MLXPartitioner | None = None, keep_ops: Sequence[Any] = ()) -> Lowered:
+    """Export, lower through MLXPartitioner, serialize and load with the stock runtime.
+
+    `keep_ops`: non-core ATen ops to keep whole in the Edge graph instead of decomposing them.
+    """
     ep = torch.export.export(module, inputs, dynamic_shapes=dynamic_shapes, strict=False)
-    edge = to_edge_transform_and_lower(ep, partitioner=[partitioner or MLXPartitioner()])
+    config = EdgeCompileConfig(_core_aten_ops_exception_list=list(keep_ops)) if keep_ops else None
+    edge = to_edge_transform_and_lower(ep, partitioner=[partitioner or MLXPartitioner()], compile_config=config)
     summary = delegate_summary(edge)
     buffer = edge.to_executorch().buffer
     return Lowered(edge, buffer, Runtime.get().load_program(buffer), summary)
@@ -154,11 +158,11 @@ def assert_close(actual: Sequence[Any], expected: Any, rtol: float, atol: float,
                                        msg=lambda m: f"output {i}: {m}")
 
 
-def lower_and_compare(case: OpCase) -> Lowered:
+def lower_and_compare(case: OpCase, keep_ops: Sequence[Any] = ()) -> Lowered:
     """Run one config end to end; raises AssertionError on any mismatch."""
     module = case.module().eval()
     inputs = case.inputs()
-    lowered = lower(module, inputs, case.dynamic_shapes)
+    lowered = lower(module, inputs, case.dynamic_shapes, keep_ops=keep_ops)
     segments, leftover = lowered.summary
     unexpected = [op for op in leftover if op not in case.allowed_fallback]
     assert not unexpected, f"ops left outside the delegate: {unexpected}"

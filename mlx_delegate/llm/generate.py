@@ -10,7 +10,6 @@ hand back the same one).
 
 from __future__ import annotations
 
-import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 from executorch.runtime import Runtime
 
 from .. import _runtime  # noqa: F401  (registers the backend)
+from ..memory import peak_rss_mb
 from .sampling import Sampler
 
 META_MAX_SEQ_LEN = "get_max_seq_len"
@@ -50,10 +50,6 @@ class Stats:
         return (f"prefill {self.prompt_tokens} tokens at {self.prefill_tps:.1f} tok/s, "
                 f"decode {self.generated_tokens} tokens at {self.decode_tps:.1f} tok/s, "
                 f"peak RSS {self.peak_rss_mb:.0f} MB")
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 class Generator:

@@ -1,11 +1,8 @@
 """Parity tests for element-wise ops: unary math, binary arithmetic, division
 semantics, comparisons, logic, bitwise ops, where and clamp."""
 
-from functools import partial
-
 import pytest
 import torch
-from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 from torch.export import Dim
 
 from mlx_delegate import testing
@@ -348,11 +345,8 @@ NONCORE = [
 
 
 @pytest.mark.parametrize("case", NONCORE, ids=str)
-def test_noncore_elementwise(case, monkeypatch):
-    config = EdgeCompileConfig(_core_aten_ops_exception_list=NONCORE_OPS)
-    monkeypatch.setattr(testing, "to_edge_transform_and_lower",
-                        partial(to_edge_transform_and_lower, compile_config=config))
-    lower_and_compare(case)
+def test_noncore_elementwise(case):
+    lower_and_compare(case, keep_ops=NONCORE_OPS)
 
 
 RAISING = [

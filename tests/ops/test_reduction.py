@@ -1,12 +1,9 @@
 """Parity tests for reductions, arg-reductions, variance, scans, softmax,
 sorting and selection."""
 
-from functools import partial
-
 import pytest
 import torch
 import torch.nn.functional as F
-from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 from torch.export import Dim
 
 from mlx_delegate import testing
@@ -274,8 +271,5 @@ NONCORE = [
 
 
 @pytest.mark.parametrize("case", NONCORE, ids=str)
-def test_noncore_reduction(case, monkeypatch):
-    config = EdgeCompileConfig(_core_aten_ops_exception_list=NONCORE_OPS)
-    monkeypatch.setattr(testing, "to_edge_transform_and_lower",
-                        partial(to_edge_transform_and_lower, compile_config=config))
-    lower_and_compare(case)
+def test_noncore_reduction(case):
+    lower_and_compare(case, keep_ops=NONCORE_OPS)

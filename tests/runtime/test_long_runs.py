@@ -6,8 +6,6 @@ are kept for reuse by size, and a decode step at a new position needs new sizes,
 so the cache (bounded by MLX's cache limit) grows with the positions visited.
 With `mx.set_cache_limit(0)` the raw RSS of the decode run is flat as well."""
 
-from pathlib import Path
-
 import mlx_delegate  # noqa: F401  (before mlx)
 import mlx.core as mx  # noqa: I001
 import torch
@@ -15,6 +13,7 @@ from transformers import LlamaConfig
 
 from mlx_delegate.llm import export as llm_export
 from mlx_delegate.llm.generate import Generator
+from mlx_delegate.memory import rss_mb
 from mlx_delegate.models import loading
 from mlx_delegate.testing import assert_close, lower
 
@@ -24,13 +23,6 @@ from mlx_delegate.testing import assert_close, lower
 # call that leaked its graph or an output would fail.
 SMALL_MODEL_GROWTH_MB = 4.0
 DECODE_GROWTH_MB = 8.0
-
-
-def rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
 
 
 def held_mb() -> float:
