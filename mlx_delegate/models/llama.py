@@ -236,7 +236,8 @@ class LlamaModel(nn.Module):
 
 
 class Model(nn.Module):
-    """`*ForCausalLM`-compatible (see `FAMILIES`): forward(tokens [1, L], input_pos [1]) -> logits [1, L, vocab]."""
+    """HF `*ForCausalLM`-compatible (see `FAMILIES`):
+    forward(tokens [1, L], input_pos [1]) -> logits [1, L, vocab]."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()

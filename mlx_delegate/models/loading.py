@@ -72,7 +72,7 @@ def from_hf_dir(path: str | Path, *, dtype: torch.dtype = torch.float32,
 
     path = Path(path)
     config = AutoConfig.from_pretrained(path)
-    hf_class(config)
+    family(config)  # refuse other model types before reading weights
     files = tuple(sorted(path.glob("*.safetensors")))
     if not files:
         raise FileNotFoundError(f"{path} holds no *.safetensors weights")

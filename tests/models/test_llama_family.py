@@ -72,6 +72,20 @@ def test_family_specific_weights():
     assert not any(k.endswith(".bias") for k in keys["mistral"] | keys["qwen3"])
 
 
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_checkpoint_dir_loads(name, tmp_path, monkeypatch):
+    """`from_hf_dir` accepts each model type; eager logits equal HF's on the saved weights."""
+    monkeypatch.setattr(loading, "load_tokenizer", lambda path: None)  # weights only: no tokenizer saved
+    config = CONFIGS[name](**TINY)
+    torch.manual_seed(1)
+    hf = loading.hf_class(config)(config).eval()
+    hf.save_pretrained(tmp_path)
+    loaded = loading.from_hf_dir(tmp_path, max_seq_len=MAX_SEQ_LEN)
+    with torch.no_grad():
+        ours = loaded.model(torch.tensor([PROMPT]), torch.tensor([0]))[0, -1]
+    torch.testing.assert_close(ours, hf_next_logits(hf, PROMPT), rtol=1e-5, atol=1e-5)
+
+
 def test_sliding_window_smaller_than_cache_is_refused():
     config = MistralConfig(**TINY, sliding_window=16)
     with pytest.raises(ValueError, match="sliding_window 16 is smaller than the KV cache"):
