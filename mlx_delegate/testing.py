@@ -181,3 +181,17 @@ def lower_and_compare(case: OpCase, keep_ops: Sequence[Any] = ()) -> Lowered:
 
 def with_inputs(case: OpCase, **changes: Any) -> OpCase:
     return replace(case, **changes)
+
+
+def hf_greedy(hf: Any, prompt: list[int], n: int) -> list[int]:
+    """`n` greedy tokens from a `transformers` causal LM (no early stop), the reference for generation."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def hf_next_logits(hf: Any, tokens: list[int]) -> torch.Tensor:
+    """A `transformers` causal LM's logits for the token after `tokens`."""
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0, -1]

@@ -16,7 +16,7 @@ from mlx_delegate.llm.generate import ContextFull, Generator
 from mlx_delegate.llm.sampling import Sampler, top_p_filter
 from mlx_delegate.models import loading
 from mlx_delegate.models.llama import Model, ModelArgs
-from mlx_delegate.testing import delegate_summary
+from mlx_delegate.testing import delegate_summary, hf_greedy, hf_next_logits
 
 MAX_SEQ_LEN = 64
 NEW_TOKENS = 40
@@ -37,18 +37,6 @@ def tiny():
     edge = llm_export.lower(llm_export.export_model(loaded.model),
                             constant_methods=llm_export.metadata(loaded.model))
     return loaded.model, hf, edge, edge.to_executorch().buffer
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-def hf_next_logits(hf, tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([tokens])).logits[0, -1]
 
 
 PROMPT = [5, 17, 99, 3, 42, 7]

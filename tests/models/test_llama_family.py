@@ -8,7 +8,7 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 from mlx_delegate.llm import export as llm_export
 from mlx_delegate.llm.generate import Generator
 from mlx_delegate.models import loading
-from mlx_delegate.testing import delegate_summary
+from mlx_delegate.testing import delegate_summary, hf_greedy, hf_next_logits
 
 MAX_SEQ_LEN = 64
 PROMPT = [5, 17, 99, 3, 42, 7]
@@ -32,18 +32,6 @@ def family(request):
 
 
 # Local (not imported from test_llama.py): under --import-mode=importlib test files are not importable.
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-def hf_next_logits(hf, tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([tokens])).logits[0, -1]
-
-
 def test_greedy_generation_matches_hf(family):
     hf, pte = family
     ours = list(Generator(pte, eos_token_ids=[]).generate_ids(PROMPT, NEW_TOKENS))
