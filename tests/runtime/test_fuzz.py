@@ -7,17 +7,24 @@ from pathlib import Path
 
 import pytest
 
+from mlx_delegate.memory import rss_mb
+
 pytest.importorskip("atheris")
 
 FUZZER = Path(__file__).resolve().parents[2] / "fuzz" / "fuzz_payload.py"
 FUZZ_SECONDS = 45
+# Memory the fuzzer may grow by. libFuzzer's RSS figure is the process's peak RSS, which on
+# Linux starts at this (forking) process's RSS, not at zero: an xdist worker that ran model
+# tests before would otherwise trip libFuzzer's default 2 GB limit at start-up.
+FUZZ_RSS_GROWTH_MB = 4096
 
 
 def test_fuzzed_payloads_are_rejected_cleanly(tmp_path):
     # Artifacts (crash-*, timeout-*) land in tmp_path; a finding exits non-zero.
+    rss_limit = int(rss_mb()) + FUZZ_RSS_GROWTH_MB
     proc = subprocess.run(
         [sys.executable, str(FUZZER), f"-max_total_time={FUZZ_SECONDS}", "-timeout=30",
-         f"-artifact_prefix={tmp_path}/"],
+         f"-rss_limit_mb={rss_limit}", f"-artifact_prefix={tmp_path}/"],
         cwd=tmp_path, capture_output=True, text=True, timeout=FUZZ_SECONDS + 240)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
