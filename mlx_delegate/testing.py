@@ -195,3 +195,13 @@ def hf_next_logits(hf: Any, tokens: list[int]) -> torch.Tensor:
     """A `transformers` causal LM's logits for the token after `tokens`."""
     with torch.no_grad():
         return hf(torch.tensor([tokens])).logits[0, -1]
+
+
+def assert_steps_match_hf(gen: Any, hf: Any, prompt: list[int], steps: int, tol: float = 1e-4) -> None:
+    """Prefill `prompt`, then decode `steps` greedy tokens, checking each step's logits against HF."""
+    tokens = list(prompt)
+    logits = gen.step(tokens)
+    for _ in range(steps):
+        torch.testing.assert_close(logits, hf_next_logits(hf, tokens), rtol=tol, atol=tol)
+        tokens.append(int(logits.argmax()))
+        logits = gen.step(tokens[-1:])

@@ -16,7 +16,7 @@ from mlx_delegate.llm.generate import ContextFull, Generator
 from mlx_delegate.llm.sampling import Sampler, top_p_filter
 from mlx_delegate.models import loading
 from mlx_delegate.models.llama import Model, ModelArgs
-from mlx_delegate.testing import delegate_summary, hf_greedy, hf_next_logits
+from mlx_delegate.testing import assert_steps_match_hf, delegate_summary, hf_greedy, hf_next_logits
 
 MAX_SEQ_LEN = 64
 NEW_TOKENS = 40
@@ -71,13 +71,7 @@ def test_greedy_generation_matches_hf(tiny):
 
 def test_step_logits_match_hf(tiny):
     _, hf, _, pte = tiny
-    gen = Generator(pte, eos_token_ids=[])
-    tokens = list(PROMPT)
-    logits = gen.step(tokens)
-    for _ in range(8):
-        torch.testing.assert_close(logits, hf_next_logits(hf, tokens), rtol=1e-4, atol=1e-4)
-        tokens.append(int(logits.argmax()))
-        logits = gen.step(tokens[-1:])
+    assert_steps_match_hf(Generator(pte, eos_token_ids=[]), hf, PROMPT, steps=8)
 
 
 def test_bf16_step_logits_close_to_fp32(tiny):

@@ -8,7 +8,7 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 from mlx_delegate.llm import export as llm_export
 from mlx_delegate.llm.generate import Generator
 from mlx_delegate.models import loading
-from mlx_delegate.testing import delegate_summary, hf_greedy, hf_next_logits
+from mlx_delegate.testing import assert_steps_match_hf, delegate_summary, hf_greedy, hf_next_logits
 
 MAX_SEQ_LEN = 64
 PROMPT = [5, 17, 99, 3, 42, 7]
@@ -40,13 +40,7 @@ def test_greedy_generation_matches_hf(family):
 
 def test_step_logits_match_hf(family):
     hf, pte = family
-    gen = Generator(pte, eos_token_ids=[])
-    tokens = list(PROMPT)
-    logits = gen.step(tokens)
-    for _ in range(6):
-        torch.testing.assert_close(logits, hf_next_logits(hf, tokens), rtol=1e-4, atol=1e-4)
-        tokens.append(int(logits.argmax()))
-        logits = gen.step(tokens[-1:])
+    assert_steps_match_hf(Generator(pte, eos_token_ids=[]), hf, PROMPT, steps=6)
 
 
 def test_family_specific_weights():
