@@ -1,6 +1,7 @@
 """Custom ops in the `mlx_delegate` namespace.
 
-Models call `kv_cache_update` directly; the pattern passes (`mlx_delegate.patterns`)
+Models call `kv_cache_update` (an int position) or `kv_cache_update_at` (a
+tensor position) directly; the pattern passes (`mlx_delegate.patterns`)
 rewrite decomposed RoPE and RMSNorm subgraphs into `rope` / `rms_norm`. Each op
 has a CPU reference implementation (eager runs and ExecuTorch-free checks) and
 a fake kernel for export; the delegate lowers them to MLX's fused kernels.
@@ -33,6 +34,23 @@ def kv_cache_update(cache: Tensor, update: Tensor, start_pos: int) -> Tensor:
 
 @kv_cache_update.register_fake
 def _(cache: Tensor, update: Tensor, start_pos: int) -> Tensor:
+    return torch.empty_like(cache)
+
+
+@torch.library.custom_op("mlx_delegate::kv_cache_update_at", mutates_args=())
+def kv_cache_update_at(cache: Tensor, update: Tensor, start_pos: Tensor) -> Tensor:
+    """`kv_cache_update` with the position as a one-element integer tensor.
+
+    The exported graph then does not depend on the position's value: a decode
+    step has the same shapes at every position, so the delegate serves all of
+    them with one compiled graph. The delegate cannot refuse a write past the
+    end without evaluating the position, so it clamps it; callers check bounds.
+    """
+    return kv_cache_update(cache, update, int(start_pos.reshape(-1)[0]))
+
+
+@kv_cache_update_at.register_fake
+def _(cache: Tensor, update: Tensor, start_pos: Tensor) -> Tensor:
     return torch.empty_like(cache)
 
 

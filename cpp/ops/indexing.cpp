@@ -221,4 +221,24 @@ void exec_SliceUpdateNode(const mlxd::SliceUpdateNode& n, ExecContext& ctx) {
   ctx.set(n.out(), mx::slice_update(x, update, lo, hi, st));
 }
 
+// The start stays an array so the node's graph is the same for every position.
+// MLX does not bound-check a dynamic start, so it is clamped here: a write
+// past the end lands on the last `length` entries instead of outside x.
+void exec_DynamicSliceUpdateNode(const mlxd::DynamicSliceUpdateNode& n, ExecContext& ctx) {
+  const auto& x = ctx.in(n.x());
+  auto update = mx::astype(ctx.in(n.update()), x.dtype());
+  const auto& start = ctx.in(n.start());
+  if (update.ndim() != x.ndim()) throw NodeError("update must have x's rank");
+  int axis = normalize_axis(n.axis(), x.ndim());
+  for (int d = 0; d < x.ndim(); ++d)
+    if (d != axis ? update.shape(d) != x.shape(d) : update.shape(d) > x.shape(d))
+      throw NodeError("update does not fit x outside the written axis, or is longer than x along it");
+  if (start.size() != 1 || !mx::issubdtype(start.dtype(), mx::integer))
+    throw NodeError("start must be a one-element integer tensor");
+  int last = x.shape(axis) - update.shape(axis);
+  auto at = mx::clip(mx::reshape(mx::astype(start, mx::int32), {1}), mx::array(0, mx::int32),
+                     mx::array(last, mx::int32));
+  ctx.set(n.out(), mx::slice_update(x, update, at, {axis}));
+}
+
 }  // namespace mlxd::rt

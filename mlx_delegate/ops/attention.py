@@ -4,8 +4,9 @@
 of the core decompositions) and maps to `mx::fast::scaled_dot_product_attention`,
 which handles grouped-query attention without repeating k/v. The
 `mlx_delegate::*` custom ops (see `custom_ops.py`; models call
-`kv_cache_update`, the pattern passes produce `rope` and `rms_norm`) map to a
-slice update of the resident cache, `mx::fast::rope` and `mx::fast::rms_norm`.
+`kv_cache_update` / `kv_cache_update_at`, the pattern passes produce `rope` and
+`rms_norm`) map to a slice update of the resident cache (at an int or an array
+offset), `mx::fast::rope` and `mx::fast::rms_norm`.
 """
 
 from __future__ import annotations
@@ -84,9 +85,7 @@ def _static_int(b: ProgramBuilder, v: object, what: str) -> int:
     raise b.unsupported(f"{what} must be static, got {v}")
 
 
-@register(mlxd.kv_cache_update.default)
-def kv_cache_update(b: ProgramBuilder, n: torch.fx.Node) -> None:
-    cache, update, start_pos = n.args
+def _check_kv_update(b: ProgramBuilder, cache: torch.fx.Node, update: torch.fx.Node) -> None:
     cshape, ushape = b.shape_of(cache), b.shape_of(update)
     if len(cshape) != 4 or len(ushape) != 4:
         raise b.unsupported("cache and update must be [B, H, S, D]")
@@ -95,9 +94,28 @@ def kv_cache_update(b: ProgramBuilder, n: torch.fx.Node) -> None:
     axis = custom_ops.SEQ_AXIS
     if not all(_same_dim(c, u) for i, (c, u) in enumerate(zip(cshape, ushape)) if i != axis):
         raise b.unsupported(f"update {ushape} does not match cache {cshape} outside the sequence axis")
+
+
+@register(mlxd.kv_cache_update.default)
+def kv_cache_update(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    cache, update, start_pos = n.args
+    _check_kv_update(b, cache, update)
     # The runtime checks that the write fits (the slice is as long as the update).
-    b.emit(N.SliceUpdateNode(x=b.tensor(cache), update=b.tensor(update), axis=axis,
+    b.emit(N.SliceUpdateNode(x=b.tensor(cache), update=b.tensor(update), axis=custom_ops.SEQ_AXIS,
                              start=b.int_or_vid(start_pos), stop=None, step=1, out=b.out(n)))
+
+
+@register(mlxd.kv_cache_update_at.default)
+def kv_cache_update_at(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    cache, update, start_pos = n.args
+    _check_kv_update(b, cache, update)
+    if b.dtype_of(start_pos) not in (torch.int32, torch.int64) or math.prod(
+            _static_int(b, d, "the position's size") for d in b.shape_of(start_pos)) != 1:
+        raise b.unsupported("the position must be a one-element int32/int64 tensor")
+    # A slice update at an array offset (clamped to the cache): no value of the
+    # position reaches the graph's shapes.
+    b.emit(N.DynamicSliceUpdateNode(x=b.tensor(cache), update=b.tensor(update), start=b.tensor(start_pos),
+                                    axis=custom_ops.SEQ_AXIS, out=b.out(n)))
 
 
 @register(mlxd.rope.default)

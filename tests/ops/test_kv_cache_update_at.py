@@ -1,0 +1,79 @@
+"""`mlx_delegate::kv_cache_update_at`: a cache write at a tensor position, lowered to
+`DynamicSliceUpdateNode` (an MLX slice update at an array offset). One program serves every
+position; the cache is a resident buffer; a write past the end is clamped, not refused."""
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from mlx_delegate import _runtime
+from mlx_delegate.custom_ops import kv_cache_update_at
+from mlx_delegate.ir import nodes as N
+from mlx_delegate.testing import assert_close, lower
+
+CACHE = (1, 2, 16, 4)  # [B, H, S, D]
+
+
+class CacheWriter(torch.nn.Module):
+    """Writes `update` at `pos` into a resident cache and returns the whole cache."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(CACHE, dtype=dtype), persistent=False)
+
+    def forward(self, update: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        self.cache.copy_(kv_cache_update_at(self.cache, update, pos))
+        return self.cache + 0
+
+
+@pytest.fixture
+def compile_on() -> Iterator[None]:
+    was = _runtime.compile_enabled()
+    _runtime.set_compile(True)
+    yield
+    _runtime.set_compile(was)
+
+
+def update(length: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return torch.randn(CACHE[0], CACHE[1], length, CACHE[3]).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_writes_at_each_position_with_one_program(dtype, compile_on):
+    lowered = lower(CacheWriter(dtype), (update(1, dtype, 0), torch.tensor([0])))
+    assert lowered.summary == (1, [])
+    eager, method = CacheWriter(dtype), lowered.method()
+    before = _runtime.compile_stats()
+    for step, pos in enumerate([0, 3, 1, 15, 7, 8, 2]):
+        u, p = update(1, dtype, step), torch.tensor([pos])
+        assert_close(method.execute([u, p]), eager(u, p), 0, 0, exact=True)
+    stats = {k: v - before[k] for k, v in _runtime.compile_stats().items()}
+    # Positions are values, not shapes: one signature, traced once and replayed.
+    assert stats == {"interpreted_calls": 1, "compiled_calls": 6, "traces": 1, "rejected": 0}
+
+
+def test_lowers_to_a_dynamic_slice_update():
+    lowered = lower(CacheWriter(torch.float32), (update(2, torch.float32, 0), torch.tensor([0])))
+    call = next(n for n in lowered.edge.exported_program().graph.nodes if n.op == "call_function")
+    module = getattr(lowered.edge.exported_program().graph_module, call.args[0].target)
+    program = N.deserialize(module.processed_bytes)
+    kinds = [type(i.node).__name__ for i in program.instructions]
+    assert "DynamicSliceUpdateNode" in kinds and "SliceUpdateNode" not in kinds
+
+
+def test_write_past_the_end_is_clamped():
+    """The delegate cannot refuse a tensor position without evaluating it: it writes the last
+    `length` entries instead (eager torch raises)."""
+    method = lower(CacheWriter(torch.float32), (update(3, torch.float32, 0), torch.tensor([0]))).method()
+    u = update(3, torch.float32, 1)
+    out = method.execute([u, torch.tensor([CACHE[2] - 1])])[0]
+    expected = torch.zeros(CACHE)
+    expected[:, :, -3:] = u
+    assert torch.equal(out, expected)
+    out = method.execute([u, torch.tensor([-5])])[0]
+    expected[:, :, :3] = u
+    assert torch.equal(out, expected)
+    with pytest.raises(IndexError):
+        CacheWriter(torch.float32)(u, torch.tensor([CACHE[2] - 1]))
