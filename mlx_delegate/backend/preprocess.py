@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from typing import final
 
+import torch
+from executorch.exir._serialize._cord import FileBackedData
 from executorch.exir._serialize._named_data_store import NamedDataStore
 from executorch.exir.backend.backend_details import BackendDetails, PreprocessResult
 from executorch.exir.backend.compile_spec_schema import CompileSpec
@@ -14,6 +18,25 @@ from ..passes import run_graph_passes
 from ..patterns import ALL_FUSIONS, FUSIONS, apply_fusions
 
 CONSTANT_ALIGNMENT = 64  # lets the runtime wrap constants without copying
+# Constants from this size on go to the named data store as temporary files,
+# not bytes: the store would otherwise hold a second in-memory copy of every
+# weight until serialization, and `write_to_file` streams them from disk.
+SPILL_MIN_BYTES = 1 << 20
+SPILL_DIR_ENV = "MLX_DELEGATE_SPILL_DIR"  # where they go (default: the system temp dir)
+
+
+def _named_data(tensor: torch.Tensor) -> torch.Tensor | FileBackedData:
+    """What the named data store keeps for one constant: the tensor itself when
+    small (the store copies it to bytes), else a file holding its bytes."""
+    tensor = tensor.detach().contiguous()
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes < SPILL_MIN_BYTES or os.environ.get(SPILL_DIR_ENV) == "off":
+        return tensor
+    fd, path = tempfile.mkstemp(prefix="mlx_delegate_", suffix=".const", dir=os.environ.get(SPILL_DIR_ENV))
+    with os.fdopen(fd, "wb") as f:
+        # A byte view of the tensor's own memory: written without a copy.
+        f.write(memoryview(tensor.view(torch.uint8).reshape(-1).numpy()))
+    return FileBackedData(path, cleanup=True)  # removed when the last reference goes
 
 
 @final
@@ -34,7 +57,7 @@ class MLXDelegateBackend(BackendDetails):
         for c in built.constants:
             if c.key not in seen:
                 seen.add(c.key)
-                store.add_named_data(c.key, c.tensor.contiguous(), alignment=CONSTANT_ALIGNMENT)
+                store.add_named_data(c.key, _named_data(c.tensor), alignment=CONSTANT_ALIGNMENT)
         return PreprocessResult(processed_bytes=built.serialize(),
                                 data_store_output=store.get_named_data_store_output())
 
