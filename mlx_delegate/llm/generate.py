@@ -2,7 +2,11 @@
 ExecuTorch runtime.
 
 `Generator` keeps the position in the KV cache across calls (the cache itself
-lives in the delegate), so a conversation can continue where it stopped;
+lives in the delegate), so a conversation can continue where it stopped. It
+checks that the tokens fit the cache before each call: the program takes the
+position as a tensor and cannot refuse an out-of-range one (it clamps the write).
+Single-token steps all have one input signature, so after the first the
+delegate serves them with one compiled graph;
 `reset()` reloads the program, whose delegate starts from an empty cache
 (executorch.runtime caches loaded methods, so reloading only the method would
 hand back the same one).

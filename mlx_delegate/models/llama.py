@@ -3,10 +3,17 @@
 Parameter names equal the state-dict keys of `transformers`' `*ForCausalLM` class
 for each family in `FAMILIES` (Qwen2 adds q/k/v biases, Qwen3 per-head q/k RMSNorm). The
 KV cache is a pair of registered (non-persistent) buffers per layer, written
-with `mlx_delegate::kv_cache_update`, so an exported program keeps it resident
-in the delegate. `forward(tokens, input_pos)` serves prefill (any length) and
-decode (length 1) alike. RoPE and RMSNorm are written in plain torch (the HF
-form); the pattern passes fuse them into MLX's kernels at lowering.
+with `mlx_delegate::kv_cache_update_at`, so an exported program keeps it
+resident in the delegate. `forward(tokens, input_pos)` serves prefill (any
+length) and decode (length 1) alike.
+
+The position stays a tensor end to end (no `item()`): the cache is written at
+a tensor offset, RoPE's angles come from `input_pos + arange(L)`, and attention
+reads the whole cache under the mask `arange(max_seq_len) <= position`. Shapes
+then depend on L only, so every decode step has one signature and the delegate
+serves them all with one compiled graph. RMSNorm is written in plain torch (the
+HF form) and fused into MLX's kernel at lowering; RoPE stays composed (its
+angles come from a tensor position).
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..custom_ops import kv_cache_update
+from ..custom_ops import kv_cache_update_at
 
 # RoPE variants whose cos/sin need no post-scaling (HF's attention_scaling == 1).
 SUPPORTED_ROPE = ("default", "linear", "llama3")
@@ -168,7 +175,7 @@ class Attention(nn.Module):
         self.register_buffer("k_cache", torch.zeros(cache), persistent=False)
         self.register_buffer("v_cache", torch.zeros(cache), persistent=False)
 
-    def forward(self, x: Tensor, start_pos: int, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, input_pos: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         B, L, _ = x.shape
         q = self.q_proj(x).view(B, L, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, L, self.n_kv_heads, self.head_dim)
@@ -177,11 +184,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        self.k_cache.copy_(kv_cache_update(self.k_cache, k, start_pos))
-        self.v_cache.copy_(kv_cache_update(self.v_cache, v, start_pos))
-        end = start_pos + L
-        out = F.scaled_dot_product_attention(
-            q, self.k_cache[:, :, :end], self.v_cache[:, :, :end], attn_mask=mask, enable_gqa=True)
+        self.k_cache.copy_(kv_cache_update_at(self.k_cache, k, input_pos))
+        self.v_cache.copy_(kv_cache_update_at(self.v_cache, v, input_pos))
+        # The whole cache, fixed shape; `mask` hides the entries past each query.
+        out = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask, enable_gqa=True)
         # An explicit copy: SDPA's output strides differ once the op is kept whole
         # (to_edge re-traces), and a recorded view would no longer be valid.
         out = out.transpose(1, 2).clone(memory_format=torch.contiguous_format)
@@ -208,8 +214,8 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x: Tensor, start_pos: int, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), start_pos, cos, sin, mask)
+    def forward(self, x: Tensor, input_pos: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), input_pos, cos, sin, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -220,18 +226,19 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self.max_seq_len = args.max_seq_len
 
-    def forward(self, tokens: Tensor, start_pos: int) -> Tensor:
+    def forward(self, tokens: Tensor, input_pos: Tensor) -> Tensor:
         L = tokens.shape[1]
         h = self.embed_tokens(tokens)
-        positions = torch.arange(start_pos, start_pos + L, device=tokens.device)
+        positions = input_pos.reshape(1) + torch.arange(L, device=tokens.device)  # [L]
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
-        # Query i (at start_pos + i) sees cache entries 0..start_pos + i.
-        mask = torch.arange(start_pos + L, device=tokens.device)[None, :] <= positions[:, None]
+        # Query i (at input_pos + i) sees cache entries 0..input_pos + i.
+        mask = torch.arange(self.max_seq_len, device=tokens.device)[None, :] <= positions[:, None]
         for layer in self.layers:
-            h = layer(h, start_pos, cos, sin, mask)
+            h = layer(h, input_pos, cos, sin, mask)
         return self.norm(h)
 
 
@@ -247,10 +254,10 @@ class Model(nn.Module):
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def forward(self, tokens: Tensor, input_pos: Tensor, last_only: bool = False) -> Tensor:
-        start_pos, cache_len = input_pos.item(), self.args.max_seq_len
-        torch._check(start_pos >= 0)
-        torch._check(start_pos + tokens.shape[1] <= cache_len)
-        h = self.model(tokens, start_pos)
+        """`input_pos` ([1] int) is where tokens[0, 0] goes in the cache; the tokens must fit
+        (input_pos + L <= max_seq_len): eager runs raise otherwise, the delegate clamps the write."""
+        torch._check(tokens.shape[1] <= self.args.max_seq_len)
+        h = self.model(tokens, input_pos)
         if last_only:
             h = h[:, -1:]
         if self.args.tie_word_embeddings:
