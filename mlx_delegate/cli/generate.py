@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from ._common import CLIError, print_json, progress
 
@@ -63,13 +64,13 @@ def run(args: argparse.Namespace) -> int:
                               (("dtype", args.dtype), ("max_seq_len", args.max_seq_len),
                                ("quantize", args.quantize), ("group_size", args.group_size)))
 
-    def build() -> bytes:
+    def build(out: Path) -> None:
         progress(f"loading {path.name} and lowering it (once; cached as {key.path().name})")
         try:
             loaded = loading.load(path, dtype=dtype, max_seq_len=args.max_seq_len)
         except ValueError as e:
             raise CLIError(str(e)) from e
-        return llm_export.to_pte(loaded.model, quantize=args.quantize, group_size=args.group_size)
+        llm_export.save_pte(loaded.model, out, quantize=args.quantize, group_size=args.group_size)
 
     pte, _ = llm_export.cached_pte(key, build, refresh=args.no_cache)
     generator = Generator(pte, loading.load_tokenizer(path))

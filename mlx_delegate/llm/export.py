@@ -3,10 +3,7 @@
     forward(tokens [1, L] int64, input_pos [1] int64) -> logits [1, 1, vocab] (last position)
 
 L runs from 1 (decode) to the cache length (prefill); the KV cache lives in the
-delegate between calls. The position is a tensor the graph never reads on the
-host (see `models.llama`), so the program's shapes depend on L only: every
-single-token step has one signature and, from the second step on, runs one
-compiled MLX graph. One method, not a prefill and a decode method: the
+delegate between calls. One method, not a prefill and a decode method: the
 delegate keeps mutable buffers per loaded method, so two methods would each
 have their own cache. The lowered program is cached under
 $MLX_DELEGATE_CACHE (default ~/.cache/mlx_delegate), keyed by the weights'
@@ -26,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from executorch.exir import EdgeProgramManager, to_edge_transform_and_lower
+from executorch.exir import EdgeProgramManager, ExecutorchProgramManager, to_edge_transform_and_lower
 from executorch.exir.pass_base import ExportedProgramPassBase, ExportedProgramPassResult
 from torch.export import Dim, ExportedProgram
 
@@ -115,12 +112,25 @@ def quantize_weights(model: Model, mode: str | None, group_size: int | None = No
     return quantization.quantize_model(model, mode, group_size)
 
 
-def to_pte(model: Model, *, full_logits: bool = False, quantize: str | None = None,
-           group_size: int | None = None) -> bytes:
-    """The .pte for `model`; `quantize` (int8 / int4) quantizes it first, in place (see `quantize_weights`)."""
+def to_executorch(model: Model, *, full_logits: bool = False, quantize: str | None = None,
+                  group_size: int | None = None) -> ExecutorchProgramManager:
+    """The program for `model`; `quantize` (int8 / int4) quantizes it first, in place (see `quantize_weights`)."""
     quantize_weights(model, quantize, group_size)
     edge = lower(export_model(model, full_logits=full_logits), constant_methods=metadata(model))
-    return edge.to_executorch().buffer
+    return edge.to_executorch()
+
+
+def to_pte(model: Model, **options: Any) -> bytes:
+    """The .pte bytes for `model` (options as `to_executorch`). For big models prefer `save_pte`:
+    the bytes are one more copy of the weights."""
+    return to_executorch(model, **options).buffer
+
+
+def save_pte(model: Model, path: Path, **options: Any) -> None:
+    """Write the .pte for `model` to `path`, streaming the weights (options as `to_executorch`)."""
+    program = to_executorch(model, **options)
+    with Path(path).open("wb") as f:
+        program.write_to_file(f)
 
 
 def code_fingerprint() -> str:
@@ -153,13 +163,15 @@ class CacheKey:
         return cache_dir() / f"{safe}-{h.hexdigest()[:16]}.pte"
 
 
-def cached_pte(key: CacheKey, build: Callable[[], bytes], *, refresh: bool = False) -> tuple[Path, bool]:
-    """(path of the .pte, whether it was built now); builds and stores it when missing."""
+def cached_pte(key: CacheKey, build: Callable[[Path], None], *, refresh: bool = False) -> tuple[Path, bool]:
+    """(path of the .pte, whether it was built now); when missing, `build(path)` writes it."""
     path = key.path()
     if path.exists() and not refresh:
         return path, False
-    data = build()
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    tmp.replace(path)  # atomic: a concurrent reader never sees half a file
+    try:
+        build(tmp)
+        tmp.replace(path)  # atomic: a concurrent reader never sees half a file
+    finally:
+        tmp.unlink(missing_ok=True)
     return path, True
