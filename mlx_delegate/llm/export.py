@@ -3,7 +3,10 @@
     forward(tokens [1, L] int64, input_pos [1] int64) -> logits [1, 1, vocab] (last position)
 
 L runs from 1 (decode) to the cache length (prefill); the KV cache lives in the
-delegate between calls. One method, not a prefill and a decode method: the
+delegate between calls. The position is a tensor the graph never reads on the
+host (see `models.llama`), so the program's shapes depend on L only: every
+single-token step has one signature and, from the second step on, runs one
+compiled MLX graph. One method, not a prefill and a decode method: the
 delegate keeps mutable buffers per loaded method, so two methods would each
 have their own cache. The lowered program is cached under
 $MLX_DELEGATE_CACHE (default ~/.cache/mlx_delegate), keyed by the weights'
