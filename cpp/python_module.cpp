@@ -18,6 +18,7 @@
 
 #include "backend.h"
 #include "interpreter.h"
+#include "kernels/cpu_parallel.h"
 #include "kernels/qgemv_cpu.h"
 #include "loader.h"
 
@@ -236,5 +237,8 @@ NB_MODULE(_runtime, m) {
   m.def("reset_compile_stats", &reset_compile_stats);
   m.def("cpu_kernel_calls", &mlxd::rt::qgemv_cpu_calls,
         "How many times the CPU quantized GEMV kernel has run (MLX_DELEGATE_CPU_KERNELS=0 turns it off).");
+  m.def("cpu_kernel_call_counts", &mlxd::rt::cpu_kernel_call_counts,
+        "Calls of the CPU element-wise / row kernels by name (softmax, rms_norm, silu, ...); "
+        "MLX_DELEGATE_CPU_KERNELS=0 turns them off.");
   if (!register_backend()) throw std::runtime_error("mlx_delegate: could not register the backend with ExecuTorch");
 }

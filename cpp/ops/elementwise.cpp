@@ -3,8 +3,10 @@
 #include <array>
 #include <cmath>
 #include <functional>
+#include <optional>
 
 #include "../ops_common.h"
+#include "kernels/unary_cpu.h"
 
 namespace mlxd::rt {
 namespace {
@@ -204,10 +206,26 @@ const std::array<Binary, static_cast<size_t>(mlxd::BinaryOp::MAX) + 1> kBinary =
     [](const mx::array& a, const mx::array& b) { return trunc_divide(a, nonzero_divisor(b)); },
 };
 
+// Ops with a CPU kernel (kernels/unary_cpu.h): MLX's CPU versions are one
+// scalar libm call per element on one core.
+std::optional<UnaryKernel> cpu_kernel_for(mlxd::UnaryOp op) {
+  switch (op) {
+    case mlxd::UnaryOp::Exp: return UnaryKernel::exp;
+    case mlxd::UnaryOp::Sigmoid: return UnaryKernel::sigmoid;
+    case mlxd::UnaryOp::Silu: return UnaryKernel::silu;
+    case mlxd::UnaryOp::GeluErf: return UnaryKernel::gelu_erf;
+    case mlxd::UnaryOp::GeluTanh: return UnaryKernel::gelu_tanh;
+    case mlxd::UnaryOp::Erf: return UnaryKernel::erf;
+    default: return std::nullopt;
+  }
+}
+
 }  // namespace
 
 void exec_UnaryNode(const mlxd::UnaryNode& n, ExecContext& ctx) {
-  ctx.set(n.out(), table_at(kUnary, n.op(), "unary op")(ctx.in(n.x())));
+  const auto& x = ctx.in(n.x());
+  if (auto kernel = cpu_kernel_for(n.op()); kernel && unary_cpu_applies(x)) return ctx.set(n.out(), unary_cpu(x, *kernel));
+  ctx.set(n.out(), table_at(kUnary, n.op(), "unary op")(x));
 }
 
 void exec_BinaryNode(const mlxd::BinaryNode& n, ExecContext& ctx) {

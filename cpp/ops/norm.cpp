@@ -8,6 +8,7 @@
 #include <mlx/fast.h>
 
 #include "../ops_common.h"
+#include "kernels/rows_cpu.h"
 
 namespace mlxd::rt {
 
@@ -64,6 +65,19 @@ mx::array affine(mx::array y, ExecContext& ctx, const mlxd::Tid* weight, const m
   return y;
 }
 
+// Layer / RMS norm over the last axis: the CPU row kernel where it applies
+// (MLX's CPU norms run on one core), MLX's fused kernel otherwise.
+mx::array layer_norm_last(const mx::array& x, const std::optional<mx::array>& w, const std::optional<mx::array>& b,
+                          float eps) {
+  if (rows_cpu_applies(x, w, b)) return rows_cpu(x, RowKernel::layer_norm, eps, w, b);
+  return mx::fast::layer_norm(x, w, b, eps);
+}
+
+mx::array rms_norm_last(const mx::array& x, const std::optional<mx::array>& w, float eps) {
+  if (rows_cpu_applies(x, w)) return rows_cpu(x, RowKernel::rms_norm, eps, w);
+  return mx::fast::rms_norm(x, w, eps);
+}
+
 std::vector<int> all_but_channel(int ndim) {
   std::vector<int> axes;
   for (int i = 0; i < ndim; ++i)
@@ -76,12 +90,11 @@ void exec_LayerNormNode(const mlxd::LayerNormNode& n, ExecContext& ctx) {
   const auto& x = ctx.in(n.x());
   int k = n.normalized_ndim();
   if (k == 1 && !n.out_mean() && !n.out_rstd()) {
-    ctx.set(n.out(), mx::fast::layer_norm(x, optional_in(ctx, n.weight()), optional_in(ctx, n.bias()), n.eps()));
+    ctx.set(n.out(), layer_norm_last(x, optional_in(ctx, n.weight()), optional_in(ctx, n.bias()), n.eps()));
     return;
   }
   auto rows = merge_trailing(x, k);
-  auto y = mx::fast::layer_norm(rows, flat_param(ctx, n.weight(), x.dtype()), flat_param(ctx, n.bias(), x.dtype()),
-                                n.eps());
+  auto y = layer_norm_last(rows, flat_param(ctx, n.weight(), x.dtype()), flat_param(ctx, n.bias(), x.dtype()), n.eps());
   ctx.set(n.out(), mx::reshape(y, x.shape()));
   mx::Shape stat_shape(x.shape().begin(), x.shape().end() - k);
   stat_shape.insert(stat_shape.end(), k, 1);
@@ -92,10 +105,10 @@ void exec_RmsNormNode(const mlxd::RmsNormNode& n, ExecContext& ctx) {
   const auto& x = ctx.in(n.x());
   int k = n.normalized_ndim();
   if (k == 1) {
-    ctx.set(n.out(), mx::fast::rms_norm(x, optional_in(ctx, n.weight()), n.eps()));
+    ctx.set(n.out(), rms_norm_last(x, optional_in(ctx, n.weight()), n.eps()));
     return;
   }
-  auto y = mx::fast::rms_norm(merge_trailing(x, k), flat_param(ctx, n.weight(), x.dtype()), n.eps());
+  auto y = rms_norm_last(merge_trailing(x, k), flat_param(ctx, n.weight(), x.dtype()), n.eps());
   ctx.set(n.out(), mx::reshape(y, x.shape()));
 }
 

@@ -4,6 +4,7 @@
 #include <numeric>
 
 #include "../ops_common.h"
+#include "kernels/rows_cpu.h"
 
 namespace mlxd::rt {
 namespace {
@@ -69,6 +70,10 @@ void exec_ArgReduceNode(const mlxd::ArgReduceNode& n, ExecContext& ctx) {
 void exec_SoftmaxNode(const mlxd::SoftmaxNode& n, ExecContext& ctx) {
   const auto& x = ctx.in(n.x());
   int axis = normalize_axis(n.axis(), x.ndim());
+  // Over the last axis the CPU row kernel (float32 math for every input type) replaces
+  // MLX's single-threaded, scalar-exp softmax.
+  if (axis == x.ndim() - 1 && rows_cpu_applies(x))
+    return ctx.set(n.out(), rows_cpu(x, n.log() ? RowKernel::log_softmax : RowKernel::softmax));
   ctx.set(n.out(), accumulate_fp32(x, [&](const mx::array& a) {
     return n.log() ? mx::subtract(a, mx::logsumexp(a, {axis}, true)) : mx::softmax(a, {axis}, true);
   }));

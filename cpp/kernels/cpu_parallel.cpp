@@ -1,0 +1,178 @@
+// Plumbing for the CPU element-wise and row kernels; see cpu_parallel.h.
+#include "kernels/cpu_parallel.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <thread>
+
+#include <unistd.h>
+
+namespace mlxd::rt {
+namespace mx = mlx::core;
+namespace {
+
+// Persistent helper threads, one per extra core (at most 7). A call runs part
+// 0 on its own thread and parts 1.. on helpers. One call at a time: a
+// concurrent call (another stream) runs its parts serially rather than queue.
+class Pool {
+ public:
+  static Pool& get() {
+    static Pool* pool = new Pool();  // never destroyed: helpers may be parked at exit
+    return *pool;
+  }
+  int size() const { return static_cast<int>(helpers_) + 1; }
+
+  void run(int parts, const std::function<void(int)>& fn) {
+    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+    // A forked child has none of the helper threads: it runs serially.
+    if (!busy || parts <= 1 || getpid() != owner_) {
+      for (int i = 0; i < parts; ++i) fn(i);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      task_ = &fn;
+      parts_ = parts;
+      pending_ = parts - 1;
+      ++generation_;
+    }
+    wake_.notify_all();
+    fn(0);
+    std::unique_lock<std::mutex> lock(m_);
+    done_.wait(lock, [&] { return pending_ == 0; });
+    task_ = nullptr;
+  }
+
+ private:
+  Pool() : owner_(getpid()) {
+    unsigned hw = std::thread::hardware_concurrency();
+    helpers_ = hw > 1 ? std::min(hw, 8u) - 1 : 0;
+    for (unsigned i = 0; i < helpers_; ++i) std::thread([this, i] { loop(static_cast<int>(i) + 1); }).detach();
+  }
+
+  void loop(int part) {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int)>* task;
+      {
+        std::unique_lock<std::mutex> lock(m_);
+        wake_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
+        if (part >= parts_) continue;
+        task = task_;
+      }
+      (*task)(part);
+      std::lock_guard<std::mutex> lock(m_);
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+
+  pid_t owner_;
+  unsigned helpers_ = 0;
+  std::mutex busy_, m_;
+  std::condition_variable wake_, done_;
+  const std::function<void(int)>* task_ = nullptr;
+  int parts_ = 0, pending_ = 0;
+  uint64_t generation_ = 0;
+};
+
+std::mutex g_counts_mutex;
+std::map<std::string, uint64_t>& counts() {
+  static auto* c = new std::map<std::string, uint64_t>();
+  return *c;
+}
+
+bool cpu_has_avx2_fma() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+template <typename T>
+void load_as(const T* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <typename T>
+void store_as(const float* src, int64_t n, T* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+}  // namespace
+
+CpuKernelMode cpu_kernel_mode() {
+  static const CpuKernelMode mode = [] {
+    const char* v = std::getenv("MLX_DELEGATE_CPU_KERNELS");
+    if (v && std::strcmp(v, "0") == 0) return CpuKernelMode::off;
+    return v && std::strcmp(v, "portable") == 0 ? CpuKernelMode::portable : CpuKernelMode::best;
+  }();
+  return mode;
+}
+
+bool cpu_kernels_active() {
+  return cpu_kernel_mode() != CpuKernelMode::off && mx::default_device() == mx::Device::cpu;
+}
+
+bool cpu_use_avx2() {
+  static const bool avx2 = cpu_kernel_mode() == CpuKernelMode::best && cpu_has_avx2_fma();
+  return avx2;
+}
+
+bool cpu_kernel_dtype_ok(const mx::array& x) {
+  auto t = x.dtype();
+  return x.size() > 0 && (t == mx::float32 || t == mx::bfloat16 || t == mx::float16);
+}
+
+void cpu_parallel_for(int64_t n, int64_t cost_per_item, int64_t align,
+                      const std::function<void(int64_t, int64_t)>& fn) {
+  if (n <= 0) return;
+  auto& pool = Pool::get();
+  int64_t parts = n * cost_per_item >= kCpuMinParallel ? std::min<int64_t>(pool.size(), n) : 1;
+  auto bound = [&](int64_t i) {
+    if (i >= parts) return n;
+    int64_t b = n * i / parts;
+    return std::min(n, b - b % align);
+  };
+  pool.run(static_cast<int>(parts), [&](int i) {
+    int64_t b = bound(i), e = bound(i + 1);
+    if (b < e) fn(b, e);
+  });
+}
+
+void cpu_kernel_note_call(const char* name) {
+  std::lock_guard<std::mutex> lock(g_counts_mutex);
+  ++counts()[name];
+}
+
+std::map<std::string, uint64_t> cpu_kernel_call_counts() {
+  std::lock_guard<std::mutex> lock(g_counts_mutex);
+  return counts();
+}
+
+void cpu_load_f32(const void* src, mx::Dtype dtype, int64_t offset, int64_t n, float* dst) {
+  if (dtype == mx::float32) {
+    std::memcpy(dst, static_cast<const float*>(src) + offset, n * sizeof(float));
+  } else if (dtype == mx::bfloat16) {
+    load_as(static_cast<const mx::bfloat16_t*>(src) + offset, n, dst);
+  } else {
+    load_as(static_cast<const mx::float16_t*>(src) + offset, n, dst);
+  }
+}
+
+void cpu_store_f32(const float* src, mx::Dtype dtype, int64_t offset, int64_t n, void* dst) {
+  if (dtype == mx::float32) {
+    std::memcpy(static_cast<float*>(dst) + offset, src, n * sizeof(float));
+  } else if (dtype == mx::bfloat16) {
+    store_as(src, n, static_cast<mx::bfloat16_t*>(dst) + offset);
+  } else {
+    store_as(src, n, static_cast<mx::float16_t*>(dst) + offset);
+  }
+}
+
+}  // namespace mlxd::rt

@@ -1,0 +1,48 @@
+// Shared plumbing for the CPU element-wise / row kernels (unary_cpu, rows_cpu):
+// the on/off switch, CPU feature detection, a two-way (one part per core)
+// parallel loop on persistent helper threads, and per-kernel call counters.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+
+#include <mlx/mlx.h>
+
+namespace mlxd::rt {
+
+// MLX_DELEGATE_CPU_KERNELS: "0" turns the kernels off, "portable" uses the
+// scalar (libm) code even where the CPU has AVX2 + FMA, anything else: on.
+enum class CpuKernelMode { off, best, portable };
+CpuKernelMode cpu_kernel_mode();
+
+// Whether a custom CPU kernel may replace MLX's op right now: kernels on and
+// the default device is the CPU (MLX keeps its own kernels for GPUs).
+bool cpu_kernels_active();
+
+// Whether the vector (AVX2 + FMA) code runs: mode best and the CPU has both.
+bool cpu_use_avx2();
+
+// Whether x's dtype is one the kernels read and write (float32, bfloat16,
+// float16; math in float32) and x is non-empty.
+bool cpu_kernel_dtype_ok(const mlx::core::array& x);
+
+// Runs fn(begin, end) over [0, n) split into one contiguous part per core,
+// the first part on the calling thread. Work below `min_parallel` elements in
+// total (`n * cost_per_item`) stays on the calling thread: waking a helper
+// costs more than it saves. `align` rounds part boundaries (vector widths).
+void cpu_parallel_for(int64_t n, int64_t cost_per_item, int64_t align,
+                      const std::function<void(int64_t, int64_t)>& fn);
+constexpr int64_t kCpuMinParallel = 1 << 14;
+
+// Call counters by kernel name ("softmax", "silu", ...): tests prove which code ran.
+void cpu_kernel_note_call(const char* name);
+std::map<std::string, uint64_t> cpu_kernel_call_counts();
+
+// Reads float32 / bfloat16 / float16 elements as float32 and back (dtype of
+// the array the pointer came from).
+void cpu_load_f32(const void* src, mlx::core::Dtype dtype, int64_t offset, int64_t n, float* dst);
+void cpu_store_f32(const float* src, mlx::core::Dtype dtype, int64_t offset, int64_t n, void* dst);
+
+}  // namespace mlxd::rt

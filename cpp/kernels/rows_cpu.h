@@ -1,0 +1,30 @@
+// CPU kernels over the last axis of a row-major array: RMSNorm, LayerNorm,
+// softmax and log-softmax, in float32 math for float32 / bfloat16 / float16
+// inputs, as one MLX primitive vectorised with AVX2 + FMA (exp included) and
+// splitting the rows across the cores. MLX's CPU versions run on one core with
+// a scalar exp.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include <mlx/mlx.h>
+
+namespace mlxd::rt {
+
+enum class RowKernel : uint8_t { rms_norm, layer_norm, softmax, log_softmax };
+
+// Whether rows_cpu takes x (and the optional per-column weight / bias of an
+// affine norm): kernels on (cpu_kernels_active), non-empty float32 / bfloat16 /
+// float16 x with ndim >= 1, and weight / bias (when given) floating with as
+// many elements as x's last axis.
+bool rows_cpu_applies(const mlx::core::array& x, const std::optional<mlx::core::array>& weight = std::nullopt,
+                      const std::optional<mlx::core::array>& bias = std::nullopt);
+
+// The kernel over x's last axis. The result has x's shape and the dtype MLX's
+// own op gives: mx::fast norms promote x with weight and bias, softmax keeps x's.
+mlx::core::array rows_cpu(const mlx::core::array& x, RowKernel kind, float eps = 0.f,
+                          const std::optional<mlx::core::array>& weight = std::nullopt,
+                          const std::optional<mlx::core::array>& bias = std::nullopt);
+
+}  // namespace mlxd::rt

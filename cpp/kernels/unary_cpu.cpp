@@ -1,0 +1,133 @@
+// Element-wise maps on the CPU: the array is cut into chunks (converted to
+// float32 on the way in and out for half types), and the chunks split into
+// one contiguous range per core.
+#include "kernels/unary_cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+#include <mlx/backend/cpu/encoder.h>
+#include <mlx/primitives.h>
+
+#include "kernels/cpu_parallel.h"
+#include "kernels/vec_math_cpu.h"
+
+namespace mlxd::rt {
+namespace mx = mlx::core;
+namespace {
+
+using MapFn = void (*)(const float*, float*, int64_t);
+
+// ---- Portable: libm, one element at a time ----------------------------------
+
+float silu1(float x) { return x / (1.f + std::exp(-x)); }
+float sigmoid1(float x) { return 1.f / (1.f + std::exp(-x)); }
+float gelu_erf1(float x) { return 0.5f * x * (1.f + std::erf(x * 0.70710678118654752f)); }
+float gelu_tanh1(float x) { return 0.5f * x * (1.f + std::tanh(0.79788456080286536f * (x + 0.044715f * x * x * x))); }
+float exp1(float x) { return std::exp(x); }
+float erf1(float x) { return std::erf(x); }
+
+template <float (*F)(float)>
+void map_portable(const float* in, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = F(in[i]);
+}
+
+// ---- AVX2 + FMA: eight lanes, a masked tail ----------------------------------
+
+#ifdef MLXD_CPU_X86
+template <__m256 (*F)(__m256)>
+MLXD_AVX2 void map_avx2(const float* in, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, F(_mm256_loadu_ps(in + i)));
+  if (i < n) vmath::store_partial(out + i, F(vmath::load_partial(in + i, static_cast<int>(n - i), 0.f)), static_cast<int>(n - i));
+}
+#endif
+
+struct KernelInfo {
+  const char* name;
+  MapFn portable;
+  MapFn avx2;
+};
+
+// Rows follow `enum class UnaryKernel`.
+#ifdef MLXD_CPU_X86
+#define MLXD_MAP(name, scalar, vec) {name, map_portable<scalar>, map_avx2<vec>}
+#else
+#define MLXD_MAP(name, scalar, vec) {name, map_portable<scalar>, nullptr}
+#endif
+const KernelInfo kKernels[] = {
+    MLXD_MAP("exp", exp1, vmath::exp8),
+    MLXD_MAP("sigmoid", sigmoid1, vmath::sigmoid8),
+    MLXD_MAP("silu", silu1, vmath::silu8),
+    MLXD_MAP("gelu_erf", gelu_erf1, vmath::gelu_erf8),
+    MLXD_MAP("gelu_tanh", gelu_tanh1, vmath::gelu_tanh8),
+    MLXD_MAP("erf", erf1, vmath::erf8),
+};
+#undef MLXD_MAP
+
+const KernelInfo& info(UnaryKernel k) { return kKernels[static_cast<int>(k)]; }
+
+MapFn pick(UnaryKernel k) { return cpu_use_avx2() && info(k).avx2 ? info(k).avx2 : info(k).portable; }
+
+// Half types go through a float32 buffer this long (on the stack).
+constexpr int64_t kChunk = 2048;
+
+void run_map(MapFn f, const void* in, void* out, mx::Dtype dtype, int64_t n) {
+  cpu_parallel_for(n, 1, kChunk, [&](int64_t begin, int64_t end) {
+    if (dtype == mx::float32) {
+      f(static_cast<const float*>(in) + begin, static_cast<float*>(out) + begin, end - begin);
+      return;
+    }
+    float buf[kChunk];
+    for (int64_t i = begin; i < end; i += kChunk) {
+      int64_t len = std::min(kChunk, end - i);
+      cpu_load_f32(in, dtype, i, len, buf);
+      f(buf, buf, len);
+      cpu_store_f32(buf, dtype, i, len, out);
+    }
+  });
+}
+
+class UnaryCpu : public mx::UnaryPrimitive {
+ public:
+  UnaryCpu(mx::Stream s, UnaryKernel kind) : mx::UnaryPrimitive(s), kind_(kind) {}
+
+  // in[0]: row-contiguous (mx::contiguous made it so), same dtype and shape as out.
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    const auto& x = in[0];
+    if (x.is_donatable() && x.itemsize() == out.itemsize()) {
+      out.copy_shared_buffer(x);  // in place: the input has no other reader
+    } else {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+    }
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_output_array(out);
+    cpu_kernel_note_call(info(kind_).name);
+    encoder.dispatch([f = pick(kind_), src = x.data<void>(), dst = out.data<void>(), dtype = x.dtype(),
+                      n = static_cast<int64_t>(x.size())] { run_map(f, src, dst, dtype, n); });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("UnaryCpu runs on the CPU only");
+  }
+  const char* name() const override { return "UnaryCpu"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return kind_ == static_cast<const UnaryCpu&>(other).kind_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override { return {in[0].shape()}; }
+
+ private:
+  UnaryKernel kind_;
+};
+
+}  // namespace
+
+bool unary_cpu_applies(const mx::array& x) { return cpu_kernels_active() && cpu_kernel_dtype_ok(x); }
+
+mx::array unary_cpu(const mx::array& x, UnaryKernel kind) {
+  auto stream = mx::default_stream(mx::Device::cpu);
+  return mx::array(x.shape(), x.dtype(), std::make_shared<UnaryCpu>(stream, kind), {mx::contiguous(x)});
+}
+
+}  // namespace mlxd::rt

@@ -1,0 +1,23 @@
+// CPU kernels for the transcendental element-wise maps that dominate
+// activations on the CPU (MLX's run one scalar libm call per element on one
+// core): exp, sigmoid, SiLU, GELU (erf and tanh forms) and erf, as one MLX
+// primitive vectorised with AVX2 + FMA and split across the cores.
+#pragma once
+
+#include <cstdint>
+
+#include <mlx/mlx.h>
+
+namespace mlxd::rt {
+
+enum class UnaryKernel : uint8_t { exp, sigmoid, silu, gelu_erf, gelu_tanh, erf };
+
+// Whether unary_cpu takes x: kernels on (cpu_kernels_active) and a non-empty
+// float32 / bfloat16 / float16 array. Any layout: non-contiguous inputs are
+// copied to row-major first.
+bool unary_cpu_applies(const mlx::core::array& x);
+
+// f(x) element-wise in float32 math, returned in x's dtype and shape.
+mlx::core::array unary_cpu(const mlx::core::array& x, UnaryKernel kind);
+
+}  // namespace mlxd::rt

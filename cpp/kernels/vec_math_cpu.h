@@ -1,0 +1,114 @@
+// Float32 math for the CPU kernels, eight lanes at a time with AVX2 + FMA:
+// exp, sigmoid, erf and the activations built on them, plus horizontal
+// reductions. The portable code uses libm (std::exp, std::erf) instead.
+// Internal to cpp/kernels/.
+#pragma once
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define MLXD_CPU_X86 1
+#define MLXD_AVX2 __attribute__((target("avx2,fma")))
+
+namespace mlxd::rt::vmath {
+
+MLXD_AVX2 inline __m256 set1(float v) { return _mm256_set1_ps(v); }
+
+// exp(x) = 2^n * e^r with n = round(x / ln 2), r = x - n ln 2 (ln 2 split in
+// two so r stays exact) and e^r by a degree-7 polynomial (Cephes expf
+// coefficients): within 2 ulp of libm. Overflow gives inf, underflow below
+// FLT_MIN gives 0 (no denormals), NaN stays NaN.
+MLXD_AVX2 inline __m256 exp8(__m256 x) {
+  const __m256 hi = set1(88.7228394f), lo = set1(-87.3365448f);
+  __m256 xc = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, set1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, set1(0.693359375f), xc);
+  r = _mm256_fnmadd_ps(n, set1(-2.12194440e-4f), r);
+  __m256 p = set1(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, set1(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, set1(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, set1(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, set1(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, set1(5.0000001201e-1f));
+  __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), set1(1.f));
+  // 2^n as 2 * 2^(n-1): n reaches 128 at the top of the range, whose exponent
+  // field would overflow; n = -126 (the bottom) gives a zero field, i.e. 0.
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(126)), 23);
+  y = _mm256_mul_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), set1(2.f));
+  y = _mm256_blendv_ps(y, set1(__builtin_inff()), _mm256_cmp_ps(x, hi, _CMP_GT_OQ));
+  y = _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
+  return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+// x / (1 + exp(-x)): sigmoid(x) * x without rounding sigmoid first (torch's form).
+MLXD_AVX2 inline __m256 silu8(__m256 x) {
+  return _mm256_div_ps(x, _mm256_add_ps(set1(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+
+MLXD_AVX2 inline __m256 sigmoid8(__m256 x) {
+  return _mm256_div_ps(set1(1.f), _mm256_add_ps(set1(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+
+// erf(x) as x * P(x^2) / Q(x^2) on x clamped to [-4, 4] (erf is 1 to float
+// precision beyond): the rational approximation XLA and Eigen use for float,
+// within 4e-7 of libm's erf.
+MLXD_AVX2 inline __m256 erf8(__m256 x) {
+  __m256 xc = _mm256_min_ps(_mm256_max_ps(x, set1(-4.f)), set1(4.f));
+  __m256 x2 = _mm256_mul_ps(xc, xc);
+  __m256 p = set1(-2.72614225801306e-10f);
+  p = _mm256_fmadd_ps(p, x2, set1(2.77068142495902e-08f));
+  p = _mm256_fmadd_ps(p, x2, set1(-2.10102402082508e-06f));
+  p = _mm256_fmadd_ps(p, x2, set1(-5.69250639462346e-05f));
+  p = _mm256_fmadd_ps(p, x2, set1(-7.34990630326855e-04f));
+  p = _mm256_fmadd_ps(p, x2, set1(-2.95459980854025e-03f));
+  p = _mm256_fmadd_ps(p, x2, set1(-1.60960333262415e-02f));
+  __m256 q = set1(-1.45660718464996e-05f);
+  q = _mm256_fmadd_ps(q, x2, set1(-2.13374055278905e-04f));
+  q = _mm256_fmadd_ps(q, x2, set1(-1.68282697438203e-03f));
+  q = _mm256_fmadd_ps(q, x2, set1(-7.37332916720468e-03f));
+  q = _mm256_fmadd_ps(q, x2, set1(-1.42647390514189e-02f));
+  __m256 y = _mm256_div_ps(_mm256_mul_ps(xc, p), q);
+  return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+// 0.5 x (1 + erf(x / sqrt 2))
+MLXD_AVX2 inline __m256 gelu_erf8(__m256 x) {
+  __m256 half_x = _mm256_mul_ps(x, set1(0.5f));
+  return _mm256_fmadd_ps(half_x, erf8(_mm256_mul_ps(x, set1(0.70710678118654752f))), half_x);
+}
+
+// 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3).
+MLXD_AVX2 inline __m256 gelu_tanh8(__m256 x) {
+  __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+  __m256 two_u = _mm256_mul_ps(set1(1.59576912160573071f), _mm256_fmadd_ps(set1(0.044715f), x3, x));
+  return _mm256_mul_ps(x, sigmoid8(two_u));
+}
+
+MLXD_AVX2 inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+MLXD_AVX2 inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The first n (< 8) lanes of p, the rest `fill`: row tails without reading past the end.
+MLXD_AVX2 inline __m256 load_partial(const float* p, int n, float fill) {
+  alignas(32) float buf[8];
+  for (int i = 0; i < 8; ++i) buf[i] = i < n ? p[i] : fill;
+  return _mm256_load_ps(buf);
+}
+
+MLXD_AVX2 inline void store_partial(float* p, __m256 v, int n) {
+  alignas(32) float buf[8];
+  _mm256_store_ps(buf, v);
+  for (int i = 0; i < n; ++i) p[i] = buf[i];
+}
+
+}  // namespace mlxd::rt::vmath
+#endif
