@@ -109,6 +109,39 @@ def test_decode_steps_share_one_compiled_graph(tiny):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_decode_step_updates_the_cache_in_place(compiled):
+    """MLX's allocator counters (its libmlx is the delegate's): a decode step allocates far less than
+    one layer's cache, so no cache is copied; the prefill, whose caches start from the program's
+    initial values (shared, so not donated), copies each of them once."""
+    import mlx.core as mx
+
+    seq = 4096
+    config = tiny_config()
+    config.max_position_embeddings = seq
+    model = loading.from_config(config, max_seq_len=seq, seed=0).model
+    cache_bytes = model.model.layers[0].self_attn.k_cache.nbytes
+    runtime = mlx_delegate._runtime
+    was = runtime.compile_enabled()
+    runtime.set_compile(compiled)
+    try:
+        program = Runtime.get().load_program(llm_export.to_pte(model))  # referenced while it runs
+        method = program.load_method("forward")
+
+        def allocated(tokens: list[int], pos: int) -> int:
+            """Peak bytes over what was allocated before the call."""
+            active = mx.get_active_memory()
+            mx.reset_peak_memory()
+            method.execute([torch.tensor([tokens]), torch.tensor([pos])])
+            return mx.get_peak_memory() - active
+
+        assert allocated(PROMPT, 0) >= 2 * config.num_hidden_layers * cache_bytes
+        steps = [allocated([7], len(PROMPT) + i) for i in range(6)]
+    finally:
+        runtime.set_compile(was)
+    assert max(steps) < cache_bytes / 2, (steps, cache_bytes)
+
+
 def test_bf16_step_logits_close_to_fp32(tiny):
     """bf16 weights and activations: per-step logits within bf16 tolerance of HF fp32."""
     _, hf, _, _ = tiny
