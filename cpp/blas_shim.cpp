@@ -5,6 +5,11 @@
 // with RTLD_GLOBAL before libmlx.so is loaded, so libmlx's undefined
 // cblas_sgemm/cblas_dgemm bind here instead. Until mlxd_blas_init succeeds,
 // calls go to the reference implementation passed in as a fallback.
+//
+// It also resolves MKL's mixed-precision gemms (bf16 x bf16 -> fp32 and
+// fp16 x fp16 -> fp32) and offers them as mlxd_gemm_lowp: the runtime finds
+// that entry point with dlsym(RTLD_DEFAULT) and uses MLX's own matmul when it
+// is absent (no shim, MLX_DELEGATE_BLAS=reference, or a torch without MKL).
 #include <dlfcn.h>
 
 #include <atomic>
@@ -24,11 +29,15 @@ using cblas_sgemm_fn = void (*)(int, int, int, int, int, int, float, const float
                                 float*, int);
 using cblas_dgemm_fn = void (*)(int, int, int, int, int, int, double, const double*, int, const double*, int,
                                 double, double*, int);
+// MKL's cblas_gemm_bf16bf16f32 / cblas_gemm_f16f16f32 (LP64): 16-bit operands, fp32 alpha/beta and result.
+using cblas_gemm_lowp_fn = void (*)(int, int, int, int, int, int, float, const uint16_t*, int, const uint16_t*, int,
+                                    float, float*, int);
 
 static std::atomic<sgemm_fn> g_sgemm{nullptr};
 static std::atomic<dgemm_fn> g_dgemm{nullptr};
 static std::atomic<cblas_sgemm_fn> g_ref_sgemm{nullptr};
 static std::atomic<cblas_dgemm_fn> g_ref_dgemm{nullptr};
+static std::atomic<cblas_gemm_lowp_fn> g_gemm_lowp[2]{{nullptr}, {nullptr}};  // [0] bfloat16, [1] float16
 static std::atomic<uint64_t> g_fast_calls{0};
 
 // Loads the Fortran gemm symbols from `fast_lib` and the reference CBLAS
@@ -45,10 +54,30 @@ int mlxd_blas_init(const char* fast_lib, const char* reference_lib) {
   if (lib == nullptr) return 0;
   g_sgemm = reinterpret_cast<sgemm_fn>(dlsym(lib, "sgemm_"));
   g_dgemm = reinterpret_cast<dgemm_fn>(dlsym(lib, "dgemm_"));
+  g_gemm_lowp[0] = reinterpret_cast<cblas_gemm_lowp_fn>(dlsym(lib, "cblas_gemm_bf16bf16f32"));
+  g_gemm_lowp[1] = reinterpret_cast<cblas_gemm_lowp_fn>(dlsym(lib, "cblas_gemm_f16f16f32"));
   return g_sgemm.load() != nullptr;
 }
 
 uint64_t mlxd_blas_fast_calls() { return g_fast_calls.load(); }
+
+// Whether mlxd_gemm_lowp serves `dtype` (0 bfloat16, 1 float16).
+__attribute__((visibility("default"))) int mlxd_gemm_lowp_ready(int dtype) {
+  return (dtype == 0 || dtype == 1) && g_gemm_lowp[dtype].load() != nullptr;
+}
+
+// Row-major c[m, n] = op(a)[m, k] . op(b)[k, n] in fp32 from 16-bit operands
+// (dtype 0 bfloat16, 1 float16); op transposes where trans_* is set. Returns 0
+// (and does nothing) when the gemm for `dtype` is not available.
+__attribute__((visibility("default"))) int mlxd_gemm_lowp(int dtype, int trans_a, int trans_b, int m, int n, int k,
+                                                          const uint16_t* a, int lda, const uint16_t* b, int ldb,
+                                                          float* c, int ldc) {
+  if (!mlxd_gemm_lowp_ready(dtype)) return 0;
+  g_fast_calls.fetch_add(1, std::memory_order_relaxed);
+  g_gemm_lowp[dtype].load()(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
+                            m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
+  return 1;
+}
 
 }  // extern "C"
 

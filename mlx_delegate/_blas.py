@@ -3,8 +3,10 @@
 The mlx-cpu wheel links a reference BLAS (about 20x slower than torch for
 fp32 matmul and convolution). `libmlxd_blas.so` defines `cblas_sgemm` and
 `cblas_dgemm` on top of torch's Fortran `sgemm_`/`dgemm_`; loaded with
-RTLD_GLOBAL before libmlx.so, it serves libmlx's calls. Set
-`MLX_DELEGATE_BLAS=reference` to keep MLX's own BLAS.
+RTLD_GLOBAL before libmlx.so, it serves libmlx's calls. It also offers MKL's
+bf16/fp16 gemms (`mlxd_gemm_lowp`), which the runtime's CPU low-precision
+matmul (cpp/kernels/gemm_lowp_cpu.cpp) uses for products of more than a few
+rows. Set `MLX_DELEGATE_BLAS=reference` to keep MLX's own BLAS (and neither).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def install() -> str:
     lib = ctypes.CDLL(str(shim), mode=os.RTLD_LOCAL)
     lib.mlxd_blas_init.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
     lib.mlxd_blas_fast_calls.restype = ctypes.c_uint64
+    lib.mlxd_gemm_lowp_ready.argtypes = [ctypes.c_int]
     if lib.mlxd_blas_init(str(fast).encode(), str(reference).encode() if reference else None) != 1:
         _state["mode"] = "reference"
         return _state["mode"]
@@ -67,3 +70,10 @@ def mode() -> str:
 def fast_calls() -> int:
     """Number of gemm calls served by the fast BLAS so far."""
     return int(_state["lib"].mlxd_blas_fast_calls()) if _state["lib"] is not None else 0
+
+
+def lowp_gemm_ready() -> dict[str, bool]:
+    """Whether torch's MKL serves bf16 / fp16 gemms through the shim (for tests and benchmarks)."""
+    lib = _state["lib"]
+    return {name: lib is not None and bool(lib.mlxd_gemm_lowp_ready(code))
+            for code, name in enumerate(("bfloat16", "float16"))}

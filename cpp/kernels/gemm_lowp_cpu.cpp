@@ -1,0 +1,390 @@
+// bfloat16 / float16 matmul on the CPU; see gemm_lowp_cpu.h.
+//
+// The GEMV computes y[m, n] = dot(x[m, :], w[n, :]) with w = b^T stored
+// [N, K] row-major: a linear's weight as it is, so both operands stream along
+// K and one load of w serves every row of x. Outputs (N) are split across the
+// cores; rows are taken kGemmLowpGemvRows at a time.
+#include "kernels/gemm_lowp_cpu.h"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <array>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <stdexcept>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <mlx/backend/cpu/encoder.h>
+#include <mlx/primitives.h>
+
+#include "kernels/cpu_parallel.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define MLXD_GEMM_LOWP_X86 1
+#endif
+
+namespace mlxd::rt {
+namespace mx = mlx::core;
+namespace {
+
+constexpr int kRows = static_cast<int>(kGemmLowpGemvRows);
+
+// ---- MKL's bf16/fp16 gemm, offered by libmlxd_blas.so when it is loaded ------
+
+// Row-major c = op(a) . op(b) in fp32; dtype 0 bfloat16, 1 float16; returns 0 if not served.
+using BlasGemmFn = int (*)(int dtype, int trans_a, int trans_b, int m, int n, int k, const uint16_t* a, int lda,
+                           const uint16_t* b, int ldb, float* c, int ldc);
+
+struct Blas {
+  BlasGemmFn gemm = nullptr;
+  std::array<bool, 2> ready{};  // by dtype code
+};
+
+const Blas& blas() {
+  static const Blas b = [] {
+    Blas r;
+    auto ready = reinterpret_cast<int (*)(int)>(dlsym(RTLD_DEFAULT, "mlxd_gemm_lowp_ready"));
+    r.gemm = reinterpret_cast<BlasGemmFn>(dlsym(RTLD_DEFAULT, "mlxd_gemm_lowp"));
+    for (int code = 0; code < 2 && ready && r.gemm; ++code) r.ready[code] = ready(code) == 1;
+    return r;
+  }();
+  return b;
+}
+
+int dtype_code(mx::Dtype t) { return t == mx::bfloat16 ? 0 : 1; }
+
+// ---- Operand layouts -----------------------------------------------------------
+
+// A logical rows x cols matrix of 16-bit elements: element (r, c) is at
+// p[r * ld + c], or at p[c * ld + r] when `trans` (stored transposed).
+struct Mat {
+  const uint16_t* p;
+  int64_t ld;
+  bool trans;
+};
+
+// The matrix at p with element strides (sr, sc), if it is row-major or
+// transposed with a usable leading dimension (strides of unit dims do not matter).
+std::optional<Mat> as_mat(const uint16_t* p, int64_t rows, int64_t cols, int64_t sr, int64_t sc) {
+  if ((cols == 1 || sc == 1) && (rows == 1 || sr >= cols)) return Mat{p, rows == 1 ? cols : sr, false};
+  if ((rows == 1 || sr == 1) && (cols == 1 || sc >= rows)) return Mat{p, cols == 1 ? rows : sc, true};
+  return std::nullopt;
+}
+
+// Copies the strided matrix into `buf`, row-major or transposed as asked.
+Mat pack(const uint16_t* p, int64_t rows, int64_t cols, int64_t sr, int64_t sc, bool trans,
+         std::vector<uint16_t>& buf) {
+  buf.resize(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) buf[trans ? c * rows + r : r * cols + c] = p[r * sr + c * sc];
+  return Mat{buf.data(), trans ? rows : cols, trans};
+}
+
+// The matrix in the layout asked, packing only when it is not already in it.
+Mat in_layout(const uint16_t* p, int64_t rows, int64_t cols, int64_t sr, int64_t sc, bool trans,
+              std::vector<uint16_t>& buf) {
+  auto m = as_mat(p, rows, cols, sr, sc);
+  return m && m->trans == trans ? *m : pack(p, rows, cols, sr, sc, trans, buf);
+}
+
+// ---- GEMV kernels ----------------------------------------------------------------
+
+struct Gemv {
+  const uint16_t* x;  // [M, K] row-major with leading dimension ldx, operand dtype
+  int64_t ldx;
+  const float* xf;    // the same rows in fp32, dense [M, K] (read by the converting kernels)
+  const uint16_t* w;  // [N, K] row-major with leading dimension ldw (b transposed)
+  int64_t ldw;
+  uint16_t* y;        // [M, N] result with leading dimension ldy, operand dtype
+  int64_t ldy;
+  int64_t k;
+};
+using GemvFn = void (*)(const Gemv&, int64_t n0, int64_t n1);
+
+template <typename T, int M>
+void store(const Gemv& g, int64_t n, const float* acc) {
+  T* y = reinterpret_cast<T*>(g.y);
+  for (int m = 0; m < M; ++m) y[m * g.ldy + n] = static_cast<T>(acc[m]);
+}
+
+template <typename T, int M>
+void gemv_portable(const Gemv& g, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const T* wn = reinterpret_cast<const T*>(g.w) + n * g.ldw;
+    float acc[M] = {};
+    for (int64_t k = 0; k < g.k; ++k) {
+      const float v = static_cast<float>(wn[k]);
+      for (int m = 0; m < M; ++m) acc[m] += v * g.xf[m * g.k + k];
+    }
+    store<T, M>(g, n, acc);
+  }
+}
+
+#ifdef MLXD_GEMM_LOWP_X86
+#define MLXD_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define MLXD_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
+
+// Eight 16-bit weights as floats: bf16 is the top half of an fp32, so widen and shift.
+template <typename T>
+MLXD_AVX2 inline __m256 load8(const T* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (std::is_same_v<T, mx::bfloat16_t>)
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  else
+    return _mm256_cvtph_ps(h);
+}
+
+MLXD_AVX2 inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <typename T, int M>
+MLXD_AVX2 void gemv_avx2(const Gemv& g, int64_t n0, int64_t n1) {
+  const int64_t k8 = g.k - g.k % 8;
+  for (int64_t n = n0; n < n1; ++n) {
+    const T* wn = reinterpret_cast<const T*>(g.w) + n * g.ldw;
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < k8; k += 8) {
+      const __m256 v = load8(wn + k);
+      for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(v, _mm256_loadu_ps(g.xf + m * g.k + k), acc[m]);
+    }
+    float total[M];
+    for (int m = 0; m < M; ++m) {
+      total[m] = hsum8(acc[m]);
+      for (int64_t k = k8; k < g.k; ++k) total[m] += static_cast<float>(wn[k]) * g.xf[m * g.k + k];
+    }
+    store<T, M>(g, n, total);
+  }
+}
+
+// bf16 pairs multiplied and summed into fp32 lanes by vdpbf16ps, 32 weights per
+// instruction; two accumulators per row hide its latency. The K tail is a masked load.
+MLXD_AVX512BF16 inline __m512 dot32(__m512 acc, __m512i x, __m512i w) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w);
+}
+
+MLXD_AVX512BF16 inline __m512i load32(const uint16_t* p) { return _mm512_loadu_si512(p); }
+
+template <int M>
+MLXD_AVX512BF16 void gemv_avx512bf16(const Gemv& g, int64_t n0, int64_t n1) {
+  const int64_t k32 = g.k - g.k % 32;
+  const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (g.k - k32)) - 1);
+  auto xs = [&](int m, int64_t k) { return g.x + m * g.ldx + k; };
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint16_t* wn = g.w + n * g.ldw;
+    __m512 acc0[M], acc1[M];
+    for (int m = 0; m < M; ++m) acc0[m] = acc1[m] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 64 <= k32; k += 64) {
+      const __m512i w0 = load32(wn + k), w1 = load32(wn + k + 32);
+      for (int m = 0; m < M; ++m) {
+        acc0[m] = dot32(acc0[m], load32(xs(m, k)), w0);
+        acc1[m] = dot32(acc1[m], load32(xs(m, k + 32)), w1);
+      }
+    }
+    if (k < k32) {
+      const __m512i w0 = load32(wn + k);
+      for (int m = 0; m < M; ++m) acc0[m] = dot32(acc0[m], load32(xs(m, k)), w0);
+    }
+    if (k32 < g.k) {
+      const __m512i w0 = _mm512_maskz_loadu_epi16(tail, wn + k32);
+      for (int m = 0; m < M; ++m) acc1[m] = dot32(acc1[m], _mm512_maskz_loadu_epi16(tail, xs(m, k32)), w0);
+    }
+    float total[M];
+    for (int m = 0; m < M; ++m) total[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[m], acc1[m]));
+    store<mx::bfloat16_t, M>(g, n, total);
+  }
+}
+#endif
+
+// ---- Kernel choice -----------------------------------------------------------------
+
+enum class Isa { portable, avx2, avx512bf16 };
+
+// MLX_DELEGATE_CPU_KERNELS=portable: the portable loop; =avx2: at most AVX2
+// (to test that code on CPUs with more); otherwise the best the CPU has.
+Isa cpu_isa() {
+  static const Isa isa = [] {
+    if (cpu_kernel_mode() != CpuKernelMode::best) return Isa::portable;
+#ifdef MLXD_GEMM_LOWP_X86
+    __builtin_cpu_init();
+    const char* v = std::getenv("MLX_DELEGATE_CPU_KERNELS");
+    const bool cap_avx2 = v && std::strcmp(v, "avx2") == 0;
+    if (!cap_avx2 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw"))
+      return Isa::avx512bf16;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+      return Isa::avx2;
+#endif
+    return Isa::portable;
+  }();
+  return isa;
+}
+
+template <typename T, int... Ms>
+std::array<GemvFn, sizeof...(Ms)> gemv_table(Isa isa, std::integer_sequence<int, Ms...>) {
+#ifdef MLXD_GEMM_LOWP_X86
+  if constexpr (std::is_same_v<T, mx::bfloat16_t>)
+    if (isa == Isa::avx512bf16) return {gemv_avx512bf16<Ms + 1>...};
+  if (isa != Isa::portable) return {gemv_avx2<T, Ms + 1>...};
+#endif
+  return {gemv_portable<T, Ms + 1>...};
+}
+
+// The kernel for `rows` (1..kRows) rows of dtype code 0 (bf16) or 1 (fp16).
+GemvFn pick_gemv(int code, int64_t rows) {
+  static const std::array<std::array<GemvFn, kRows>, 2> table = [] {
+    auto ms = std::make_integer_sequence<int, kRows>{};
+    return std::array{gemv_table<mx::bfloat16_t>(cpu_isa(), ms), gemv_table<mx::float16_t>(cpu_isa(), ms)};
+  }();
+  return table[code][rows - 1];
+}
+
+// ---- One product ---------------------------------------------------------------------
+
+// One operand of the batched product: [batch, rows, cols] with element strides.
+struct Operand {
+  const uint16_t* p;
+  int64_t batch_stride, sr, sc;
+};
+
+struct Product {
+  Operand a, b;  // a [B, M, K], b [B, K, N]
+  uint16_t* out;  // [B, M, N] row-contiguous
+  int64_t batch, m, n, k;
+  int code;  // 0 bfloat16, 1 float16
+};
+
+bool fits_int(int64_t v) { return v >= 0 && v <= INT_MAX; }
+
+// MKL for products of more rows than the GEMV takes, when the shim offers it.
+bool use_blas(const Product& p) {
+  return p.m > kGemmLowpGemvRows && blas().ready[p.code] && fits_int(p.m) && fits_int(p.n) && fits_int(p.k);
+}
+
+template <typename T>
+void to_f32(const Mat& x, int64_t rows, int64_t k, std::vector<float>& xf) {
+  xf.resize(static_cast<size_t>(rows * k));
+  const T* src = reinterpret_cast<const T*>(x.p);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < k; ++i) xf[r * k + i] = static_cast<float>(src[r * x.ld + i]);
+}
+
+void gemv_one(const Product& p, const Mat& x, const Mat& w, uint16_t* out) {
+  std::vector<float> xf;
+  if (p.code == 0) to_f32<mx::bfloat16_t>(x, p.m, p.k, xf);
+  else to_f32<mx::float16_t>(x, p.m, p.k, xf);
+  cpu_parallel_for(p.n, p.k * std::min(p.m, kGemmLowpGemvRows), 1, [&](int64_t n0, int64_t n1) {
+    for (int64_t r = 0; r < p.m; r += kGemmLowpGemvRows) {
+      const int64_t rows = std::min(kGemmLowpGemvRows, p.m - r);
+      Gemv g{x.p + r * x.ld, x.ld, xf.data() + r * p.k, w.p, w.ld, out + r * p.n, p.n, p.k};
+      pick_gemv(p.code, rows)(g, n0, n1);
+    }
+  });
+}
+
+bool blas_one(const Product& p, const Mat& a, const Mat& b, uint16_t* out) {
+  if (!fits_int(a.ld) || !fits_int(b.ld)) return false;
+  std::vector<float> c(static_cast<size_t>(p.m * p.n));
+  if (!blas().gemm(p.code, a.trans, b.trans, static_cast<int>(p.m), static_cast<int>(p.n), static_cast<int>(p.k), a.p,
+                   static_cast<int>(a.ld), b.p, static_cast<int>(b.ld), c.data(), static_cast<int>(p.n)))
+    return false;
+  cpu_store_f32(c.data(), p.code == 0 ? mx::bfloat16 : mx::float16, 0, p.m * p.n, out);
+  return true;
+}
+
+void run_product(const Product& p, bool blas_path) {
+  std::vector<uint16_t> abuf, bbuf;
+  for (int64_t i = 0; i < p.batch; ++i) {
+    const uint16_t* ap = p.a.p + i * p.a.batch_stride;
+    const uint16_t* bp = p.b.p + i * p.b.batch_stride;
+    uint16_t* out = p.out + i * p.m * p.n;
+    if (blas_path) {
+      auto a = as_mat(ap, p.m, p.k, p.a.sr, p.a.sc);
+      auto b = as_mat(bp, p.k, p.n, p.b.sr, p.b.sc);
+      if (blas_one(p, a ? *a : pack(ap, p.m, p.k, p.a.sr, p.a.sc, false, abuf),
+                   b ? *b : pack(bp, p.k, p.n, p.b.sr, p.b.sc, false, bbuf), out))
+        continue;
+    }
+    // The GEMV reads x = a row-major and w = b transposed ([N, K] row-major).
+    gemv_one(p, in_layout(ap, p.m, p.k, p.a.sr, p.a.sc, false, abuf),
+             in_layout(bp, p.k, p.n, p.b.sr, p.b.sc, true, bbuf), out);
+  }
+}
+
+// ---- The MLX primitive ------------------------------------------------------------------
+
+Operand operand(const mx::array& x) {
+  return {x.data<uint16_t>(), x.shape(0) > 1 ? x.strides(0) : 0, x.strides(1), x.strides(2)};
+}
+
+class GemmLowpCpu : public mx::UnaryPrimitive {
+ public:
+  explicit GemmLowpCpu(mx::Stream s) : mx::UnaryPrimitive(s) {}
+
+  // inputs: a [B, M, K], b [B, K, N] or [1, K, N], any strides; same dtype (bfloat16 or float16).
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& x : in) encoder.set_input_array(x);
+    encoder.set_output_array(out);
+    const auto &a = in[0], &b = in[1];
+    Product p{operand(a), operand(b), out.data<uint16_t>(), out.shape(0), out.shape(1), out.shape(2), a.shape(2),
+              dtype_code(out.dtype())};
+    const bool blas_path = use_blas(p);
+    cpu_kernel_note_call(blas_path ? "gemm_lowp_blas" : "gemm_lowp_gemv");
+    encoder.dispatch([p, blas_path] { run_product(p, blas_path); });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("GemmLowpCpu runs on the CPU only");
+  }
+  const char* name() const override { return "GemmLowpCpu"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {{in[0].shape(0), in[0].shape(1), in[1].shape(2)}};
+  }
+};
+
+// Whether the batch shapes of a and b (all but the last two axes) are equal.
+bool same_batch(const mx::array& a, const mx::array& b) {
+  if (a.ndim() != b.ndim()) return false;
+  for (int i = 0; i + 2 < static_cast<int>(a.ndim()); ++i)
+    if (a.shape(i) != b.shape(i)) return false;
+  return true;
+}
+
+}  // namespace
+
+bool gemm_lowp_cpu_applies(const mx::array& a, const mx::array& b) {
+  if (!cpu_kernels_active() || a.dtype() != b.dtype() || (a.dtype() != mx::bfloat16 && a.dtype() != mx::float16))
+    return false;
+  if (a.ndim() < 2 || b.ndim() < 2 || a.size() == 0 || b.size() == 0 || a.shape(-1) != b.shape(-2)) return false;
+  return b.ndim() == 2 || same_batch(a, b);
+}
+
+mx::array gemm_lowp_cpu(const mx::array& a, const mx::array& b) {
+  if (!gemm_lowp_cpu_applies(a, b)) throw std::invalid_argument("gemm_lowp_cpu: operands it does not take");
+  const int k = a.shape(-1), n = b.shape(-1);
+  // A 2-D b multiplies every row of a: fold a's batch axes into its rows.
+  const bool fold = b.ndim() == 2;
+  const int m = fold ? static_cast<int>(a.size() / k) : a.shape(-2);
+  const int batch = fold ? 1 : static_cast<int>(a.size() / (int64_t{m} * k));
+  auto a3 = mx::reshape(a, {batch, m, k});
+  auto b3 = mx::reshape(b, {fold ? 1 : batch, k, n});
+  auto y = mx::array({batch, m, n}, a.dtype(), std::make_shared<GemmLowpCpu>(mx::default_stream(mx::Device::cpu)),
+                     {a3, b3});
+  auto shape = a.shape();
+  shape.back() = n;
+  return mx::reshape(y, shape);
+}
+
+}  // namespace mlxd::rt
