@@ -3,12 +3,14 @@
 Each engine runs the same `mlx_delegate.models.llama.Model` (weights shared):
 
 - `mlx_delegate`: `mlx_delegate.llm.export.to_pte` (one dynamic method, KV cache resident in the
-  delegate) through the stock `executorch.runtime`. Generation never repeats a position, so every
-  decode step is a new signature for the compiled-graph cache and runs node by node (as in real use);
-  the row `mlx_delegate, compiled` replays the timed positions again so each step is a cached
-  `mx::compile` graph: what a fixed-shape decode step would get.
-- `eager torch`: the module itself, KV cache written in place, 2 threads.
-- `ET XNNPACK` (fp32): the same module exported with the cache update as `slice_scatter`, lowered
+  delegate) through the stock `executorch.runtime`, compiled graphs on (the default). The position
+  is a tensor, so every decode step has one signature: the warm-up's second step traces it and every
+  timed step replays that `mx::compile`d graph. Prefill runs one length per round, so after one warm
+  round it is compiled too (in chat use a new prompt length runs node by node once).
+- `mlx_delegate, nodes`: the same program node by node (compiled graphs off, as with
+  MLX_DELEGATE_COMPILE=0).
+- `eager torch`: the module itself, KV cache written in place (`index_copy_`), 2 threads.
+- `ET XNNPACK` (fp32): the same module exported with the cache update as `index_copy`, lowered
   with `XnnpackPartitioner` (what XNNPACK does not take runs on ExecuTorch's portable kernels).
 - `MLX Python`: the model written directly in MLX (mlx-lm style: `mx.fast` RMSNorm, RoPE and SDPA,
   preallocated KV cache), weights copied from torch.
@@ -54,7 +56,7 @@ from mlx_delegate.models.llama import Model, ModelArgs
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MX_DTYPES = {torch.float32: mx.float32, torch.bfloat16: mx.bfloat16}
 QUANTIZED = ("int8", "int4")  # delegate rows, when llm.export.to_pte has quantize=
-ENGINE_KEYS = {"mlx_delegate": "delegate", "mlx_delegate, compiled": "compiled", "MLX Python": "mlx",
+ENGINE_KEYS = {"mlx_delegate": "delegate", "mlx_delegate, nodes": "nodes", "MLX Python": "mlx",
                "eager torch": "eager", "ET XNNPACK": "xnnpack"}
 
 
@@ -109,21 +111,21 @@ class Runner:
 
 @contextmanager
 def plain_kv_update(in_place: bool) -> Iterator[None]:
-    """The model's cache update as plain torch: in place for eager, `slice_scatter` for export."""
+    """The model's cache update (at a tensor position) as plain torch `index_copy`: in place for
+    eager, functional for export."""
 
-    def update(cache: torch.Tensor, new: torch.Tensor, start_pos: int) -> torch.Tensor:
-        end = start_pos + new.shape[2]
+    def update(cache: torch.Tensor, new: torch.Tensor, start_pos: torch.Tensor) -> torch.Tensor:
+        index = start_pos.reshape(1) + torch.arange(new.shape[2])
         if in_place:
-            cache[:, :, start_pos:end] = new
-            return cache  # the caller's copy_ onto itself is a no-op
-        return torch.slice_scatter(cache, new, dim=2, start=start_pos, end=end)
+            return cache.index_copy_(2, index, new)  # the caller's copy_ onto itself is a no-op
+        return cache.index_copy(2, index, new)
 
-    saved = llama_module.kv_cache_update
-    llama_module.kv_cache_update = update
+    saved = llama_module.kv_cache_update_at
+    llama_module.kv_cache_update_at = update
     try:
         yield
     finally:
-        llama_module.kv_cache_update = saved
+        llama_module.kv_cache_update_at = saved
 
 
 def _inputs(tokens: list[int], pos: int) -> list[torch.Tensor]:
@@ -131,7 +133,7 @@ def _inputs(tokens: list[int], pos: int) -> list[torch.Tensor]:
 
 
 class MethodRunner(Runner):
-    def __init__(self, pte: bytes, compile_graphs: bool = False) -> None:
+    def __init__(self, pte: bytes, compile_graphs: bool = True) -> None:
         self.program = Runtime.get().load_program(pte)
         self.method = self.program.load_method("forward")
         self.compile_graphs = compile_graphs
@@ -316,7 +318,7 @@ class Job:
     dtype: str
     build: Callable[[], Runner]
     note: str = ""
-    warm_rounds: int = 0  # full untimed rounds after the warm-up call (so replayed positions are compiled)
+    warm_rounds: int = 0  # full untimed rounds after the warm-up call (so the prefill length is compiled)
 
 
 def jobs_for(model: Model, dtypes: Sequence[str], quantized: Sequence[str], engines: Sequence[str]) -> Iterator[tuple[str, Callable[[], Model], list[Job]]]:
@@ -328,9 +330,9 @@ def jobs_for(model: Model, dtypes: Sequence[str], quantized: Sequence[str], engi
 
         def jobs(m: Model, label: str = label) -> list[Job]:
             pte = SharedPte(m)
-            out = [Job("mlx_delegate", label, lambda: MethodRunner(pte.get())),
-                   Job("mlx_delegate, compiled", label, lambda: MethodRunner(pte.take(), compile_graphs=True),
-                       "positions replayed: cached graphs", warm_rounds=1),
+            out = [Job("mlx_delegate", label, lambda: MethodRunner(pte.get()), "compiled graphs", warm_rounds=1),
+                   Job("mlx_delegate, nodes", label, lambda: MethodRunner(pte.take(), compile_graphs=False),
+                       "node by node"),
                    Job("MLX Python", label, lambda: MlxRunner(m, DTYPES[label])),
                    Job("eager torch", label, lambda: EagerRunner(m))]
             if label == "fp32":
@@ -340,7 +342,11 @@ def jobs_for(model: Model, dtypes: Sequence[str], quantized: Sequence[str], engi
         yield label, typed, jobs
         if label == "fp32" and quantize_ok:
             for q in quantized:
-                yield q, typed, (lambda m, q=q: [Job("mlx_delegate", q, lambda: MethodRunner(SharedPte(m, q).take()))])
+                def quantized_jobs(m: Model, q: str = q) -> list[Job]:
+                    return [Job("mlx_delegate", q, lambda: MethodRunner(SharedPte(m, q).take()), "compiled graphs",
+                                warm_rounds=1)]
+
+                yield q, typed, quantized_jobs
 
 
 def run_round(runner: Runner, prompt: list[int], decode: list[int]) -> tuple[float, float, np.ndarray]:
