@@ -2,6 +2,7 @@
 #include "kernels/cpu_parallel.h"
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -14,9 +15,12 @@ namespace mlxd::rt {
 namespace mx = mlx::core;
 namespace {
 
-// Persistent helper threads, one per extra core (at most 7). A call runs part
-// 0 on its own thread and parts 1.. on helpers. One call at a time: a
-// concurrent call (another stream) runs its parts serially rather than queue.
+// Persistent helper threads, one per extra core (at most 7). A call cuts its
+// work into parts that every thread claims from a shared counter, the calling
+// thread included: on a loaded machine a helper that is not scheduled in time
+// just finds nothing left, so a call never waits for a thread that has not
+// started (the caller does the work itself). One call at a time: a concurrent
+// call (another stream) runs its parts serially rather than queue.
 class Pool {
  public:
   static Pool& get() {
@@ -28,45 +32,55 @@ class Pool {
   void run(int parts, const std::function<void(int)>& fn) {
     std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
     // A forked child has none of the helper threads: it runs serially.
-    if (!busy || parts <= 1 || getpid() != owner_) {
+    if (!busy || parts <= 1 || helpers_ == 0 || getpid() != owner_) {
       for (int i = 0; i < parts; ++i) fn(i);
       return;
     }
+    Job job{&fn, parts};
     {
       std::lock_guard<std::mutex> lock(m_);
-      task_ = &fn;
-      parts_ = parts;
-      pending_ = parts - 1;
+      job_ = &job;
       ++generation_;
     }
     wake_.notify_all();
-    fn(0);
+    work(job);
     std::unique_lock<std::mutex> lock(m_);
-    done_.wait(lock, [&] { return pending_ == 0; });
-    task_ = nullptr;
+    job_ = nullptr;  // helpers that wake from now on find no job
+    done_.wait(lock, [&] { return job.users == 0; });
   }
 
  private:
+  struct Job {
+    const std::function<void(int)>* fn;
+    int parts;
+    std::atomic<int> next{0};
+    int users = 0;  // helpers inside work(); guarded by m_
+  };
+
+  static void work(Job& job) {
+    for (int i; (i = job.next.fetch_add(1, std::memory_order_relaxed)) < job.parts;) (*job.fn)(i);
+  }
+
   Pool() : owner_(getpid()) {
     unsigned hw = std::thread::hardware_concurrency();
     helpers_ = hw > 1 ? std::min(hw, 8u) - 1 : 0;
-    for (unsigned i = 0; i < helpers_; ++i) std::thread([this, i] { loop(static_cast<int>(i) + 1); }).detach();
+    for (unsigned i = 0; i < helpers_; ++i) std::thread([this] { loop(); }).detach();
   }
 
-  void loop(int part) {
+  void loop() {
     uint64_t seen = 0;
     for (;;) {
-      const std::function<void(int)>* task;
+      Job* job;
       {
         std::unique_lock<std::mutex> lock(m_);
         wake_.wait(lock, [&] { return generation_ != seen; });
         seen = generation_;
-        if (part >= parts_) continue;
-        task = task_;
+        if ((job = job_) == nullptr) continue;
+        ++job->users;
       }
-      (*task)(part);
+      work(*job);
       std::lock_guard<std::mutex> lock(m_);
-      if (--pending_ == 0) done_.notify_one();
+      if (--job->users == 0) done_.notify_one();
     }
   }
 
@@ -74,8 +88,7 @@ class Pool {
   unsigned helpers_ = 0;
   std::mutex busy_, m_;
   std::condition_variable wake_, done_;
-  const std::function<void(int)>* task_ = nullptr;
-  int parts_ = 0, pending_ = 0;
+  Job* job_ = nullptr;
   uint64_t generation_ = 0;
 };
 
@@ -133,7 +146,9 @@ void cpu_parallel_for(int64_t n, int64_t cost_per_item, int64_t align,
                       const std::function<void(int64_t, int64_t)>& fn) {
   if (n <= 0) return;
   auto& pool = Pool::get();
-  int64_t parts = n * cost_per_item >= kCpuMinParallel ? std::min<int64_t>(pool.size(), n) : 1;
+  // Four parts per thread: whoever is running claims the next, which evens out
+  // a thread that starts late or is preempted on a shared machine.
+  int64_t parts = n * cost_per_item >= kCpuMinParallel ? std::min<int64_t>(4 * pool.size(), n) : 1;
   auto bound = [&](int64_t i) {
     if (i >= parts) return n;
     int64_t b = n * i / parts;
