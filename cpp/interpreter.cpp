@@ -2,12 +2,19 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <mutex>
 
 #include <executorch/runtime/core/exec_aten/util/dim_order_util.h>
 #include <executorch/runtime/core/exec_aten/util/tensor_util.h>
+#include <mlx/primitives.h>
+#include <mlx/scheduler.h>
+
+#include "kernels/cpu_parallel.h"
 
 namespace mlxd::rt {
 namespace {
@@ -82,6 +89,80 @@ mx::array owned_copy(const mx::array& a) {
   mx::array out(mx::allocator::malloc(c.nbytes()), c.shape(), c.dtype());
   std::memcpy(out.data<uint8_t>(), c.data<uint8_t>(), c.nbytes());
   return out;
+}
+
+// Small graphs on the CPU: MLX's stream thread sleeps between tasks and each
+// task eval enqueues wakes it. On a busy 2-core machine every such wake-up
+// preempts the calling thread (a pair of context switches per task, most of a
+// tiny call's cost). Parking the stream thread in one task while eval enqueues
+// the graph, then releasing it, costs two wake-ups per call instead of one per
+// task. The park ends by itself after kParkTimeout, so nothing that waits on
+// the stream thread inside eval (MLX's active-task throttle) can hang on it.
+class StreamPark {
+ public:
+  explicit StreamPark(mx::Stream stream) : state_(std::make_shared<State>()) {
+    mx::scheduler::enqueue(stream, [state = state_] { state->wait(); });
+  }
+  ~StreamPark() { release(); }
+  void release() {
+    {
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      if (state_->open) return;
+      state_->open = true;
+    }
+    state_->cv.notify_one();
+  }
+
+ private:
+  static constexpr auto kParkTimeout = std::chrono::milliseconds(2);
+  struct State {
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool open = false;
+    void wait() {
+      std::unique_lock<std::mutex> lock(mutex);
+      cv.wait_for(lock, kParkTimeout, [this] { return open; });
+    }
+  };
+  std::shared_ptr<State> state_;
+};
+
+// Programs up to this many instructions are evaluated with the stream parked;
+// larger ones gain more from the stream thread computing while eval still
+// walks the graph.
+constexpr size_t kParkMaxInstructions = 32;
+
+// The CPU stream the graph of `arrays` runs on, when parking it applies.
+std::optional<mx::Stream> parkable_stream(const std::vector<mx::array>& arrays) {
+  if (!cpu_kernels_active()) return std::nullopt;
+  for (const auto& a : arrays)
+    if (a.status() == mx::array::Status::unscheduled && a.has_primitive()) {
+      auto stream = a.primitive().stream();
+      if (stream.device == mx::Device::cpu) return stream;
+      return std::nullopt;
+    }
+  return std::nullopt;
+}
+
+void eval_parked(std::vector<mx::array>& arrays, mx::Stream stream) {
+  StreamPark park(stream);
+  mx::async_eval(arrays);
+  park.release();
+  mx::eval(arrays);
+}
+
+// Writes an evaluated result into `dst` in row-major order. Results stay
+// views (no Contiguous node in the graph: one primitive fewer per call); only
+// a strided or broadcast one is made contiguous here, in a second evaluation.
+void copy_result(const mx::array& a, void* dst) {
+  if (a.nbytes() == 0) return;
+  if (a.flags().row_contiguous) {
+    std::memcpy(dst, a.data<uint8_t>(), a.nbytes());
+    return;
+  }
+  mx::array c = mx::contiguous(a);
+  mx::eval(c);
+  std::memcpy(dst, c.data<uint8_t>(), c.nbytes());
 }
 
 // Bit pattern of a scalar value, for signatures (int and float tagged apart).
@@ -288,7 +369,7 @@ std::vector<mx::array> Handle::trace(const std::vector<mx::array>& in, Graph& gr
     }
     mx::array a = *ctx.tensors[s->tid()->idx()];
     if (a.dtype() != to_mlx(s->dtype())) a = mx::astype(a, to_mlx(s->dtype()));
-    outs.push_back(mx::contiguous(a));
+    outs.push_back(std::move(a));
   }
   for (const auto& b : lp.buffers)
     if (b.update_tid >= 0) outs.push_back(*ctx.tensors[b.update_tid]);
@@ -353,7 +434,7 @@ void Handle::write_outputs(Span<EValue*> args) {
     }
     mx::array a = *ctx_.tensors[s->tid()->idx()];
     if (a.dtype() != to_mlx(s->dtype())) a = mx::astype(a, to_mlx(s->dtype()));
-    results.push_back(mx::contiguous(a));
+    results.push_back(std::move(a));
   }
   std::vector<mx::array> updates;
   for (const auto& b : program_->buffers)
@@ -380,7 +461,9 @@ void Handle::finish(Span<EValue*> args, std::vector<mx::array> results, std::vec
   for (const auto& b : program_->buffers)
     if (b.update_tid >= 0) buffers_[&b - program_->buffers.data()] = b.initial;
   try {
-    mx::eval(all);
+    auto stream = program_->nodes.size() <= kParkMaxInstructions ? parkable_stream(all) : std::nullopt;
+    if (stream) eval_parked(all, *stream);
+    else mx::eval(all);
   } catch (...) {
     // The old contents may have been consumed in place: start over from the
     // initial values rather than keep half-written state.
@@ -421,7 +504,7 @@ void Handle::finish(Span<EValue*> args, std::vector<mx::array> results, std::vec
     if (out.nbytes() != a.nbytes())
       throw std::runtime_error(name() + ": output holds " + std::to_string(out.nbytes()) + " bytes, result has " +
                                std::to_string(a.nbytes()));
-    if (a.nbytes()) std::memcpy(out.mutable_data_ptr(), a.data<uint8_t>(), a.nbytes());
+    copy_result(a, out.mutable_data_ptr());
   }
 }
 
