@@ -240,5 +240,8 @@ NB_MODULE(_runtime, m) {
   m.def("cpu_kernel_call_counts", &mlxd::rt::cpu_kernel_call_counts,
         "Calls of the CPU element-wise / row kernels by name (softmax, rms_norm, silu, ...); "
         "MLX_DELEGATE_CPU_KERNELS=0 turns them off.");
+  m.def("set_cpu_kernels", &mlxd::rt::set_cpu_kernels_enabled, nb::arg("on"),
+        "Turn the CPU element-wise / row kernels on or off for graphs built from now on (A/B runs).");
+  m.def("cpu_kernels_enabled", &mlxd::rt::cpu_kernels_enabled);
   if (!register_backend()) throw std::runtime_error("mlx_delegate: could not register the backend with ExecuTorch");
 }

@@ -92,6 +92,7 @@ class Pool {
   uint64_t generation_ = 0;
 };
 
+std::atomic<bool> g_enabled{true};
 std::mutex g_counts_mutex;
 std::map<std::string, uint64_t>& counts() {
   static auto* c = new std::map<std::string, uint64_t>();
@@ -128,8 +129,12 @@ CpuKernelMode cpu_kernel_mode() {
   return mode;
 }
 
-bool cpu_kernels_active() {
-  return cpu_kernel_mode() != CpuKernelMode::off && mx::default_device() == mx::Device::cpu;
+bool cpu_kernels_active() { return cpu_kernels_enabled() && mx::default_device() == mx::Device::cpu; }
+
+void set_cpu_kernels_enabled(bool on) { g_enabled.store(on, std::memory_order_relaxed); }
+
+bool cpu_kernels_enabled() {
+  return cpu_kernel_mode() != CpuKernelMode::off && g_enabled.load(std::memory_order_relaxed);
 }
 
 bool cpu_use_avx2() {

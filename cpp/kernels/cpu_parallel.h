@@ -17,9 +17,16 @@ namespace mlxd::rt {
 enum class CpuKernelMode { off, best, portable };
 CpuKernelMode cpu_kernel_mode();
 
-// Whether a custom CPU kernel may replace MLX's op right now: kernels on and
-// the default device is the CPU (MLX keeps its own kernels for GPUs).
+// Whether a custom CPU kernel may replace MLX's op right now: kernels on (the
+// switch above and set_cpu_kernels_enabled) and the default device is the CPU
+// (MLX keeps its own kernels for GPUs). Read while a graph is built: a graph
+// already compiled keeps the choice it was traced with.
 bool cpu_kernels_active();
+
+// Process-wide override for A/B measurements in one process (on by default;
+// cannot turn on what MLX_DELEGATE_CPU_KERNELS=0 turned off).
+void set_cpu_kernels_enabled(bool on);
+bool cpu_kernels_enabled();
 
 // Whether the vector (AVX2 + FMA) code runs: mode best and the CPU has both.
 bool cpu_use_avx2();

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <array>
 #include <numeric>
+#include <optional>
 
 #include "../ops_common.h"
 #include "kernels/rows_cpu.h"
@@ -50,12 +51,23 @@ std::vector<int> axes_or_all(const flatbuffers::Vector<int32_t>* v, int ndim) {
   return axes;
 }
 
+// Sum / mean over the last axis alone through the CPU row kernel (float32
+// accumulation for every input type, as accumulate_fp32 does); nullopt where it does not apply.
+std::optional<mx::array> last_axis_sum_cpu(const mx::array& x, mlxd::ReduceOp op, const std::vector<int>& axes,
+                                           bool keepdims) {
+  if (op != mlxd::ReduceOp::Sum && op != mlxd::ReduceOp::Mean) return std::nullopt;
+  if (axes.size() != 1 || axes[0] != x.ndim() - 1 || !rows_cpu_applies(x)) return std::nullopt;
+  auto r = rows_cpu(x, op == mlxd::ReduceOp::Sum ? RowKernel::sum : RowKernel::mean);
+  return keepdims ? mx::expand_dims(r, -1) : r;
+}
+
 }  // namespace
 
 void exec_ReduceNode(const mlxd::ReduceNode& n, ExecContext& ctx) {
   const auto& x = ctx.in(n.x());
   auto reduce = table_at(kReduce, n.op(), "reduce op");
   auto axes = axes_or_all(n.axes(), x.ndim());
+  if (auto fast = last_axis_sum_cpu(x, n.op(), axes, n.keepdims())) return ctx.set(n.out(), *fast);
   auto run = [&](const mx::array& a) { return reduce(a, axes, n.keepdims()); };
   ctx.set(n.out(), accumulates(n.op()) ? accumulate_fp32(x, run) : run(x));
 }

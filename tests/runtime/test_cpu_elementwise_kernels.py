@@ -1,6 +1,6 @@
 """The CPU element-wise and row kernels (cpp/kernels/unary_cpu.cpp, rows_cpu.cpp):
-exp, sigmoid, SiLU, GELU (erf and tanh), erf, softmax, log-softmax, RMSNorm and
-LayerNorm in float32, bfloat16 and float16 over odd row lengths (1, 7, 33, 4097;
+exp, sigmoid, SiLU, GELU (erf and tanh), erf, softmax, log-softmax, RMSNorm,
+LayerNorm, sum and mean over the last axis in float32, bfloat16 and float16 over odd row lengths (1, 7, 33, 4097;
 the longest is split across the cores) match eager torch, compiled graphs on and
 off. MLX's own ops (MLX_DELEGATE_CPU_KERNELS=0) and the portable libm code
 (=portable) run in subprocesses on the same programs and inputs and must agree;
@@ -40,14 +40,14 @@ class Ops(torch.nn.Module):
             torch.exp(x), torch.sigmoid(x), F.silu(x), F.gelu(x), F.gelu(x, approximate="tanh"), torch.erf(x),
             torch.softmax(x, -1), torch.log_softmax(x, -1),
             F.rms_norm(x, (n,), self.weight, 1e-5), F.rms_norm(x, (n,), None, 1e-6),
-            F.layer_norm(x, (n,), self.weight, self.bias, 1e-5),
+            F.layer_norm(x, (n,), self.weight, self.bias, 1e-5), x.sum(-1), x.mean(-1, keepdim=True),
             torch.softmax(x.t(), -1), F.silu(x.t()),
         ]
 
 
 # Kernel calls one forward makes (the transposed views included).
 CALLS = {"exp": 1, "sigmoid": 1, "silu": 2, "gelu_erf": 1, "gelu_tanh": 1, "erf": 1, "softmax": 2,
-         "log_softmax": 1, "rms_norm": 2, "layer_norm": 1}
+         "log_softmax": 1, "rms_norm": 2, "layer_norm": 1, "sum": 1, "mean": 1}
 
 
 @dataclass
@@ -159,12 +159,12 @@ def test_kernels_match_mlx_and_portable_code(dtype, cases, other_paths):
 def test_empty_input_falls_back():
     """Zero rows: MLX's ops run (the kernels take non-empty arrays only)."""
     x = torch.randn(0, 7)
-    fn = Lambda(lambda t: [torch.softmax(t, -1), F.silu(t), F.rms_norm(t, (7,), None, 1e-5)])
+    fn = Lambda(lambda t: [torch.softmax(t, -1), F.silu(t), F.rms_norm(t, (7,), None, 1e-5), t.sum(-1)])
     method = lower(fn, (x,)).method()
     before = _runtime.cpu_kernel_call_counts()
     got = method.execute([x])
     assert counts_since(before) == dict.fromkeys(CALLS, 0)
-    assert [tuple(t.shape) for t in got] == [(0, 7)] * 3
+    assert [tuple(t.shape) for t in got] == [(0, 7)] * 3 + [(0,)]
 
 
 def test_special_values_follow_torch():
