@@ -2,18 +2,27 @@
 
 The work is negligible, so each figure is what one call through the engine
 costs: for the delegate, the stock ExecuTorch runtime, our backend and one MLX
-evaluation.
+evaluation. Besides the usual engines it times `et_floor`: the same graph
+through the stock runtime with ExecuTorch's portable kernels and no delegate,
+i.e. what ExecuTorch's Python `execute` (argument conversion, output tensors)
+costs before any backend runs. Under the table it splits the delegate's call
+into that floor, MLX Python's own evaluation of the graph, and the rest (ours).
 
-    python benchmarks/overhead.py [--quick] [--json out.json]
+    python benchmarks/overhead.py [--quick] [--json out.json] [--engines ...]
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+import os
+import sys
+import time
+from dataclasses import asdict, replace
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from common import Workload, main
+import common
+from common import Prepared, Result, Workload
 
 SIZE = 4
 
@@ -33,5 +42,75 @@ def workloads(quick: bool) -> Iterator[Workload]:
     yield Workload(f"overhead (x+y)*y [{SIZE}]", AddMul(), inputs, _mlx_add_mul)
 
 
+def _et_floor(w: Workload) -> Prepared:
+    """The graph through the stock runtime with portable kernels (no delegate)."""
+    from executorch.exir import to_edge_transform_and_lower
+    from executorch.runtime import Runtime
+
+    ep = torch.export.export(w.module.eval(), w.inputs, strict=False)
+    program = Runtime.get().load_program(to_edge_transform_and_lower(ep).to_executorch().buffer)
+    method = program.load_method("forward")
+    args = list(w.inputs)
+    return Prepared(lambda: method.execute(args), "portable kernels, no delegate", keep=program)
+
+
+FLOOR = "et_floor"
+common.ENGINES[FLOOR] = ("ExecuTorch floor", _et_floor)
+DEFAULT = ["delegate", "nodes", FLOOR, "mlx", "eager"]  # also the table order
+
+
+def breakdown(results: Sequence[Result]) -> list[str]:
+    """Per case: ExecuTorch floor, MLX Python, and what remains of each delegate row (ours)."""
+    by = {(r.case, r.engine): r.median_s for r in results}
+    floor_name, mlx_name = common.ENGINES[FLOOR][0], common.ENGINES["mlx"][0]
+    rows = []
+    for case in dict.fromkeys(r.case for r in results):
+        floor, mlx = by.get((case, floor_name)), by.get((case, mlx_name))
+        for key in ("delegate", "nodes"):
+            total = by.get((case, common.ENGINES[key][0]))
+            if total is None or floor is None or mlx is None:
+                continue
+            us = lambda s: f"{s * 1e6:.1f} us"  # noqa: E731
+            rows.append([case, common.ENGINES[key][0], us(total), us(floor), us(mlx), us(total - mlx),
+                         us(total - floor - mlx)])
+    if not rows:
+        return []
+    headers = ["case", "engine", "call", "ExecuTorch floor", "MLX Python", "above MLX", "ours (rest)"]
+    table = common.format_table(headers, rows, [False, False] + [True] * 5)
+    return ["", "Breakdown (medians of this run): call = ExecuTorch floor + MLX Python + ours", table]
+
+
+def _with_default_engines(argv: list[str]) -> list[str]:
+    """common's default engines lack the floor and node-by-node rows this benchmark is about."""
+    return argv if any(a.startswith("--engines") for a in argv) else [*argv, "--engines", ",".join(DEFAULT)]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = common.parse_args(__doc__.splitlines()[0], _with_default_engines(list(sys.argv[1:] if argv is None
+                                                                                  else argv)))
+    settings = common.QUICK if args.quick else common.Settings()
+    if args.budget is not None:
+        settings = replace(settings, budget_s=args.budget)
+    chosen = args.engines.split(",")
+    engines = [k for k in DEFAULT if k in chosen] + [k for k in common.ENGINES if k in chosen and k not in DEFAULT]
+    started = time.perf_counter()
+    meta = common.machine_meta(bandwidth=not args.no_bandwidth) | {"quick": args.quick,
+                                                                   "settings": asdict(settings)}
+    results: list[Result] = []
+    for w in workloads(args.quick):
+        results += common.run_workload(w, engines, settings)
+    meta |= {"loadavg_end": [round(x, 2) for x in os.getloadavg()], "peak_rss_mb": round(common.peak_rss_mb()),
+             "wall_s": round(time.perf_counter() - started, 1)}
+    print()
+    print("  ".join(f"{k}={v}" for k, v in meta.items() if k != "settings"))
+    print()
+    print(common.results_table(results))
+    for line in breakdown(results) + common.load_note(meta):
+        print(line)
+    if args.json:
+        common.write_json(args.json, meta, results)
+        print(f"wrote {args.json}")
+
+
 if __name__ == "__main__":
-    main(__doc__.splitlines()[0], [workloads])
+    main()
