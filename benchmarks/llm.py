@@ -15,6 +15,10 @@ Each engine runs the same `mlx_delegate.models.llama.Model` (weights shared):
 - `MLX Python`: the model written directly in MLX (mlx-lm style: `mx.fast` RMSNorm, RoPE and SDPA,
   preallocated KV cache), weights copied from torch.
 
+Every engine but MLX Python runs the fixed-shape model (RoPE and the cache write at a tensor position,
+attention over the whole cache of `--prompt + --decode + 8` positions under a position mask); the MLX
+Python mirror slices its cache to the current length (mlx-lm's way).
+
 A round is one prefill of `--prompt` tokens at position 0 followed by `--decode` single-token steps
 (fixed token ids, so every engine does the same work); figures are medians over rounds. Engines take
 turns within each round for the small model; for the 1.2B model they run one after another, each
