@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mlx_delegate import _runtime
-from mlx_delegate.custom_ops import kv_cache_update_at
+from mlx_delegate.custom_ops import kv_cache_update, kv_cache_update_at
 from mlx_delegate.ir import nodes as N
 from mlx_delegate.testing import assert_close, lower
 
@@ -77,3 +77,23 @@ def test_write_past_the_end_is_clamped():
     assert torch.equal(out, expected)
     with pytest.raises(IndexError):
         CacheWriter(torch.float32)(u, torch.tensor([CACHE[2] - 1]))
+
+
+class IntPositionWriter(CacheWriter):
+    """The int-position form (`kv_cache_update` at `pos.item()`), still lowered to a SliceUpdateNode."""
+
+    def forward(self, update: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        start = pos.item()
+        torch._check(start >= 0)
+        torch._check(start + update.shape[2] <= CACHE[2])
+        self.cache.copy_(kv_cache_update(self.cache, update, start))
+        return self.cache + 0
+
+
+def test_int_position_form_matches_eager():
+    lowered = lower(IntPositionWriter(torch.float32), (update(2, torch.float32, 0), torch.tensor([0])))
+    assert lowered.summary == (1, [])
+    eager, method = IntPositionWriter(torch.float32), lowered.method()
+    for step, pos in enumerate([0, 5, 14]):
+        u, p = update(2, torch.float32, step), torch.tensor([pos])
+        assert_close(method.execute([u, p]), eager(u, p), 0, 0, exact=True)
