@@ -2,32 +2,35 @@
 (MLX_DELEGATE_CPU_KERNELS=0) and eager torch, at the shapes SmolLM2-135M prefill
 (32 and 128 tokens) and the Whisper-base encoder (1500 frames) run.
 
-Each op is lowered once on its own; two worker processes (kernels on and off)
-load the same programs and take turns round by round, so load on the shared
-machine hits both alike. Figures are medians over rounds of the per-round median
-call time; eager torch runs in this process with 2 threads. Nothing fails here.
+Each op is lowered once on its own and loaded twice: one copy always runs with
+the kernels on, the other off (`_runtime.set_cpu_kernels`), and they take turns
+with eager torch (2 threads) call by call in one process, so load on the shared
+machine hits all three alike. Figures are medians of the call times (through
+the delegate: its per-call overhead, ~40 us and an input/output copy, included).
+Nothing fails here.
 
     python benchmarks/cpu_kernels.py [--rounds 5] [--calls 20]
+
+--prefill instead times SmolLM2-135M fp32 prefill (32 and 128 tokens) in one
+process: the same program loaded twice, one copy always run with the kernels on
+and the other off (`_runtime.set_cpu_kernels`; each compiles its own graph),
+and eager torch, taking turns call by call.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 import warnings
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 import mlx_delegate  # noqa: F401  (before mlx, as in the other benchmarks)
+from executorch.runtime import Runtime
+from mlx_delegate import _runtime
 from mlx_delegate.testing import Lambda, lower
 
 warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
@@ -61,64 +64,74 @@ CASES: list[tuple[str, Op, tuple[int, ...]]] = [
     ("exp 16M", torch.exp, (1 << 24,)),
 ]
 
-WORKER = """
-import json, sys, time, statistics, torch
-import mlx_delegate  # registers the backend
-from executorch.runtime import Runtime
-saved, calls = sys.argv[1], int(sys.argv[2])
-times = {}
-for label, buffer, x in torch.load(saved):
-    program = Runtime.get().load_program(buffer)
-    method = program.load_method("forward")
-    for _ in range(2):
-        method.execute([x])  # the second call compiles the graph
-    samples = []
-    for _ in range(calls):
-        t = time.perf_counter(); method.execute([x]); samples.append(time.perf_counter() - t)
-    times[label] = statistics.median(samples)
-print(json.dumps(times))
-"""
+def ab_runner(buffer: bytes) -> Callable[[str, list[torch.Tensor]], None]:
+    """Runs one program with the kernels on or off: two loaded copies, each always run one way, so
+    that each compiles (and then replays) its own graph."""
+    programs = {k: Runtime.get().load_program(buffer) for k in ("on", "off")}
+    methods = {k: p.load_method("forward") for k, p in programs.items()}
+
+    def run(kernels: str, inputs: list[torch.Tensor]) -> None:
+        _runtime.set_cpu_kernels(kernels == "on")
+        try:
+            methods[kernels].execute(inputs)
+        finally:
+            _runtime.set_cpu_kernels(True)
+
+    run.programs = programs  # keep the programs referenced while their methods run
+    return run
 
 
-def time_worker(saved: Path, kernels: str, calls: int) -> dict[str, float]:
-    env = {**os.environ, "MLX_DELEGATE_CPU_KERNELS": kernels}
-    done = subprocess.run([sys.executable, "-c", WORKER, str(saved), str(calls)], env=env, capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"worker (kernels={kernels}) failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def interleaved(engines: dict[str, Callable[[], None]], rounds: int, calls: int) -> dict[str, float]:
+    """Median seconds per call of each engine; engines take turns call by call after two warm-up
+    calls each (node by node, then traced)."""
+    samples: dict[str, list[float]] = {name: [] for name in engines}
+    for i in range(2 + rounds * calls):
+        for name, run in engines.items():
+            t = time.perf_counter()
+            run()
+            if i >= 2:
+                samples[name].append(time.perf_counter() - t)
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
-def time_eager(op: Op, x: torch.Tensor, calls: int) -> float:
-    op(x)
-    samples = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        op(x)
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
+def prefill_ab(rounds: int, lengths: tuple[int, ...] = (32, 128)) -> None:
+    from mlx_delegate.llm import export as llm_export
+    from mlx_delegate.models import loading
+
+    model = loading.load("smollm2", max_seq_len=max(lengths) + 8).model.eval()
+    run = ab_runner(llm_export.to_pte(model))
+    print(f"{'prompt':>6s} {'kernels on':>12s} {'kernels off':>12s} {'eager torch':>12s}   (prefill tok/s)")
+    for length in lengths:
+        tokens = torch.randint(0, 49152, (1, length))
+        inputs = [tokens, torch.tensor([0])]
+
+        def eager() -> None:
+            with torch.no_grad():
+                model(*inputs, last_only=True)
+
+        t = interleaved({"on": lambda: run("on", inputs), "off": lambda: run("off", inputs), "eager": eager},
+                        rounds, 1)
+        print(f"{length:6d} " + " ".join(f"{length / t[k]:12.1f}" for k in ("on", "off", "eager")))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--prefill", action="store_true", help="SmolLM2 prefill A/B instead of single ops")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    inputs = {label: torch.randn(shape) for label, _, shape in CASES}
-    with tempfile.TemporaryDirectory() as tmp:
-        saved = Path(tmp) / "ops.pt"
-        torch.save([(label, lower(Lambda(op), (inputs[label],)).buffer, inputs[label]) for label, op, _ in CASES],
-                   saved)
-        rounds: dict[str, list[dict[str, float]]] = {"on": [], "off": [], "eager": []}
-        for _ in range(args.rounds):
-            rounds["on"].append(time_worker(saved, "1", args.calls))
-            rounds["off"].append(time_worker(saved, "0", args.calls))
-            rounds["eager"].append({label: time_eager(op, inputs[label], args.calls) for label, op, _ in CASES})
+    if args.prefill:
+        return prefill_ab(args.rounds)
     print(f"{'op':24s} {'shape':>16s} {'kernels on':>12s} {'MLX (off)':>12s} {'eager torch':>12s} {'speed-up':>9s}")
-    for label, _, shape in CASES:
-        on, off, eager = (statistics.median(r[label] for r in rounds[k]) * 1e3 for k in ("on", "off", "eager"))
-        print(f"{label:24s} {str(shape):>16s} {on:10.3f}ms {off:10.3f}ms {eager:10.3f}ms {off / on:8.1f}x")
+    for label, op, shape in CASES:
+        x = torch.randn(shape)
+        run = ab_runner(lower(Lambda(op), (x,)).buffer)
+        heavy = x.numel() > 1 << 22  # fewer calls for the big ones
+        t = interleaved({"on": lambda: run("on", [x]), "off": lambda: run("off", [x]), "eager": lambda: op(x)},
+                        1 if heavy else args.rounds, 3 if heavy else args.calls)
+        on, off, eager = (t[k] * 1e3 for k in ("on", "off", "eager"))
+        print(f"{label:24s} {str(shape):>16s} {on:10.3f}ms {off:10.3f}ms {eager:10.3f}ms {off / on:8.1f}x", flush=True)
 
 
 if __name__ == "__main__":
