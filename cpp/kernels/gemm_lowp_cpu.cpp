@@ -168,42 +168,52 @@ MLXD_AVX2 void gemv_avx2(const Gemv& g, int64_t n0, int64_t n1) {
 }
 
 // bf16 pairs multiplied and summed into fp32 lanes by vdpbf16ps, 32 weights per
-// instruction; two accumulators per row hide its latency. The K tail is a masked load.
+// instruction. NB outputs at a time: each load of a row of x serves NB weight
+// rows and the NB * M accumulators are independent chains (hiding the
+// instruction's latency). The K tail is a masked load.
 MLXD_AVX512BF16 inline __m512 dot32(__m512 acc, __m512i x, __m512i w) {
   return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w);
 }
 
-MLXD_AVX512BF16 inline __m512i load32(const uint16_t* p) { return _mm512_loadu_si512(p); }
+template <bool Masked>
+MLXD_AVX512BF16 inline __m512i load32(const uint16_t* p, __mmask32 mask) {
+  if constexpr (Masked) return _mm512_maskz_loadu_epi16(mask, p);
+  else return _mm512_loadu_si512(p);
+}
+
+// acc[j][m] += x[m, k:k+32] . w[n + j, k:k+32]
+template <int M, int NB, bool Masked>
+MLXD_AVX512BF16 inline void dot_step(const Gemv& g, int64_t n, int64_t k, __mmask32 mask, __m512 (&acc)[NB][M]) {
+  __m512i w[NB];
+  for (int j = 0; j < NB; ++j) w[j] = load32<Masked>(g.w + (n + j) * g.ldw + k, mask);
+  for (int m = 0; m < M; ++m) {
+    const __m512i x = load32<Masked>(g.x + m * g.ldx + k, mask);
+    for (int j = 0; j < NB; ++j) acc[j][m] = dot32(acc[j][m], x, w[j]);
+  }
+}
+
+template <int M, int NB>
+MLXD_AVX512BF16 inline void dot_rows_avx512bf16(const Gemv& g, int64_t n, int64_t k32, __mmask32 tail) {
+  __m512 acc[NB][M];
+  for (int j = 0; j < NB; ++j)
+    for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k32; k += 32) dot_step<M, NB, false>(g, n, k, tail, acc);
+  if (k32 < g.k) dot_step<M, NB, true>(g, n, k32, tail, acc);
+  for (int j = 0; j < NB; ++j) {
+    float total[M];
+    for (int m = 0; m < M; ++m) total[m] = _mm512_reduce_add_ps(acc[j][m]);
+    store<mx::bfloat16_t, M>(g, n + j, total);
+  }
+}
 
 template <int M>
 MLXD_AVX512BF16 void gemv_avx512bf16(const Gemv& g, int64_t n0, int64_t n1) {
+  constexpr int NB = M <= 4 ? 4 : 2;  // at most 16 accumulators
   const int64_t k32 = g.k - g.k % 32;
   const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (g.k - k32)) - 1);
-  auto xs = [&](int m, int64_t k) { return g.x + m * g.ldx + k; };
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint16_t* wn = g.w + n * g.ldw;
-    __m512 acc0[M], acc1[M];
-    for (int m = 0; m < M; ++m) acc0[m] = acc1[m] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 64 <= k32; k += 64) {
-      const __m512i w0 = load32(wn + k), w1 = load32(wn + k + 32);
-      for (int m = 0; m < M; ++m) {
-        acc0[m] = dot32(acc0[m], load32(xs(m, k)), w0);
-        acc1[m] = dot32(acc1[m], load32(xs(m, k + 32)), w1);
-      }
-    }
-    if (k < k32) {
-      const __m512i w0 = load32(wn + k);
-      for (int m = 0; m < M; ++m) acc0[m] = dot32(acc0[m], load32(xs(m, k)), w0);
-    }
-    if (k32 < g.k) {
-      const __m512i w0 = _mm512_maskz_loadu_epi16(tail, wn + k32);
-      for (int m = 0; m < M; ++m) acc1[m] = dot32(acc1[m], _mm512_maskz_loadu_epi16(tail, xs(m, k32)), w0);
-    }
-    float total[M];
-    for (int m = 0; m < M; ++m) total[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[m], acc1[m]));
-    store<mx::bfloat16_t, M>(g, n, total);
-  }
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) dot_rows_avx512bf16<M, NB>(g, n, k32, tail);
+  for (; n < n1; ++n) dot_rows_avx512bf16<M, 1>(g, n, k32, tail);
 }
 #endif
 
