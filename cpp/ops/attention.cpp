@@ -4,6 +4,8 @@
 #include <mlx/fast.h>
 
 #include "../ops_common.h"
+#include "kernels/cpu_parallel.h"
+#include "kernels/rows_cpu.h"
 
 namespace mlxd::rt {
 
@@ -26,6 +28,31 @@ mx::array rows_with_keys(const mx::array& mask) {
   return mx::any(visible, -1, /*keepdims=*/true);
 }
 
+// MLX has no CPU attention kernel: its fast SDPA composes matmuls around its
+// own single-threaded softmax. On the CPU, float32 attention is composed here
+// around the vectorised two-core softmax (kernels/rows_cpu.h). Half types keep
+// MLX's path, which does not round the scores to the half type.
+bool composed_cpu_sdpa(const mx::array& q) { return q.dtype() == mx::float32 && cpu_kernels_active(); }
+
+// softmax(q k^T * scale + mask) v with GQA: the query heads that share a key
+// head are stacked along L, so each key head is one matmul. `mask` broadcasts
+// to [B, Hq, L, S] (bool: keep where true; float: added).
+mx::array sdpa_cpu(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                   const std::optional<mx::array>& mask) {
+  const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
+  const int Hk = k.shape(1), S = k.shape(2);
+  auto grouped = mx::reshape(mx::multiply(q, mx::array(scale, q.dtype())), {B, Hk, (Hq / Hk) * L, D});
+  auto scores = mx::reshape(mx::matmul(grouped, mx::swapaxes(k, -1, -2)), {B, Hq, L, S});
+  if (mask) {
+    scores = mask->dtype() == mx::bool_
+                 ? mx::where(*mask, scores, mx::array(-std::numeric_limits<float>::infinity(), scores.dtype()))
+                 : mx::add(scores, *mask);
+  }
+  auto probs = rows_cpu(scores, RowKernel::softmax);
+  auto out = mx::matmul(mx::reshape(probs, {B, Hk, (Hq / Hk) * L, S}), v);
+  return mx::reshape(out, {B, Hq, L, v.shape(3)});
+}
+
 }  // namespace
 
 void exec_SdpaNode(const mlxd::SdpaNode& n, ExecContext& ctx) {
@@ -43,8 +70,14 @@ void exec_SdpaNode(const mlxd::SdpaNode& n, ExecContext& ctx) {
   } else if (n.causal() && L != S) {
     mask = top_left_causal(L, S);
   }
-  std::string mode = n.causal() && !mask ? "causal" : "";
-  auto out = mx::fast::scaled_dot_product_attention(q, k, v, n.scale(), mode, mask);
+  mx::array out = mx::array(0.f);
+  if (composed_cpu_sdpa(q) && L > 0 && S > 0) {
+    if (n.causal() && !mask) mask = top_left_causal(L, S);
+    out = sdpa_cpu(q, k, v, n.scale(), mask);
+  } else {
+    std::string mode = n.causal() && !mask ? "causal" : "";
+    out = mx::fast::scaled_dot_product_attention(q, k, v, n.scale(), mode, mask);
+  }
   if (mask && L > 0) out = mx::where(rows_with_keys(*mask), out, mx::zeros({}, out.dtype()));
   ctx.set(n.out(), out);
 }

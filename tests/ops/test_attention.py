@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch.export import Dim
 
+import mlx_delegate
 from mlx_delegate.testing import FLOATS, cases, lower_and_compare
 
 F32 = (torch.float32,)
@@ -79,3 +80,23 @@ DYNAMIC = [
 @pytest.mark.parametrize("case", CASES + DYNAMIC, ids=str)
 def test_sdpa(case):
     lower_and_compare(case)
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu_kernels", "mlx"])
+def test_sdpa_cpu_path(kernels):
+    """float32 attention on the CPU is composed around the two-core softmax kernel (with the
+    kernels on); both paths match eager torch (GQA, causal with L < S, a fully masked row)."""
+    runtime = mlx_delegate._runtime
+    was = runtime.cpu_kernels_enabled()
+    runtime.set_cpu_kernels(kernels)
+    try:
+        before = runtime.cpu_kernel_call_counts().get("softmax", 0)
+        for case in cases("sdpa_gqa", sdpa(enable_gqa=True), qkv(hq=8, hk=2, lq=3, lk=7), F32) + \
+                cases("sdpa_causal_short_q", sdpa(is_causal=True), qkv(lq=3, lk=7), F32) + \
+                cases("sdpa_bool_mask_empty_row", sdpa(), with_mask(qkv(lq=4, lk=6), bool_mask(4, 6, empty_row=2)),
+                      F32):
+            lower_and_compare(case)
+        ran = runtime.cpu_kernel_call_counts().get("softmax", 0) - before
+    finally:
+        runtime.set_cpu_kernels(was)
+    assert (ran >= 3) if kernels else (ran == 0)
