@@ -343,6 +343,8 @@ std::vector<mx::array> Handle::trace(const std::vector<mx::array>& in, Graph& gr
   ExecContext ctx;
   ctx.tensors.assign(p->num_tensors(), std::nullopt);
   ctx.values = ctx_.values;  // scalar inputs
+  graph.guards.clear();
+  ctx.guards = &graph.guards;
   size_t k = 0;
   size_t n_in = p->inputs() ? p->inputs()->size() : 0;
   for (size_t i = 0; i < n_in; ++i)
@@ -409,6 +411,9 @@ bool Handle::run_compiled(Span<EValue*> args) {
     graphs_.erase(it);
     return false;
   }
+  // Before anything is evaluated: a failed check leaves the buffers as they were.
+  for (const auto& g : graph.guards)
+    if (const auto& t = ctx_.tensors[g.tid]) check_index_guard(*t, g);
   // Only the graph may hold the buffers being replaced, so MLX can update them in place.
   ctx_.tensors.clear();
   in.clear();

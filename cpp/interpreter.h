@@ -62,6 +62,7 @@ class Handle {
     int seen = 0;  // calls with this signature so far
     GraphFn fn;    // empty until the signature comes back
     std::vector<int64_t> value_outputs;  // scalar outputs, fixed by the signature (set while tracing)
+    std::vector<IndexGuard> guards;      // index checks on this call's inputs (set while tracing)
   };
 
   void bind_inputs(executorch::runtime::Span<executorch::runtime::EValue*> args);

@@ -51,6 +51,23 @@ const char* dtype_name(mlxd::DType dtype) {
   return v >= 0 && v <= static_cast<int>(mlxd::DType::MAX) ? mlxd::EnumNameDType(dtype) : "?";
 }
 
+void check_index_guard(const mx::array& index, const IndexGuard& guard) {
+  if (index.status() != mx::array::Status::available || index.size() != 1) return;
+  int64_t v;
+  if (index.dtype() == mx::int64) v = index.data<int64_t>()[0];
+  else if (index.dtype() == mx::int32) v = index.data<int32_t>()[0];
+  else return;  // other dtypes are not produced by the exporters we know; MLX clamps them
+  if (v < guard.lo || v > guard.hi)
+    throw NodeError(guard.what + " " + std::to_string(v) + " is outside [" + std::to_string(guard.lo) + ", " +
+                    std::to_string(guard.hi) + "]");
+}
+
+void ExecContext::guard_index(const mlxd::Tid* tid, int64_t lo, int64_t hi, std::string what) {
+  IndexGuard guard{tid->idx(), lo, hi, std::move(what)};
+  check_index_guard(in(tid), guard);
+  if (guards) guards->push_back(std::move(guard));
+}
+
 int64_t ExecContext::int_value(uint32_t vid) const {
   const Value& v = values[vid];
   if (auto* i = std::get_if<int64_t>(&v)) return *i;

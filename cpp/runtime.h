@@ -38,10 +38,26 @@ size_t max_tensor_bytes();
 void set_max_tensor_bytes(size_t bytes);
 void check_tensor_size(const mx::array& a);
 
+// An index a node reads from a one-element integer tensor (e.g. a KV-cache
+// write position) and must lie in [lo, hi]. MLX clamps array indices without
+// a word, so the runtime checks them on the host: at once when the tensor is a
+// bound input, and on every replay of a compiled graph (recorded while tracing).
+struct IndexGuard {
+  uint32_t tid;
+  int64_t lo, hi;
+  std::string what;
+};
+// Throws NodeError when `index`'s value (host memory) is outside [lo, hi].
+void check_index_guard(const mx::array& index, const IndexGuard& guard);
+
 struct ExecContext {
   std::vector<std::optional<mx::array>> tensors;
   std::vector<Value> values;
   mx::StreamOrDevice stream = {};
+  std::vector<IndexGuard>* guards = nullptr;  // set while tracing: guards to check on each replay
+
+  // See IndexGuard: checks now when the tensor's value is on the host, records the guard while tracing.
+  void guard_index(const mlxd::Tid* tid, int64_t lo, int64_t hi, std::string what);
 
   const mx::array& in(const mlxd::Tid* tid) const {
     if (tid == nullptr) throw NodeError("missing required tensor field");

@@ -43,8 +43,8 @@ def kv_cache_update_at(cache: Tensor, update: Tensor, start_pos: Tensor) -> Tens
 
     The exported graph then does not depend on the position's value: a decode
     step has the same shapes at every position, so the delegate serves all of
-    them with one compiled graph. The delegate cannot refuse a write past the
-    end without evaluating the position, so it clamps it; callers check bounds.
+    them with one compiled graph. The delegate checks the position on the host
+    (an input's value) and refuses a write past the end, as this reference does.
     """
     return kv_cache_update(cache, update, int(start_pos.reshape(-1)[0]))
 

@@ -236,6 +236,8 @@ void exec_DynamicSliceUpdateNode(const mlxd::DynamicSliceUpdateNode& n, ExecCont
   if (start.size() != 1 || !mx::issubdtype(start.dtype(), mx::integer))
     throw NodeError("start must be a one-element integer tensor");
   int last = x.shape(axis) - update.shape(axis);
+  ctx.guard_index(n.start(), 0, last, "slice update start");
+  // Still clamped: a start computed inside the graph cannot be checked on the host.
   auto at = mx::clip(mx::reshape(mx::astype(start, mx::int32), {1}), mx::array(0, mx::int32),
                      mx::array(last, mx::int32));
   ctx.set(n.out(), mx::slice_update(x, update, at, {axis}));

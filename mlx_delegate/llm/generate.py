@@ -3,8 +3,8 @@ ExecuTorch runtime.
 
 `Generator` keeps the position in the KV cache across calls (the cache itself
 lives in the delegate), so a conversation can continue where it stopped. It
-checks that the tokens fit the cache before each call: the program takes the
-position as a tensor and cannot refuse an out-of-range one (it clamps the write).
+checks that the tokens fit the cache before each call, so a full context is a
+`ContextFull` here rather than the delegate's error for an out-of-range position.
 Single-token steps all have one input signature, so after the first the
 delegate serves them with one compiled graph;
 `reset()` reloads the program, whose delegate starts from an empty cache

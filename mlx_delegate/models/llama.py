@@ -255,7 +255,7 @@ class Model(nn.Module):
 
     def forward(self, tokens: Tensor, input_pos: Tensor, last_only: bool = False) -> Tensor:
         """`input_pos` ([1] int) is where tokens[0, 0] goes in the cache; the tokens must fit
-        (input_pos + L <= max_seq_len): eager runs raise otherwise, the delegate clamps the write."""
+        (input_pos + L <= max_seq_len): eager runs raise otherwise, and so does the delegate."""
         torch._check(tokens.shape[1] <= self.args.max_seq_len)
         h = self.model(tokens, input_pos)
         if last_only:

@@ -193,12 +193,15 @@ def test_prompt_longer_than_cache_is_refused(tiny):
     gen.step([2])  # a decode step into the last cache slot
     with pytest.raises(ContextFull):
         gen.step([3])
-    # The program itself bounds the token count (ExecuTorch checks the exported range). The
-    # position is a tensor value the graph never reads on the host, so the delegate clamps a
-    # write past the end (tests/ops/test_kv_cache_update_at.py) rather than refusing it.
+    # The program itself refuses too: ExecuTorch bounds the token count, the delegate checks
+    # the cache write position on the host (tests/ops/test_kv_cache_update_at.py).
     method = Runtime.get().load_program(pte).load_method("forward")
     with pytest.raises(RuntimeError):
         method.execute([torch.zeros(1, MAX_SEQ_LEN + 1, dtype=torch.long), torch.tensor([0])])
+    with pytest.raises(RuntimeError):
+        method.execute([torch.zeros(1, 8, dtype=torch.long), torch.tensor([MAX_SEQ_LEN - 4])])
+    assert "slice update start" in mlx_delegate._runtime.last_error()
+    method.execute([torch.zeros(1, 4, dtype=torch.long), torch.tensor([MAX_SEQ_LEN - 4])])  # still works
 
 
 def test_sampling():

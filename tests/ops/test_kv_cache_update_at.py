@@ -1,6 +1,6 @@
 """`mlx_delegate::kv_cache_update_at`: a cache write at a tensor position, lowered to
 `DynamicSliceUpdateNode` (an MLX slice update at an array offset). One program serves every
-position; the cache is a resident buffer; a write past the end is clamped, not refused."""
+position; the cache is a resident buffer; a write past the end is refused with a named error."""
 
 from collections.abc import Iterator
 
@@ -63,20 +63,28 @@ def test_lowers_to_a_dynamic_slice_update():
     assert "DynamicSliceUpdateNode" in kinds and "SliceUpdateNode" not in kinds
 
 
-def test_write_past_the_end_is_clamped():
-    """The delegate cannot refuse a tensor position without evaluating it: it writes the last
-    `length` entries instead (eager torch raises)."""
-    method = lower(CacheWriter(torch.float32), (update(3, torch.float32, 0), torch.tensor([0]))).method()
-    u = update(3, torch.float32, 1)
-    out = method.execute([u, torch.tensor([CACHE[2] - 1])])[0]
-    expected = torch.zeros(CACHE)
-    expected[:, :, -3:] = u
-    assert torch.equal(out, expected)
-    out = method.execute([u, torch.tensor([-5])])[0]
-    expected[:, :, :3] = u
-    assert torch.equal(out, expected)
-    with pytest.raises(IndexError):
-        CacheWriter(torch.float32)(u, torch.tensor([CACHE[2] - 1]))
+@pytest.mark.parametrize("compiled", [False, True], ids=["nodes", "compiled"])
+def test_write_past_the_end_is_refused(compiled):
+    """A position outside [0, S - L] is a named error, node by node and on a compiled replay (the
+    runtime checks the input on the host; MLX would clamp it), and the cache is left as it was."""
+    was = _runtime.compile_enabled()
+    _runtime.set_compile(compiled)
+    try:
+        method = lower(CacheWriter(torch.float32), (update(3, torch.float32, 0), torch.tensor([0]))).method()
+        eager = CacheWriter(torch.float32)
+        for pos in (0, 5, 2):  # the same signature three times: compiled, the last runs a traced graph
+            u, p = update(3, torch.float32, pos), torch.tensor([pos])
+            assert torch.equal(method.execute([u, p])[0], eager(u, p))
+        for bad in (CACHE[2] - 2, -1, 1 << 40):
+            with pytest.raises(RuntimeError):
+                method.execute([update(3, torch.float32, 9), torch.tensor([bad])])
+            assert "slice update start" in _runtime.last_error() and str(bad) in _runtime.last_error()
+            with pytest.raises(IndexError):
+                eager(update(3, torch.float32, 9), torch.tensor([bad]))
+        u, p = update(3, torch.float32, 7), torch.tensor([CACHE[2] - 3])  # the last valid start
+        assert torch.equal(method.execute([u, p])[0], eager(u, p))
+    finally:
+        _runtime.set_compile(was)
 
 
 class IntPositionWriter(CacheWriter):
