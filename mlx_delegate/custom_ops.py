@@ -2,7 +2,8 @@
 
 Models call `kv_cache_update` (an int position) or `kv_cache_update_at` (a
 tensor position) directly; the pattern passes (`mlx_delegate.patterns`)
-rewrite decomposed RoPE and RMSNorm subgraphs into `rope` / `rms_norm`. Each op
+rewrite decomposed RoPE and RMSNorm subgraphs into `rope` / `rope_at` /
+`rms_norm`. Each op
 has a CPU reference implementation (eager runs and ExecuTorch-free checks) and
 a fake kernel for export; the delegate lowers them to MLX's fused kernels.
 """
@@ -76,6 +77,18 @@ def rope(x: Tensor, inv_freq: Tensor, offset: int, traditional: bool, base: floa
 
 @rope.register_fake
 def _(x: Tensor, inv_freq: Tensor, offset: int, traditional: bool, base: float | None) -> Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("mlx_delegate::rope_at", mutates_args=())
+def rope_at(x: Tensor, inv_freq: Tensor, offset: Tensor, traditional: bool, base: float | None) -> Tensor:
+    """`rope` with the first position held in a one-element integer tensor: the
+    graph does not depend on its value, so one compiled graph serves every step."""
+    return rope_reference(x, int(offset.reshape(-1)[0]), inv_freq, traditional)
+
+
+@rope_at.register_fake
+def _(x: Tensor, inv_freq: Tensor, offset: Tensor, traditional: bool, base: float | None) -> Tensor:
     return torch.empty_like(x)
 
 

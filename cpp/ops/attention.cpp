@@ -86,7 +86,6 @@ void exec_RopeNode(const mlxd::RopeNode& n, ExecContext& ctx) {
   auto x = ctx.in(n.x());
   if (x.ndim() < 2) throw NodeError("rope needs [..., L, D]");
   if (n.dims() <= 0 || n.dims() > x.shape(-1) || n.dims() % 2) throw NodeError("bad rope dims");
-  int offset = static_cast<int>(ctx.resolve(n.offset()));
   std::optional<float> base = n.base();
   std::optional<mx::array> periods;  // MLX takes 1 / inv_freq
   if (const auto* inv_freq = ctx.maybe_in(n.inv_freq())) {
@@ -95,7 +94,18 @@ void exec_RopeNode(const mlxd::RopeNode& n, ExecContext& ctx) {
   }
   bool lifted = x.ndim() == 2;  // MLX wants at least [B, L, D]
   if (lifted) x = mx::expand_dims(x, 0);
-  auto out = mx::fast::rope(x, n.dims(), n.traditional(), base, n.scale(), offset, periods);
+  mx::array out = x;
+  if (const auto* at = ctx.maybe_in(n.offset_tensor())) {
+    // The position stays an array (no host read), so the graph is the same at
+    // every position. A scalar offset applies to any batch size.
+    if (at->size() != 1 || !mx::issubdtype(at->dtype(), mx::integer))
+      throw NodeError("rope offset must be a one-element integer tensor");
+    auto offset = mx::reshape(mx::astype(*at, mx::int32), {});
+    out = mx::fast::rope(x, n.dims(), n.traditional(), base, n.scale(), offset, periods);
+  } else {
+    int offset = static_cast<int>(ctx.resolve(n.offset()));
+    out = mx::fast::rope(x, n.dims(), n.traditional(), base, n.scale(), offset, periods);
+  }
   ctx.set(n.out(), lifted ? mx::squeeze(out, 0) : out);
 }
 

@@ -4,9 +4,10 @@
 of the core decompositions) and maps to `mx::fast::scaled_dot_product_attention`,
 which handles grouped-query attention without repeating k/v. The
 `mlx_delegate::*` custom ops (see `custom_ops.py`; models call
-`kv_cache_update` / `kv_cache_update_at`, the pattern passes produce `rope` and
-`rms_norm`) map to a slice update of the resident cache (at an int or an array
-offset), `mx::fast::rope` and `mx::fast::rms_norm`.
+`kv_cache_update` / `kv_cache_update_at`, the pattern passes produce `rope` / `rope_at`
+and `rms_norm`) map to a slice update of the resident cache (at an int or an
+array offset), `mx::fast::rope` (at an int or an array offset) and
+`mx::fast::rms_norm`.
 """
 
 from __future__ import annotations
@@ -85,6 +86,12 @@ def _static_int(b: ProgramBuilder, v: object, what: str) -> int:
     raise b.unsupported(f"{what} must be static, got {v}")
 
 
+def _check_position(b: ProgramBuilder, pos: torch.fx.Node) -> None:
+    if b.dtype_of(pos) not in (torch.int32, torch.int64) or math.prod(
+            _static_int(b, d, "the position's size") for d in b.shape_of(pos)) != 1:
+        raise b.unsupported("the position must be a one-element int32/int64 tensor")
+
+
 def _check_kv_update(b: ProgramBuilder, cache: torch.fx.Node, update: torch.fx.Node) -> None:
     cshape, ushape = b.shape_of(cache), b.shape_of(update)
     if len(cshape) != 4 or len(ushape) != 4:
@@ -109,18 +116,15 @@ def kv_cache_update(b: ProgramBuilder, n: torch.fx.Node) -> None:
 def kv_cache_update_at(b: ProgramBuilder, n: torch.fx.Node) -> None:
     cache, update, start_pos = n.args
     _check_kv_update(b, cache, update)
-    if b.dtype_of(start_pos) not in (torch.int32, torch.int64) or math.prod(
-            _static_int(b, d, "the position's size") for d in b.shape_of(start_pos)) != 1:
-        raise b.unsupported("the position must be a one-element int32/int64 tensor")
+    _check_position(b, start_pos)
     # A slice update at an array offset (clamped to the cache): no value of the
     # position reaches the graph's shapes.
     b.emit(N.DynamicSliceUpdateNode(x=b.tensor(cache), update=b.tensor(update), start=b.tensor(start_pos),
                                     axis=custom_ops.SEQ_AXIS, out=b.out(n)))
 
 
-@register(mlxd.rope.default)
-def rope(b: ProgramBuilder, n: torch.fx.Node) -> None:
-    x, inv_freq, offset, traditional, base = n.args
+def _emit_rope(b: ProgramBuilder, n: torch.fx.Node, offset: object, offset_tensor: torch.fx.Node | None) -> None:
+    x, inv_freq, _, traditional, base = n.args
     shape = b.shape_of(x)
     if len(shape) < 2 or b.dtype_of(x) not in FLOAT_DTYPES:
         raise b.unsupported("rope needs a floating [..., L, D] input")
@@ -129,7 +133,20 @@ def rope(b: ProgramBuilder, n: torch.fx.Node) -> None:
         raise b.unsupported(f"inv_freq of shape {b.shape_of(inv_freq)} for head size {dims}")
     b.emit(N.RopeNode(x=b.tensor(x), dims=dims, traditional=bool(traditional),
                       base=float(base) if base is not None else 0.0, scale=1.0, offset=b.int_or_vid(offset),
-                      inv_freq=b.tensor(inv_freq) if base is None else None, out=b.out(n)))
+                      inv_freq=b.tensor(inv_freq) if base is None else None, out=b.out(n),
+                      offset_tensor=b.tensor(offset_tensor) if offset_tensor is not None else None))
+
+
+@register(mlxd.rope.default)
+def rope(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    _emit_rope(b, n, n.args[2], None)
+
+
+@register(mlxd.rope_at.default)
+def rope_at(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    """The first position stays an array (no host read): one graph for every position."""
+    _check_position(b, n.args[2])
+    _emit_rope(b, n, 0, n.args[2])
 
 
 @register(mlxd.rms_norm.default)

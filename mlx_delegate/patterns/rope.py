@@ -1,13 +1,18 @@
 """Rotary embedding in the rotate-half form (HF Llama and friends):
 
-    pos = arange(start, start + L);  f = pos[:, None].float() * inv_freq[None, :]
+    pos = arange(start, start + L)   (or pos_tensor + arange(L))
+    f = pos[:, None].float() * inv_freq[None, :]
     emb = cat(f, f);  cos, sin = emb.cos(), emb.sin()      (cast, unsqueezed ...)
     out = x * cos + cat(-x[..., D/2:], x[..., :D/2]) * sin
 
 becomes `mlx_delegate::rope(x, inv_freq, start, traditional=False, base)`
-(-> `mx::fast::rope`). `base` is recovered when inv_freq is the standard
-base ** (-2i / D) in float32; otherwise the frequencies are passed as they are
-(scaled variants such as llama3).
+(-> `mx::fast::rope`). Positions written `pos + arange(L)`, with pos a
+one-element integer tensor (a model that keeps its position a tensor, so one
+compiled graph serves every decode step), become
+`mlx_delegate::rope_at(x, inv_freq, pos, False, base)`: the same kernel at an
+array offset, with no host read of the position. `base` is recovered when
+inv_freq is the standard base ** (-2i / D) in float32; otherwise the
+frequencies are passed as they are (scaled variants such as llama3).
 """
 
 from __future__ import annotations
@@ -24,13 +29,14 @@ from .common import (TO_COPY, UNSQUEEZES, aten, constant_value, dtype, erase_dea
 SLICES = (aten.slice.Tensor, aten.slice_copy.Tensor)
 VIEWS = (*UNSQUEEZES, aten.view.default, aten.view_copy.default, *TO_COPY)
 ARANGES = (aten.arange.start_step, aten.arange.start, aten.arange.default)
+INT_DTYPES = (torch.int32, torch.int64)
 
 
 @dataclass
 class Match:
     x: torch.fx.Node
     inv_freq: torch.fx.Node
-    offset: object  # int or SymInt node
+    offset: object  # int, SymInt node, or a one-element integer tensor node (rope_at)
     head: torch.fx.Node
 
 
@@ -76,17 +82,41 @@ def _table(n: object, fn: object) -> tuple[torch.fx.Node, torch.fx.Node] | None:
     return (used, n) if is_op(n, fn) else None
 
 
-def _positions(n: object) -> tuple[torch.fx.Node, object] | None:
-    """(arange node, its start) for `n` = arange(start, start + L)[:, None] (maybe cast)."""
-    while is_op(n, *UNSQUEEZES, *TO_COPY):
-        n = n.args[0]
+def _arange_start(n: object) -> object | None:
+    """start of `n` = arange(start, end) with step 1 (None when `n` is no such arange)."""
     if not is_op(n, *ARANGES):
         return None
     if is_op(n, aten.arange.default):
-        return n, 0
+        return 0
     if is_op(n, aten.arange.start_step) and len(n.args) > 3 and n.args[3] != 1:
         return None
-    return n, n.args[0]
+    return n.args[0]
+
+
+def _is_position_tensor(n: object) -> bool:
+    """A one-element integer tensor (the model's `input_pos`, maybe reshaped)."""
+    return dtype(n) in INT_DTYPES and all(same_size(d, 1) for d in shape(n))
+
+
+def _tensor_offset(n: object) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """(n, pos) for `n` = pos + arange(L) with pos a one-element integer tensor."""
+    if not is_op(n, aten.add.Tensor) or len(n.args) != 2 or n.kwargs.get("alpha", 1) != 1:
+        return None
+    for pos, ar in (n.args, reversed(n.args)):
+        start = _arange_start(ar)
+        if isinstance(start, int) and start == 0 and _is_position_tensor(pos) and dtype(n) in INT_DTYPES:
+            return n, pos
+    return None
+
+
+def _positions(n: object) -> tuple[torch.fx.Node, object] | None:
+    """(positions node [L], offset) for `n` = positions[:, None] (maybe cast), where positions is
+    arange(start, start + L) (offset: the int or SymInt start) or pos + arange(L) (offset: the
+    one-element tensor pos)."""
+    while is_op(n, *UNSQUEEZES, *TO_COPY):
+        n = n.args[0]
+    start = _arange_start(n)
+    return (n, start) if start is not None else _tensor_offset(n)
 
 
 def _frequencies(ep: ExportedProgram, emb: object, length: object) -> tuple[torch.fx.Node, object] | None:
@@ -155,8 +185,9 @@ def apply(ep: ExportedProgram) -> int:
         if found is None:
             continue
         base = standard_base(constant_value(ep, found.inv_freq))
-        if replace(ep, found.head, exir_ops.edge.mlx_delegate.rope.default,
-                   (found.x, found.inv_freq, found.offset, False, base)):
+        op = exir_ops.edge.mlx_delegate.rope_at if _is_position_tensor(found.offset) else \
+            exir_ops.edge.mlx_delegate.rope
+        if replace(ep, found.head, op.default, (found.x, found.inv_freq, found.offset, False, base)):
             erase_dead(graph, [found.head])
             count += 1
     return count
