@@ -32,12 +32,15 @@ per token.
 from __future__ import annotations
 
 import argparse
+import atexit
 import copy
 import gc
 import inspect
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -136,8 +139,22 @@ def _inputs(tokens: list[int], pos: int) -> list[torch.Tensor]:
     return [torch.tensor([tokens], dtype=torch.long), torch.tensor([pos], dtype=torch.long)]
 
 
+# Programs go through files: `.buffer` bytes are one more copy of the weights, and the
+# runtime binding copies bytes it is given once more (a 1.2B model would not fit).
+PTE_DIR = Path(tempfile.mkdtemp(prefix="mlx_delegate_bench_"))
+atexit.register(shutil.rmtree, PTE_DIR, ignore_errors=True)
+
+
+def pte_file(program: Any) -> Path:
+    """Streams an ExecutorchProgramManager to a new file under PTE_DIR."""
+    path = Path(tempfile.mkstemp(suffix=".pte", dir=PTE_DIR)[1])
+    with path.open("wb") as f:
+        program.write_to_file(f)
+    return path
+
+
 class MethodRunner(Runner):
-    def __init__(self, pte: bytes, compile_graphs: bool = True) -> None:
+    def __init__(self, pte: Path, compile_graphs: bool = True) -> None:
         self.program = Runtime.get().load_program(pte)
         self.method = self.program.load_method("forward")
         self.compile_graphs = compile_graphs
@@ -157,13 +174,14 @@ class SharedPte:
     def __init__(self, model: Model, quantize: str | None = None) -> None:
         self.model, self.quantize, self.pte = model, quantize, None
 
-    def get(self) -> bytes:
+    def get(self) -> Path:
         if self.pte is None:
             model = copy.deepcopy(self.model) if self.quantize else self.model  # quantizing works in place
-            self.pte = llm_export.to_pte(model, quantize=self.quantize) if self.quantize else llm_export.to_pte(model)
+            self.pte = pte_file(llm_export.to_executorch(model, quantize=self.quantize))
+            gc.collect()
         return self.pte
 
-    def take(self) -> bytes:
+    def take(self) -> Path:
         pte, self.pte = self.get(), None
         return pte
 
@@ -186,8 +204,9 @@ def xnnpack(model: Model) -> Runner:
     with llm_export.size_oblivious():
         edge = to_edge_transform_and_lower(ep, transform_passes=[llm_export.RestoreExportedRanges(ep)],
                                            partitioner=[XnnpackPartitioner()])
-    pte = edge.to_executorch().buffer
+    pte = pte_file(edge.to_executorch())
     del edge, ep
+    gc.collect()
     model.reset_cache()
     return MethodRunner(pte)
 
