@@ -5,20 +5,14 @@
 // M rows. Rows of w (N) are split across the cores.
 #include "kernels/qgemv_cpu.h"
 
+#include "kernels/cpu_parallel.h"
+
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <condition_variable>
-#include <cstdlib>
-#include <cstring>
-#include <functional>
-#include <mutex>
 #include <stdexcept>
-#include <thread>
 #include <utility>
 #include <vector>
-
-#include <unistd.h>
 
 #include <mlx/backend/cpu/encoder.h>
 #include <mlx/primitives.h>
@@ -33,19 +27,6 @@ namespace mx = mlx::core;
 namespace {
 
 std::atomic<uint64_t> g_calls{0};
-
-// MLX_DELEGATE_CPU_KERNELS: "0" turns the kernel off, "portable" skips the
-// AVX2 code (to test the fallback on a CPU that has AVX2), anything else: on.
-enum class Mode { off, best, portable };
-
-Mode env_mode() {
-  static const Mode mode = [] {
-    const char* v = std::getenv("MLX_DELEGATE_CPU_KERNELS");
-    if (v && std::strcmp(v, "0") == 0) return Mode::off;
-    return v && std::strcmp(v, "portable") == 0 ? Mode::portable : Mode::best;
-  }();
-  return mode;
-}
 
 // Everything one call needs; workers read it, each writing its own columns of y.
 struct Problem {
@@ -134,10 +115,6 @@ MLXD_AVX2 void rows_avx2(const Problem& p, int64_t n0, int64_t n1) {
   }
 }
 
-bool cpu_has_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
 #endif
 
 // ---- Kernel table: [bits is 8][rows - 1] -------------------------------------
@@ -169,89 +146,18 @@ constexpr std::array<std::array<RowsFn, kQgemvMaxRows>, 2> kernel_table() {
 RowsFn pick_kernel(int bits, int64_t m) {
   static const auto table = [] {
 #ifdef MLXD_QGEMV_X86
-    if (env_mode() == Mode::best && cpu_has_avx2()) return kernel_table<Avx2>();
+    if (cpu_use_avx2()) return kernel_table<Avx2>();
 #endif
     return kernel_table<Portable>();
   }();
   return table[bits == 8][m - 1];
 }
 
-// ---- Workers: persistent helper threads, one part of N each ------------------
-
-// A call runs part 0 on its own thread and parts 1.. on helpers. One call at a
-// time: a concurrent call (another stream) runs all of its work serially
-// rather than queueing or adding threads.
-class Workers {
- public:
-  static Workers& get() {
-    static Workers* w = new Workers();  // never destroyed: helpers may be parked at exit
-    return *w;
-  }
-  int size() const { return static_cast<int>(helpers_) + 1; }
-
-  template <class F>
-  void run(int parts, const F& fn) {
-    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
-    // A forked child has none of the helper threads: it runs serially.
-    if (!busy || parts <= 1 || getpid() != owner_) {
-      for (int i = 0; i < parts; ++i) fn(i);
-      return;
-    }
-    {
-      std::lock_guard<std::mutex> lock(m_);
-      task_ = [&fn](int i) { fn(i); };
-      parts_ = parts;
-      pending_ = parts - 1;
-      ++generation_;
-    }
-    wake_.notify_all();
-    fn(0);
-    std::unique_lock<std::mutex> lock(m_);
-    done_.wait(lock, [&] { return pending_ == 0; });
-    task_ = nullptr;
-  }
-
- private:
-  Workers() : owner_(getpid()) {
-    unsigned hw = std::thread::hardware_concurrency();
-    helpers_ = hw > 1 ? std::min(hw, 8u) - 1 : 0;
-    for (unsigned i = 0; i < helpers_; ++i) std::thread([this, i] { loop(static_cast<int>(i) + 1); }).detach();
-  }
-
-  void loop(int part) {
-    uint64_t seen = 0;
-    for (;;) {
-      std::function<void(int)> task;
-      {
-        std::unique_lock<std::mutex> lock(m_);
-        wake_.wait(lock, [&] { return generation_ != seen; });
-        seen = generation_;
-        if (part >= parts_) continue;
-        task = task_;
-      }
-      task(part);
-      std::lock_guard<std::mutex> lock(m_);
-      if (--pending_ == 0) done_.notify_one();
-    }
-  }
-
-  pid_t owner_;
-  unsigned helpers_ = 0;
-  std::mutex busy_, m_;
-  std::condition_variable wake_, done_;
-  std::function<void(int)> task_;
-  int parts_ = 0, pending_ = 0;
-  uint64_t generation_ = 0;
-};
-
-// Below this many weights per call, waking a helper costs more than it saves.
-constexpr int64_t kParallelWeights = 1 << 15;
+// ---- Rows of w (N) split across the cores (the shared pool in cpu_parallel.h) --
 
 void run_problem(const Problem& p, int bits, int64_t m) {
   RowsFn kernel = pick_kernel(bits, m);
-  auto& workers = Workers::get();
-  int64_t parts = p.n_rows * p.k >= kParallelWeights ? std::min<int64_t>(workers.size(), p.n_rows) : 1;
-  workers.run(static_cast<int>(parts), [&](int i) { kernel(p, p.n_rows * i / parts, p.n_rows * (i + 1) / parts); });
+  cpu_parallel_for(p.n_rows, p.k, 1, [&](int64_t begin, int64_t end) { kernel(p, begin, end); });
 }
 
 // ---- The MLX primitive --------------------------------------------------------
@@ -302,7 +208,7 @@ class QGemvCpu : public mx::UnaryPrimitive {
 }  // namespace
 
 bool qgemv_cpu_applies(const mx::array& x, int group_size, int bits) {
-  if (env_mode() == Mode::off || mx::default_device() != mx::Device::cpu) return false;
+  if (!cpu_kernels_active()) return false;
   if ((bits != 4 && bits != 8) || group_size <= 0 || group_size % 32 != 0) return false;
   if (x.ndim() == 0 || x.shape(-1) == 0 || x.shape(-1) % group_size != 0) return false;
   int64_t rows = static_cast<int64_t>(x.size()) / x.shape(-1);

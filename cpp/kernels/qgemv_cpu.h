@@ -11,9 +11,10 @@
 
 namespace mlxd::rt {
 
-// Whether qgemv_cpu takes this product: CPU default device, kernels not turned
-// off (MLX_DELEGATE_CPU_KERNELS=0; =portable forces the non-AVX2 code), bits 4 or 8, a group size that is a
-// multiple of 32 dividing K, at most kQgemvMaxRows rows.
+// Whether qgemv_cpu takes this product: cpu_kernels_active() (kernels/cpu_parallel.h:
+// MLX_DELEGATE_CPU_KERNELS=0 or set_cpu_kernels(False) turn it off, =portable forces the
+// non-AVX2 code), bits 4 or 8, a group size that is a multiple of 32 dividing K, at most
+// kQgemvMaxRows rows.
 constexpr int64_t kQgemvMaxRows = 8;
 bool qgemv_cpu_applies(const mlx::core::array& x, int group_size, int bits);
 
