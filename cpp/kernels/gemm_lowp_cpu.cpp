@@ -1,4 +1,4 @@
-// bfloat16 / float16 matmul on the CPU; see gemm_lowp_cpu.h.
+// bfloat16 / float16 matmul and the float32 GEMV on the CPU; see gemm_lowp_cpu.h.
 //
 // The GEMV computes y[m, n] = dot(x[m, :], w[n, :]) with w = b^T stored
 // [N, K] row-major: a linear's weight as it is, so both operands stream along
@@ -57,38 +57,42 @@ const Blas& blas() {
   return b;
 }
 
-int dtype_code(mx::Dtype t) { return t == mx::bfloat16 ? 0 : 1; }
+// 0 bfloat16, 1 float16 (the shim's codes), 2 float32 (GEMV only).
+int dtype_code(mx::Dtype t) { return t == mx::bfloat16 ? 0 : t == mx::float16 ? 1 : 2; }
 
 // ---- Operand layouts -----------------------------------------------------------
 
-// A logical rows x cols matrix of 16-bit elements: element (r, c) is at
-// p[r * ld + c], or at p[c * ld + r] when `trans` (stored transposed).
+// A logical rows x cols matrix of elements E (uint16_t for bf16/fp16 bits,
+// float): element (r, c) is at p[r * ld + c], or at p[c * ld + r] when `trans`
+// (stored transposed).
+template <typename E>
 struct Mat {
-  const uint16_t* p;
+  const E* p;
   int64_t ld;
   bool trans;
 };
 
 // The matrix at p with element strides (sr, sc), if it is row-major or
 // transposed with a usable leading dimension (strides of unit dims do not matter).
-std::optional<Mat> as_mat(const uint16_t* p, int64_t rows, int64_t cols, int64_t sr, int64_t sc) {
-  if ((cols == 1 || sc == 1) && (rows == 1 || sr >= cols)) return Mat{p, rows == 1 ? cols : sr, false};
-  if ((rows == 1 || sr == 1) && (cols == 1 || sc >= rows)) return Mat{p, cols == 1 ? rows : sc, true};
+template <typename E>
+std::optional<Mat<E>> as_mat(const E* p, int64_t rows, int64_t cols, int64_t sr, int64_t sc) {
+  if ((cols == 1 || sc == 1) && (rows == 1 || sr >= cols)) return Mat<E>{p, rows == 1 ? cols : sr, false};
+  if ((rows == 1 || sr == 1) && (cols == 1 || sc >= rows)) return Mat<E>{p, cols == 1 ? rows : sc, true};
   return std::nullopt;
 }
 
 // Copies the strided matrix into `buf`, row-major or transposed as asked.
-Mat pack(const uint16_t* p, int64_t rows, int64_t cols, int64_t sr, int64_t sc, bool trans,
-         std::vector<uint16_t>& buf) {
+template <typename E>
+Mat<E> pack(const E* p, int64_t rows, int64_t cols, int64_t sr, int64_t sc, bool trans, std::vector<E>& buf) {
   buf.resize(static_cast<size_t>(rows * cols));
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) buf[trans ? c * rows + r : r * cols + c] = p[r * sr + c * sc];
-  return Mat{buf.data(), trans ? rows : cols, trans};
+  return Mat<E>{buf.data(), trans ? rows : cols, trans};
 }
 
 // The matrix in the layout asked, packing only when it is not already in it.
-Mat in_layout(const uint16_t* p, int64_t rows, int64_t cols, int64_t sr, int64_t sc, bool trans,
-              std::vector<uint16_t>& buf) {
+template <typename E>
+Mat<E> in_layout(const E* p, int64_t rows, int64_t cols, int64_t sr, int64_t sc, bool trans, std::vector<E>& buf) {
   auto m = as_mat(p, rows, cols, sr, sc);
   return m && m->trans == trans ? *m : pack(p, rows, cols, sr, sc, trans, buf);
 }
@@ -96,27 +100,33 @@ Mat in_layout(const uint16_t* p, int64_t rows, int64_t cols, int64_t sr, int64_t
 // ---- GEMV kernels ----------------------------------------------------------------
 
 struct Gemv {
-  const uint16_t* x;  // [M, K] row-major with leading dimension ldx, operand dtype
+  const void* x;    // [M, K] row-major with leading dimension ldx, operand dtype
   int64_t ldx;
-  const float* xf;    // the same rows in fp32, dense [M, K] (read by the converting kernels)
-  const uint16_t* w;  // [N, K] row-major with leading dimension ldw (b transposed)
+  const float* xf;  // the same rows in fp32, dense [M, K] (read by the converting kernels)
+  const void* w;    // [N, K] row-major with leading dimension ldw (b transposed), operand dtype
   int64_t ldw;
-  uint16_t* y;        // [M, N] result with leading dimension ldy, operand dtype
+  void* y;          // [M, N] result with leading dimension ldy, operand dtype
   int64_t ldy;
   int64_t k;
 };
+
+// Row n of w as elements T.
+template <typename T>
+const T* w_row(const Gemv& g, int64_t n) {
+  return static_cast<const T*>(g.w) + n * g.ldw;
+}
 using GemvFn = void (*)(const Gemv&, int64_t n0, int64_t n1);
 
 template <typename T, int M>
 void store(const Gemv& g, int64_t n, const float* acc) {
-  T* y = reinterpret_cast<T*>(g.y);
+  T* y = static_cast<T*>(g.y);
   for (int m = 0; m < M; ++m) y[m * g.ldy + n] = static_cast<T>(acc[m]);
 }
 
 template <typename T, int M>
 void gemv_portable(const Gemv& g, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
-    const T* wn = reinterpret_cast<const T*>(g.w) + n * g.ldw;
+    const T* wn = w_row<T>(g, n);
     float acc[M] = {};
     for (int64_t k = 0; k < g.k; ++k) {
       const float v = static_cast<float>(wn[k]);
@@ -129,10 +139,12 @@ void gemv_portable(const Gemv& g, int64_t n0, int64_t n1) {
 #ifdef MLXD_GEMM_LOWP_X86
 #define MLXD_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define MLXD_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
+#define MLXD_AVX512F __attribute__((target("avx512f,avx2,fma")))
 
-// Eight 16-bit weights as floats: bf16 is the top half of an fp32, so widen and shift.
+// Eight weights as floats: bf16 is the top half of an fp32, so widen and shift.
 template <typename T>
 MLXD_AVX2 inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) return _mm256_loadu_ps(p);
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   if constexpr (std::is_same_v<T, mx::bfloat16_t>)
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -151,7 +163,7 @@ template <typename T, int M>
 MLXD_AVX2 void gemv_avx2(const Gemv& g, int64_t n0, int64_t n1) {
   const int64_t k8 = g.k - g.k % 8;
   for (int64_t n = n0; n < n1; ++n) {
-    const T* wn = reinterpret_cast<const T*>(g.w) + n * g.ldw;
+    const T* wn = w_row<T>(g, n);
     __m256 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t k = 0; k < k8; k += 8) {
@@ -185,9 +197,9 @@ MLXD_AVX512BF16 inline __m512i load32(const uint16_t* p, __mmask32 mask) {
 template <int M, int NB, bool Masked>
 MLXD_AVX512BF16 inline void dot_step(const Gemv& g, int64_t n, int64_t k, __mmask32 mask, __m512 (&acc)[NB][M]) {
   __m512i w[NB];
-  for (int j = 0; j < NB; ++j) w[j] = load32<Masked>(g.w + (n + j) * g.ldw + k, mask);
+  for (int j = 0; j < NB; ++j) w[j] = load32<Masked>(w_row<uint16_t>(g, n + j) + k, mask);
   for (int m = 0; m < M; ++m) {
-    const __m512i x = load32<Masked>(g.x + m * g.ldx + k, mask);
+    const __m512i x = load32<Masked>(static_cast<const uint16_t*>(g.x) + m * g.ldx + k, mask);
     for (int j = 0; j < NB; ++j) acc[j][m] = dot32(acc[j][m], x, w[j]);
   }
 }
@@ -215,11 +227,54 @@ MLXD_AVX512BF16 void gemv_avx512bf16(const Gemv& g, int64_t n0, int64_t n1) {
   for (; n + NB <= n1; n += NB) dot_rows_avx512bf16<M, NB>(g, n, k32, tail);
   for (; n < n1; ++n) dot_rows_avx512bf16<M, 1>(g, n, k32, tail);
 }
+
+// float32 with AVX-512F: the same shape, 16 lanes, one FMA per (output, row)
+// and step; NB outputs at a time give NB * M independent accumulator chains
+// (4 for one row) so the FMA latency hides behind the weight stream.
+template <bool Masked>
+MLXD_AVX512F inline __m512 load16(const float* p, __mmask16 mask) {
+  if constexpr (Masked) return _mm512_maskz_loadu_ps(mask, p);
+  else return _mm512_loadu_ps(p);
+}
+
+template <int M, int NB, bool Masked>
+MLXD_AVX512F inline void fma_step(const Gemv& g, int64_t n, int64_t k, __mmask16 mask, __m512 (&acc)[NB][M]) {
+  __m512 w[NB];
+  for (int j = 0; j < NB; ++j) w[j] = load16<Masked>(w_row<float>(g, n + j) + k, mask);
+  for (int m = 0; m < M; ++m) {
+    const __m512 x = load16<Masked>(g.xf + m * g.k + k, mask);
+    for (int j = 0; j < NB; ++j) acc[j][m] = _mm512_fmadd_ps(x, w[j], acc[j][m]);
+  }
+}
+
+template <int M, int NB>
+MLXD_AVX512F inline void dot_rows_avx512f(const Gemv& g, int64_t n, int64_t k16, __mmask16 tail) {
+  __m512 acc[NB][M];
+  for (int j = 0; j < NB; ++j)
+    for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k16; k += 16) fma_step<M, NB, false>(g, n, k, tail, acc);
+  if (k16 < g.k) fma_step<M, NB, true>(g, n, k16, tail, acc);
+  for (int j = 0; j < NB; ++j) {
+    float total[M];
+    for (int m = 0; m < M; ++m) total[m] = _mm512_reduce_add_ps(acc[j][m]);
+    store<float, M>(g, n + j, total);
+  }
+}
+
+template <int M>
+MLXD_AVX512F void gemv_avx512f(const Gemv& g, int64_t n0, int64_t n1) {
+  constexpr int NB = M <= 4 ? 4 : 2;  // at most 16 accumulators
+  const int64_t k16 = g.k - g.k % 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (g.k - k16)) - 1);
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) dot_rows_avx512f<M, NB>(g, n, k16, tail);
+  for (; n < n1; ++n) dot_rows_avx512f<M, 1>(g, n, k16, tail);
+}
 #endif
 
 // ---- Kernel choice -----------------------------------------------------------------
 
-enum class Isa { portable, avx2, avx512bf16 };
+enum class Isa { portable, avx2, avx512f, avx512bf16 };  // each includes the ones before
 
 // MLX_DELEGATE_CPU_KERNELS=portable: the portable loop; =avx2: at most AVX2
 // (to test that code on CPUs with more); otherwise the best the CPU has.
@@ -232,6 +287,7 @@ Isa cpu_isa() {
     const bool cap_avx2 = v && std::strcmp(v, "avx2") == 0;
     if (!cap_avx2 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw"))
       return Isa::avx512bf16;
+    if (!cap_avx2 && __builtin_cpu_supports("avx512f")) return Isa::avx512f;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
       return Isa::avx2;
 #endif
@@ -245,16 +301,19 @@ std::array<GemvFn, sizeof...(Ms)> gemv_table(Isa isa, std::integer_sequence<int,
 #ifdef MLXD_GEMM_LOWP_X86
   if constexpr (std::is_same_v<T, mx::bfloat16_t>)
     if (isa == Isa::avx512bf16) return {gemv_avx512bf16<Ms + 1>...};
+  if constexpr (std::is_same_v<T, float>)
+    if (isa >= Isa::avx512f) return {gemv_avx512f<Ms + 1>...};
   if (isa != Isa::portable) return {gemv_avx2<T, Ms + 1>...};
 #endif
   return {gemv_portable<T, Ms + 1>...};
 }
 
-// The kernel for `rows` (1..kRows) rows of dtype code 0 (bf16) or 1 (fp16).
+// The kernel for `rows` (1..kRows) rows of dtype code 0 (bf16), 1 (fp16) or 2 (fp32).
 GemvFn pick_gemv(int code, int64_t rows) {
-  static const std::array<std::array<GemvFn, kRows>, 2> table = [] {
+  static const std::array<std::array<GemvFn, kRows>, 3> table = [] {
     auto ms = std::make_integer_sequence<int, kRows>{};
-    return std::array{gemv_table<mx::bfloat16_t>(cpu_isa(), ms), gemv_table<mx::float16_t>(cpu_isa(), ms)};
+    return std::array{gemv_table<mx::bfloat16_t>(cpu_isa(), ms), gemv_table<mx::float16_t>(cpu_isa(), ms),
+                      gemv_table<float>(cpu_isa(), ms)};
   }();
   return table[code][rows - 1];
 }
@@ -263,46 +322,61 @@ GemvFn pick_gemv(int code, int64_t rows) {
 
 // One operand of the batched product: [batch, rows, cols] with element strides.
 struct Operand {
-  const uint16_t* p;
+  const void* p;
   int64_t batch_stride, sr, sc;
 };
 
 struct Product {
   Operand a, b;  // a [B, M, K], b [B, K, N]
-  uint16_t* out;  // [B, M, N] row-contiguous
+  void* out;  // [B, M, N] row-contiguous
   int64_t batch, m, n, k;
-  int code;  // 0 bfloat16, 1 float16
+  int code;  // dtype_code: 0 bfloat16, 1 float16, 2 float32
 };
 
 bool fits_int(int64_t v) { return v >= 0 && v <= INT_MAX; }
 
 // MKL for products of more rows than the GEMV takes, when the shim offers it.
 bool use_blas(const Product& p) {
-  return p.m > kGemmLowpGemvRows && blas().ready[p.code] && fits_int(p.m) && fits_int(p.n) && fits_int(p.k);
+  return p.m > kGemmLowpGemvRows && p.code < 2 && blas().ready[p.code] && fits_int(p.m) && fits_int(p.n) && fits_int(p.k);
 }
 
-template <typename T>
-void to_f32(const Mat& x, int64_t rows, int64_t k, std::vector<float>& xf) {
+template <typename T, typename E>
+void to_f32(const Mat<E>& x, int64_t rows, int64_t k, std::vector<float>& xf) {
   xf.resize(static_cast<size_t>(rows * k));
   const T* src = reinterpret_cast<const T*>(x.p);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t i = 0; i < k; ++i) xf[r * k + i] = static_cast<float>(src[r * x.ld + i]);
 }
 
-void gemv_one(const Product& p, const Mat& x, const Mat& w, uint16_t* out) {
-  std::vector<float> xf;
-  if (p.code == 0) to_f32<mx::bfloat16_t>(x, p.m, p.k, xf);
-  else to_f32<mx::float16_t>(x, p.m, p.k, xf);
+// The rows of x as dense fp32 [M, K]: converted for 16-bit operands, float32
+// ones read in place when already dense.
+template <typename E>
+const float* dense_f32(const Product& p, const Mat<E>& x, std::vector<float>& xf) {
+  if constexpr (std::is_same_v<E, float>) {
+    if (x.ld == p.k) return x.p;
+    to_f32<float>(x, p.m, p.k, xf);
+  } else if (p.code == 0) {
+    to_f32<mx::bfloat16_t>(x, p.m, p.k, xf);
+  } else {
+    to_f32<mx::float16_t>(x, p.m, p.k, xf);
+  }
+  return xf.data();
+}
+
+template <typename E>
+void gemv_one(const Product& p, const Mat<E>& x, const Mat<E>& w, E* out) {
+  std::vector<float> buf;
+  const float* xf = dense_f32(p, x, buf);
   cpu_parallel_for(p.n, p.k * std::min(p.m, kGemmLowpGemvRows), 1, [&](int64_t n0, int64_t n1) {
     for (int64_t r = 0; r < p.m; r += kGemmLowpGemvRows) {
       const int64_t rows = std::min(kGemmLowpGemvRows, p.m - r);
-      Gemv g{x.p + r * x.ld, x.ld, xf.data() + r * p.k, w.p, w.ld, out + r * p.n, p.n, p.k};
+      Gemv g{x.p + r * x.ld, x.ld, xf + r * p.k, w.p, w.ld, out + r * p.n, p.n, p.k};
       pick_gemv(p.code, rows)(g, n0, n1);
     }
   });
 }
 
-bool blas_one(const Product& p, const Mat& a, const Mat& b, uint16_t* out) {
+bool blas_one(const Product& p, const Mat<uint16_t>& a, const Mat<uint16_t>& b, uint16_t* out) {
   if (!fits_int(a.ld) || !fits_int(b.ld)) return false;
   std::vector<float> c(static_cast<size_t>(p.m * p.n));
   if (!blas().gemm(p.code, a.trans, b.trans, static_cast<int>(p.m), static_cast<int>(p.n), static_cast<int>(p.k), a.p,
@@ -312,18 +386,22 @@ bool blas_one(const Product& p, const Mat& a, const Mat& b, uint16_t* out) {
   return true;
 }
 
+// E: the element type (uint16_t for the 16-bit dtypes, float).
+template <typename E>
 void run_product(const Product& p, bool blas_path) {
-  std::vector<uint16_t> abuf, bbuf;
+  std::vector<E> abuf, bbuf;
   for (int64_t i = 0; i < p.batch; ++i) {
-    const uint16_t* ap = p.a.p + i * p.a.batch_stride;
-    const uint16_t* bp = p.b.p + i * p.b.batch_stride;
-    uint16_t* out = p.out + i * p.m * p.n;
-    if (blas_path) {
-      auto a = as_mat(ap, p.m, p.k, p.a.sr, p.a.sc);
-      auto b = as_mat(bp, p.k, p.n, p.b.sr, p.b.sc);
-      if (blas_one(p, a ? *a : pack(ap, p.m, p.k, p.a.sr, p.a.sc, false, abuf),
-                   b ? *b : pack(bp, p.k, p.n, p.b.sr, p.b.sc, false, bbuf), out))
-        continue;
+    const E* ap = static_cast<const E*>(p.a.p) + i * p.a.batch_stride;
+    const E* bp = static_cast<const E*>(p.b.p) + i * p.b.batch_stride;
+    E* out = static_cast<E*>(p.out) + i * p.m * p.n;
+    if constexpr (std::is_same_v<E, uint16_t>) {
+      if (blas_path) {
+        auto a = as_mat(ap, p.m, p.k, p.a.sr, p.a.sc);
+        auto b = as_mat(bp, p.k, p.n, p.b.sr, p.b.sc);
+        if (blas_one(p, a ? *a : pack(ap, p.m, p.k, p.a.sr, p.a.sc, false, abuf),
+                     b ? *b : pack(bp, p.k, p.n, p.b.sr, p.b.sc, false, bbuf), out))
+          continue;
+      }
     }
     // The GEMV reads x = a row-major and w = b transposed ([N, K] row-major).
     gemv_one(p, in_layout(ap, p.m, p.k, p.a.sr, p.a.sc, false, abuf),
@@ -334,25 +412,31 @@ void run_product(const Product& p, bool blas_path) {
 // ---- The MLX primitive ------------------------------------------------------------------
 
 Operand operand(const mx::array& x) {
-  return {x.data<uint16_t>(), x.shape(0) > 1 ? x.strides(0) : 0, x.strides(1), x.strides(2)};
+  return {x.data<void>(), x.shape(0) > 1 ? x.strides(0) : 0, x.strides(1), x.strides(2)};
 }
 
 class GemmLowpCpu : public mx::UnaryPrimitive {
  public:
   explicit GemmLowpCpu(mx::Stream s) : mx::UnaryPrimitive(s) {}
 
-  // inputs: a [B, M, K], b [B, K, N] or [1, K, N], any strides; same dtype (bfloat16 or float16).
+  // inputs: a [B, M, K], b [B, K, N] or [1, K, N], any strides; same dtype
+  // (bfloat16 or float16; float32 with M <= kRows).
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& x : in) encoder.set_input_array(x);
     encoder.set_output_array(out);
     const auto &a = in[0], &b = in[1];
-    Product p{operand(a), operand(b), out.data<uint16_t>(), out.shape(0), out.shape(1), out.shape(2), a.shape(2),
+    Product p{operand(a), operand(b), out.data<void>(), out.shape(0), out.shape(1), out.shape(2), a.shape(2),
               dtype_code(out.dtype())};
     const bool blas_path = use_blas(p);
-    cpu_kernel_note_call(blas_path ? "gemm_lowp_blas" : "gemm_lowp_gemv");
-    encoder.dispatch([p, blas_path] { run_product(p, blas_path); });
+    if (p.code == 2) {
+      cpu_kernel_note_call("gemv_f32");
+      encoder.dispatch([p] { run_product<float>(p, false); });
+    } else {
+      cpu_kernel_note_call(blas_path ? "gemm_lowp_blas" : "gemm_lowp_gemv");
+      encoder.dispatch([p, blas_path] { run_product<uint16_t>(p, blas_path); });
+    }
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
     throw std::runtime_error("GemmLowpCpu runs on the CPU only");
@@ -372,12 +456,35 @@ bool same_batch(const mx::array& a, const mx::array& b) {
   return true;
 }
 
+// Whether the 2-D b ([K, N]) is stored transposed, so the GEMV reads it as
+// [N, K] in place: evaluated with such strides, or (not yet evaluated) the
+// transpose view of an evaluated row-major matrix, as a linear's weight is.
+bool transposed_in_place(const mx::array& b) {
+  if (b.ndim() != 2) return false;
+  if (b.is_available()) {
+    const auto m = as_mat(static_cast<const float*>(nullptr), b.shape(0), b.shape(1), b.strides(0), b.strides(1));
+    return m && m->trans;
+  }
+  if (!b.has_primitive() || std::strcmp(b.primitive().name(), "Transpose") != 0) return false;
+  const auto& src = b.inputs()[0];
+  return src.ndim() == 2 && src.is_available() && src.flags().row_contiguous;
+}
+
+// float32: only the GEMV (rows of a, batch axes folded, at most kRows) with the
+// weight read in place; more rows, or a b that would have to be copied, stay
+// on MLX's matmul (MKL's sgemm).
+bool gemv_f32_applies(const mx::array& a, const mx::array& b) {
+  return b.ndim() == 2 && static_cast<int64_t>(a.size() / a.shape(-1)) <= kGemmLowpGemvRows &&
+         transposed_in_place(b);
+}
+
 }  // namespace
 
 bool gemm_lowp_cpu_applies(const mx::array& a, const mx::array& b) {
-  if (!cpu_kernels_active() || a.dtype() != b.dtype() || (a.dtype() != mx::bfloat16 && a.dtype() != mx::float16))
-    return false;
+  if (!cpu_kernels_active() || a.dtype() != b.dtype()) return false;
+  if (a.dtype() != mx::bfloat16 && a.dtype() != mx::float16 && a.dtype() != mx::float32) return false;
   if (a.ndim() < 2 || b.ndim() < 2 || a.size() == 0 || b.size() == 0 || a.shape(-1) != b.shape(-2)) return false;
+  if (a.dtype() == mx::float32) return gemv_f32_applies(a, b);
   return b.ndim() == 2 || same_batch(a, b);
 }
 

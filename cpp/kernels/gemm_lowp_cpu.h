@@ -9,6 +9,11 @@
 //   without it, the GEMV over blocks of rows.
 // Operands may be row-major or transposed views (a linear's [N, K] weight is
 // read in place); other layouts are packed first.
+// float32 (MLX's CPU matmul is MKL's sgemm, far from memory bandwidth at a few
+// rows): the same GEMV (AVX-512F / AVX2 + FMA / portable) for up to
+// kGemmLowpGemvRows rows when b is a 2-D weight stored transposed ([N, K]
+// row-major, read in place); everything else stays on MLX's matmul. Counter
+// "gemv_f32".
 #pragma once
 
 #include <cstdint>
@@ -21,7 +26,9 @@ constexpr int64_t kGemmLowpGemvRows = 8;
 
 // Whether gemm_lowp_cpu takes a @ b: CPU kernels active (default device CPU,
 // MLX_DELEGATE_CPU_KERNELS not 0), both bfloat16 or both float16, non-empty,
-// ranks >= 2 with b 2-D or the same batch shape as a.
+// ranks >= 2 with b 2-D or the same batch shape as a; or both float32 with
+// at most kGemmLowpGemvRows rows of a (batch axes folded) and b a 2-D
+// transposed weight (see above).
 // MLX_DELEGATE_CPU_KERNELS=portable forces the portable GEMV, =avx2 caps it at AVX2.
 bool gemm_lowp_cpu_applies(const mlx::core::array& a, const mlx::core::array& b);
 

@@ -5,7 +5,9 @@
 namespace mlxd::rt {
 
 // a @ b with torch.matmul's semantics. bf16/fp16 products on the CPU run our
-// kernel (kernels/gemm_lowp_cpu.h): MLX's own is a scalar loop for them.
+// kernel (kernels/gemm_lowp_cpu.h): MLX's own is a scalar loop for them; so do
+// float32 products of <= 8 rows by a transposed weight (decode linears: MKL's
+// sgemm is far from memory bandwidth there).
 static mx::array product(const mx::array& a, const mx::array& b) {
   return gemm_lowp_cpu_applies(a, b) ? gemm_lowp_cpu(a, b) : mx::matmul(a, b);
 }
