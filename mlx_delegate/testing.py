@@ -205,3 +205,41 @@ def assert_steps_match_hf(gen: Any, hf: Any, prompt: list[int], steps: int, tol:
         torch.testing.assert_close(logits, hf_next_logits(hf, tokens), rtol=tol, atol=tol)
         tokens.append(int(logits.argmax()))
         logits = gen.step(tokens[-1:])
+
+
+# Runs saved programs on saved inputs in a fresh process (switches such as
+# MLX_DELEGATE_CPU_KERNELS are read once per process) and saves what came out.
+_RUN_SAVED = """
+import sys, torch
+from executorch.runtime import Runtime
+from mlx_delegate import _blas, _runtime
+saved, out = sys.argv[1:]
+outputs = [[Runtime.get().load_program(buffer).load_method("forward").execute([x]) for x in inputs]
+           for buffer, inputs in torch.load(saved)]
+torch.save({"outputs": outputs, "counts": _runtime.cpu_kernel_call_counts(),
+            "qgemv_calls": _runtime.cpu_kernel_calls(), "blas": _blas.lowp_gemm_ready()}, out)
+"""
+
+
+def run_in_subprocess(programs: dict[Any, tuple[bytes, Sequence[torch.Tensor]]], env: dict[str, str],
+                      tmp_dir: Any) -> dict[str, Any]:
+    """Runs each program (.pte bytes) on each of its single inputs in a new process with `env` added.
+
+    Returns {"outputs": {key: [outputs per input]}, "counts": cpu_kernel_call_counts(),
+    "qgemv_calls": cpu_kernel_calls(), "blas": whether the low-precision BLAS route was ready}.
+    """
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    fd, name = tempfile.mkstemp(suffix=".pt", dir=tmp_dir)
+    os.close(fd)
+    saved, out = Path(name), Path(name).with_suffix(".out.pt")
+    torch.save([programs[k] for k in programs], saved)
+    done = subprocess.run([sys.executable, "-c", _RUN_SAVED, str(saved), str(out)], env={**os.environ, **env},
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = torch.load(out)
+    return {**result, "outputs": dict(zip(programs, result["outputs"]))}

@@ -2,8 +2,6 @@
 `DynamicSliceUpdateNode` (an MLX slice update at an array offset). One program serves every
 position; the cache is a resident buffer; a write past the end is refused with a named error."""
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -25,14 +23,6 @@ class CacheWriter(torch.nn.Module):
     def forward(self, update: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         self.cache.copy_(kv_cache_update_at(self.cache, update, pos))
         return self.cache + 0
-
-
-@pytest.fixture
-def compile_on() -> Iterator[None]:
-    was = _runtime.compile_enabled()
-    _runtime.set_compile(True)
-    yield
-    _runtime.set_compile(was)
 
 
 def update(length: int, dtype: torch.dtype, seed: int) -> torch.Tensor:

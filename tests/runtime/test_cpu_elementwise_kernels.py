@@ -6,12 +6,8 @@ off. MLX's own ops (MLX_DELEGATE_CPU_KERNELS=0) and the portable libm code
 (=portable) run in subprocesses on the same programs and inputs and must agree;
 the per-kernel call counters prove which code ran."""
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +15,7 @@ import torch.nn.functional as F
 from torch.export import Dim
 
 from mlx_delegate import _runtime
-from mlx_delegate.testing import TOLERANCE, Lambda, Lowered, assert_close, lower
+from mlx_delegate.testing import TOLERANCE, Lambda, Lowered, assert_close, lower, run_in_subprocess
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 COLUMNS = (1, 7, 33, 4097)
@@ -105,42 +101,19 @@ def test_kernels_match_eager(dtype, columns, cases, compile_mode):
     assert counts_since(before) == {k: v * calls for k, v in CALLS.items()}
 
 
-# Runs saved programs on saved inputs in a fresh process; saves outputs and kernel calls.
-RUN_SAVED = """
-import sys, torch
-from executorch.runtime import Runtime
-from mlx_delegate import _runtime
-saved, out = sys.argv[1:]
-outputs = []
-for buffer, inputs in torch.load(saved):
-    program = Runtime.get().load_program(buffer)
-    outputs.append([program.load_method("forward").execute([x]) for x in inputs])
-torch.save({"outputs": outputs, "calls": _runtime.cpu_kernel_call_counts()}, out)
-"""
-
-
-def run_in_subprocess(cases: dict, tmp_path: Path, kernels: str) -> dict:
-    saved, out = tmp_path / "cases.pt", tmp_path / f"out-{kernels}.pt"
-    torch.save([(c.lowered.buffer, c.inputs) for c in cases.values()], saved)
-    env = {**os.environ, "MLX_DELEGATE_CPU_KERNELS": kernels}
-    done = subprocess.run([sys.executable, "-c", RUN_SAVED, str(saved), str(out)], env=env,
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = torch.load(out)
-    return {"calls": result["calls"], "outputs": dict(zip(cases, result["outputs"]))}
-
-
 @pytest.fixture(scope="module")
 def other_paths(cases, tmp_path_factory) -> dict[str, dict]:
     """MLX's own ops (kernels off) and the portable code, each in its own process."""
     tmp_path = tmp_path_factory.mktemp("cpu_elementwise")
-    return {kernels: run_in_subprocess(cases, tmp_path, kernels) for kernels in ("0", "portable")}
+    programs = {key: (c.lowered.buffer, c.inputs) for key, c in cases.items()}
+    return {kernels: run_in_subprocess(programs, {"MLX_DELEGATE_CPU_KERNELS": kernels}, tmp_path)
+            for kernels in ("0", "portable")}
 
 
 def test_switch_selects_the_code(cases, other_paths):
     runs = len(cases) * len(ROWS)
-    assert other_paths["0"]["calls"] == {}
-    assert other_paths["portable"]["calls"] == {k: v * runs for k, v in CALLS.items()}
+    assert other_paths["0"]["counts"] == {}
+    assert other_paths["portable"]["counts"] == {k: v * runs for k, v in CALLS.items()}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

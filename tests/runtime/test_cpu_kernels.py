@@ -4,11 +4,7 @@ bf16 activations match eager torch of the same quantized model, MLX's own
 quantized_matmul (MLX_DELEGATE_CPU_KERNELS=0) and the portable non-AVX2 code
 (=portable), each in a subprocess; the call counter proves which one ran."""
 
-import os
-import subprocess
-import sys
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +16,7 @@ from mlx_delegate import _runtime
 from mlx_delegate import quantization as Q
 from mlx_delegate.llm import export as llm_export
 from mlx_delegate.patterns import MLXPatternPass
-from mlx_delegate.testing import TOLERANCE, assert_close, delegate_summary
+from mlx_delegate.testing import TOLERANCE, assert_close, delegate_summary, run_in_subprocess
 
 K = 256
 # (mode, group size, torchao mapping); asymmetric int4 gives non-zero biases.
@@ -77,35 +73,13 @@ def cases() -> dict[torch.dtype, Case]:
     return {dtype: make_case(dtype) for dtype in DTYPES}
 
 
-# Runs saved programs on saved inputs; saves the outputs and the kernel's call count.
-RUN_SAVED = """
-import sys, torch
-from executorch.runtime import Runtime
-from mlx_delegate import _runtime
-saved, out = sys.argv[1:]
-outputs = [[Runtime.get().load_program(buffer).load_method("forward").execute([x]) for x in inputs]
-           for buffer, inputs in torch.load(saved)]
-torch.save({"outputs": outputs, "calls": _runtime.cpu_kernel_calls()}, out)
-"""
-
-
-def run_in_subprocess(cases: dict[torch.dtype, Case], tmp_path: Path, kernels: str) -> dict:
-    """Outputs per dtype (per input) and the kernel call count with MLX_DELEGATE_CPU_KERNELS=kernels."""
-    saved, out = tmp_path / "cases.pt", tmp_path / f"out-{kernels}.pt"
-    torch.save([(c.buffer, c.inputs) for c in cases.values()], saved)
-    env = {**os.environ, "MLX_DELEGATE_CPU_KERNELS": kernels}
-    done = subprocess.run([sys.executable, "-c", RUN_SAVED, str(saved), str(out)], env=env,
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = torch.load(out)
-    return {"calls": result["calls"], "outputs": dict(zip(cases, result["outputs"]))}
-
-
 @pytest.fixture(scope="module")
 def other_paths(cases, tmp_path_factory) -> dict[str, dict]:
     """The kernel off (MLX's quantized_matmul) and the portable loop, each in its own process."""
     tmp_path = tmp_path_factory.mktemp("cpu_kernels")
-    return {kernels: run_in_subprocess(cases, tmp_path, kernels) for kernels in ("0", "portable")}
+    programs = {dtype: (c.buffer, c.inputs) for dtype, c in cases.items()}
+    return {kernels: run_in_subprocess(programs, {"MLX_DELEGATE_CPU_KERNELS": kernels}, tmp_path)
+            for kernels in ("0", "portable")}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -127,7 +101,7 @@ def test_quantized_gemv_matches_mlx_and_portable_loop(dtype, cases, other_paths)
     method = Runtime.get().load_program(case.buffer).load_method("forward")
     off, portable = other_paths["0"], other_paths["portable"]
     runs = len(DTYPES) * len(ROWS)
-    assert off["calls"] == 0 and portable["calls"] == runs * LINEARS
+    assert off["qgemv_calls"] == 0 and portable["qgemv_calls"] == runs * LINEARS
     for x, mlx, plain in zip(case.inputs, off["outputs"][dtype], portable["outputs"][dtype]):
         got = method.execute([x])
         assert_close(got, mlx, *TOLERANCE[dtype])  # all compute in fp32; bf16 rounds the outputs
