@@ -11,9 +11,9 @@ The position stays a tensor end to end (no `item()`): the cache is written at
 a tensor offset, RoPE's angles come from `input_pos + arange(L)`, and attention
 reads the whole cache under the mask `arange(max_seq_len) <= position`. Shapes
 then depend on L only, so every decode step has one signature and the delegate
-serves them all with one compiled graph. RMSNorm is written in plain torch (the
-HF form) and fused into MLX's kernel at lowering; RoPE stays composed (its
-angles come from a tensor position).
+serves them all with one compiled graph. RMSNorm and RoPE are written in plain
+torch (the HF form) and fused into MLX's kernels at lowering (RoPE with the
+position as an array offset: `mlx_delegate::rope_at`).
 """
 
 from __future__ import annotations
