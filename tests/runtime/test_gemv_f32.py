@@ -7,11 +7,7 @@ tails, N odd the single-output loop after the blocks of 2-4 outputs."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +16,7 @@ from torch.export import Dim
 
 from mlx_delegate import _runtime
 from mlx_delegate.llm import export as llm_export
-from mlx_delegate.testing import assert_close, delegate_summary, lower
+from mlx_delegate.testing import assert_close, delegate_summary, lower, run_in_subprocess
 
 RTOL, ATOL = 1e-5, 1e-5  # of values of magnitude ~1 (inputs scaled by 1/sqrt(K))
 ROWS = (1, 3, 8, 9)  # 9: more than the GEMV takes
@@ -86,29 +82,26 @@ def expected_calls(rows: int) -> int:
     return TAKEN if rows <= 8 else 0
 
 
+@pytest.fixture(params=(True, False), ids=("compiled", "node-by-node"))
+def compile_mode(request):
+    was = _runtime.compile_enabled()
+    _runtime.set_compile(request.param)
+    yield
+    _runtime.set_compile(was)
+
+
 @pytest.mark.parametrize("k", KS)
-def test_products_match_eager(k, cases):
+def test_products_match_eager(k, cases, compile_mode):
     case = cases[k]
     method = Runtime.get().load_program(case.buffer).load_method("forward")
     for x in case.inputs:
         before = gemv_calls()
-        for _ in range(3):  # the later calls run the compiled graph
+        for _ in range(3):  # compiled: the later calls replay the traced graph
             got = method.execute([x])
         assert gemv_calls() - before == 3 * expected_calls(x.shape[1]), x.shape
         with torch.no_grad():
             assert_close(got, case.module(x), RTOL, ATOL)
 
-
-# Runs saved programs on saved inputs; saves the outputs and the call counts.
-RUN_SAVED = """
-import sys, torch
-from executorch.runtime import Runtime
-from mlx_delegate import _runtime
-saved, out = sys.argv[1:]
-outputs = [[Runtime.get().load_program(buffer).load_method("forward").execute([x]) for x in inputs]
-           for buffer, inputs in torch.load(saved)]
-torch.save({"outputs": outputs, "counts": _runtime.cpu_kernel_call_counts()}, out)
-"""
 
 PATHS = {
     "mlx": {"MLX_DELEGATE_CPU_KERNELS": "0"},
@@ -119,18 +112,9 @@ PATHS = {
 
 @pytest.fixture(scope="module")
 def other_paths(cases, tmp_path_factory) -> dict[str, dict]:
-    tmp_path: Path = tmp_path_factory.mktemp("gemv_f32")
-    saved = tmp_path / "cases.pt"
-    torch.save([(c.buffer, c.inputs) for c in cases.values()], saved)
-    results = {}
-    for name, env in PATHS.items():
-        out = tmp_path / f"out-{name}.pt"
-        done = subprocess.run([sys.executable, "-c", RUN_SAVED, str(saved), str(out)], env={**os.environ, **env},
-                              capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr[-3000:]
-        result = torch.load(out)
-        results[name] = {**result, "outputs": dict(zip(cases, result["outputs"]))}
-    return results
+    tmp_dir = tmp_path_factory.mktemp("gemv_f32")
+    programs = {k: (c.buffer, c.inputs) for k, c in cases.items()}
+    return {name: run_in_subprocess(programs, env, tmp_dir) for name, env in PATHS.items()}
 
 
 @pytest.mark.parametrize("name", PATHS)
