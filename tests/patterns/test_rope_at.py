@@ -2,7 +2,6 @@
 into `mlx_delegate::rope_at`, lowered to one RopeNode whose offset is an array (no host read),
 matching eager PyTorch at several positions; one compiled graph serves every position."""
 
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -57,14 +56,6 @@ class RopeAtOp(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         return rope_at(x, self.inv_freq, input_pos, self.traditional, self.base)
-
-
-@pytest.fixture
-def compile_on() -> Iterator[None]:
-    was = _runtime.compile_enabled()
-    _runtime.set_compile(True)
-    yield
-    _runtime.set_compile(was)
 
 
 def export_and_lower(module: torch.nn.Module, x: torch.Tensor, dynamic: bool = True):
