@@ -23,6 +23,7 @@
 #include <mlx/primitives.h>
 
 #include "kernels/cpu_parallel.h"
+#include "kernels/vec_math_cpu.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -137,13 +138,13 @@ void gemv_portable(const Gemv& g, int64_t n0, int64_t n1) {
 }
 
 #ifdef MLXD_GEMM_LOWP_X86
-#define MLXD_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define MLXD_AVX2_F16C __attribute__((target("avx2,fma,f16c")))
 #define MLXD_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 #define MLXD_AVX512F __attribute__((target("avx512f,avx2,fma")))
 
 // Eight weights as floats: bf16 is the top half of an fp32, so widen and shift.
 template <typename T>
-MLXD_AVX2 inline __m256 load8(const T* p) {
+MLXD_AVX2_F16C inline __m256 load8(const T* p) {
   if constexpr (std::is_same_v<T, float>) return _mm256_loadu_ps(p);
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   if constexpr (std::is_same_v<T, mx::bfloat16_t>)
@@ -152,15 +153,8 @@ MLXD_AVX2 inline __m256 load8(const T* p) {
     return _mm256_cvtph_ps(h);
 }
 
-MLXD_AVX2 inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 template <typename T, int M>
-MLXD_AVX2 void gemv_avx2(const Gemv& g, int64_t n0, int64_t n1) {
+MLXD_AVX2_F16C void gemv_avx2(const Gemv& g, int64_t n0, int64_t n1) {
   const int64_t k8 = g.k - g.k % 8;
   for (int64_t n = n0; n < n1; ++n) {
     const T* wn = w_row<T>(g, n);
@@ -172,7 +166,7 @@ MLXD_AVX2 void gemv_avx2(const Gemv& g, int64_t n0, int64_t n1) {
     }
     float total[M];
     for (int m = 0; m < M; ++m) {
-      total[m] = hsum8(acc[m]);
+      total[m] = vmath::hsum8(acc[m]);
       for (int64_t k = k8; k < g.k; ++k) total[m] += static_cast<float>(wn[k]) * g.xf[m * g.k + k];
     }
     store<T, M>(g, n, total);

@@ -6,6 +6,7 @@
 #include "kernels/qgemv_cpu.h"
 
 #include "kernels/cpu_parallel.h"
+#include "kernels/vec_math_cpu.h"
 
 #include <algorithm>
 #include <array>
@@ -66,7 +67,6 @@ void rows_portable(const Problem& p, int64_t n0, int64_t n1) {
 // ---- AVX2 + FMA kernel: 8 weights per step, converted once for all M rows ----
 
 #ifdef MLXD_QGEMV_X86
-#define MLXD_AVX2 __attribute__((target("avx2,fma")))
 
 // Eight weights starting at element e (a multiple of 8) as floats.
 template <int Bits>
@@ -80,13 +80,6 @@ MLXD_AVX2 inline __m256 load_q8(const uint32_t* wn, int64_t e) {
     __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint8_t*>(wn) + e));
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
   }
-}
-
-MLXD_AVX2 inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 template <int Bits, int M>
@@ -111,7 +104,7 @@ MLXD_AVX2 void rows_avx2(const Problem& p, int64_t n0, int64_t n1) {
         bias_part[m] += b * p.xsums[m * p.groups + g];
       }
     }
-    for (int m = 0; m < M; ++m) p.y[m * p.n_rows + n] = hsum(total[m]) + bias_part[m];
+    for (int m = 0; m < M; ++m) p.y[m * p.n_rows + n] = vmath::hsum8(total[m]) + bias_part[m];
   }
 }
 
