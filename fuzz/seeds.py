@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.export import Dim
 
-from mlx_delegate.testing import lower
+from mlx_delegate.testing import delegate_payload, lower
 
 # IR dtype names (schema `DType`) for the tensor dtypes the seeds use.
 IR_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.int64: "i64",
@@ -109,17 +109,6 @@ def _cases() -> list[tuple[str, Callable[[], torch.nn.Module], tuple, Any]]:
     ]
 
 
-def _delegate(edge: Any) -> tuple[bytes, dict[str, bytes]]:
-    """The payload and named data of the program's only delegate."""
-    gm = edge.exported_program().graph_module
-    (mod,) = [m for _, m in gm.named_children() if hasattr(m, "processed_bytes")]
-    store = mod.named_data_store_output
-    named = {}
-    if store is not None:
-        named = {k: bytes(store.buffers[e.buffer_index]) for k, e in store.pte_data.items()}
-    return mod.processed_bytes, named
-
-
 def build_seeds() -> list[Seed]:
     """Lower every seed program (one delegate segment each) and record eager outputs."""
     torch.manual_seed(0)
@@ -129,7 +118,7 @@ def build_seeds() -> list[Seed]:
         eager = copy.deepcopy(module)  # lowering must not see state the eager run changed
         lowered = lower(module, inputs, dynamic_shapes=dynamic)
         assert lowered.summary == (1, []), (name, lowered.summary)
-        payload, named = _delegate(lowered.edge)
+        payload, named = delegate_payload(lowered.edge)
         with torch.no_grad():
             out = eager(*inputs)
         expected = list(out) if isinstance(out, (tuple, list)) else [out]

@@ -243,3 +243,15 @@ def run_in_subprocess(programs: dict[Any, tuple[bytes, Sequence[torch.Tensor]]],
     assert done.returncode == 0, done.stderr[-3000:]
     result = torch.load(out)
     return {**result, "outputs": dict(zip(programs, result["outputs"]))}
+
+
+def delegate_payload(edge: Any) -> tuple[bytes, dict[str, bytes]]:
+    """The IR payload and named data (name -> bytes) of the program's only mlx_delegate segment,
+    as `_runtime.run_payload` takes them; constants spilled to files while lowering are read back."""
+    gm = edge.exported_program().graph_module
+    (mod,) = [m for _, m in gm.named_children() if hasattr(m, "processed_bytes")]
+    store = mod.named_data_store_output
+    if store is None:
+        return mod.processed_bytes, {}
+    data = (store.buffers[e.buffer_index] for e in store.pte_data.values())
+    return mod.processed_bytes, {k: b if isinstance(b, bytes) else b.to_bytes() for k, b in zip(store.pte_data, data)}

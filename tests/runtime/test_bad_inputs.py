@@ -9,7 +9,7 @@ from torch.export import Dim
 import mlx_delegate
 from mlx_delegate import _runtime
 from mlx_delegate.backend.preprocess import MLXDelegateBackend
-from mlx_delegate.testing import assert_close, lower
+from mlx_delegate.testing import assert_close, delegate_payload, lower
 
 
 class Small(torch.nn.Module):
@@ -117,18 +117,12 @@ def test_run_payload_rejects_bad_inputs(lowered, bad):
 _IR = {torch.float32: "f32", torch.float16: "f16"}
 
 
-def _delegate(lowered):
-    edge_ep = lowered.edge.exported_program()
-    return next(m for _, m in edge_ep.graph_module.named_children() if hasattr(m, "processed_bytes"))
-
-
 def _payload(lowered) -> bytes:
-    return _delegate(lowered).processed_bytes
+    return delegate_payload(lowered.edge)[0]
 
 
 def _named_data(lowered) -> dict[str, bytes]:
-    store = _delegate(lowered).named_data_store_output
-    return {k: bytes(store.buffers[e.buffer_index]) for k, e in store.pte_data.items()} if store else {}
+    return delegate_payload(lowered.edge)[1]
 
 
 def test_check_payload_accepts_real_payload(lowered):

@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from mlx_delegate.testing import lower
+from mlx_delegate.testing import delegate_payload, lower
 
 
 class Block(torch.nn.Module):
@@ -69,21 +69,63 @@ def test_load_and_run_without_the_gil_from_four_threads():
 
     m = Block()
     lowered = lower(m, (torch.randn(4, 16),))
-    gm = lowered.edge.exported_program().graph_module
-    (mod,) = [c for _, c in gm.named_children() if hasattr(c, "processed_bytes")]
-    store = mod.named_data_store_output
-    named = {k: bytes(store.buffers[e.buffer_index]) for k, e in store.pte_data.items()}
+    payload, named = delegate_payload(lowered.edge)
     xs = _inputs()
     args = [[("f32", [4, 16], x.numpy().tobytes())] for x in xs]
-    expected = [_runtime.run_payload(mod.processed_bytes, named, a)[0][2] for a in args]
+    expected = [_runtime.run_payload(payload, named, a)[0][2] for a in args]
 
     def work(t):
         for i in range(RUNS // 5):
             k = (i + t) % len(xs)
-            assert _runtime.run_payload(mod.processed_bytes, named, args[k])[0][2] == expected[k]
+            assert _runtime.run_payload(payload, named, args[k])[0][2] == expected[k]
         return True
 
     with ThreadPoolExecutor(4) as pool:
         assert all(pool.map(work, range(4)))
     out = torch.frombuffer(bytearray(expected[0]), dtype=torch.float32).reshape(4, 16)
     torch.testing.assert_close(out, m(xs[0]), rtol=1e-5, atol=1e-5)
+
+
+class KernelBlock(torch.nn.Module):
+    """Big enough for the CPU kernels to split work across the helper pool: an fp32 GEMV
+    (one row, 512 x 1024 weights), SiLU, softmax and LayerNorm over 32K elements."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(512, 1024)
+        self.norm = torch.nn.LayerNorm(512)
+
+    def forward(self, x, rows):
+        y = torch.nn.functional.silu(self.proj(x))  # [1, 1024]
+        return torch.softmax(rows * y[:, :512], dim=-1) + self.norm(rows)  # [64, 512]
+
+
+def test_cpu_kernel_pool_from_four_threads_without_the_gil():
+    """Four threads run programs whose CPU kernels use the shared helper pool at the same time
+    (a busy pool runs a call on its own thread): results equal a single-threaded run and eager."""
+    from mlx_delegate import _runtime
+
+    m = KernelBlock().eval()
+    x, rows = torch.randn(1, 512), torch.randn(64, 512)
+    lowered = lower(m, (x, rows))
+    payload, named = delegate_payload(lowered.edge)
+    g = torch.Generator().manual_seed(2)
+    cases = [[("f32", [1, 512], torch.randn(1, 512, generator=g).numpy().tobytes()),
+              ("f32", [64, 512], torch.randn(64, 512, generator=g).numpy().tobytes())] for _ in range(4)]
+    before = _runtime.cpu_kernel_call_counts()
+    expected = [_runtime.run_payload(payload, named, a)[0][2] for a in cases]
+    ran = {k: v - before.get(k, 0) for k, v in _runtime.cpu_kernel_call_counts().items()}
+    assert {"gemv_f32", "silu", "softmax", "layer_norm"} <= {k for k, v in ran.items() if v}
+
+    def work(t):
+        for i in range(RUNS // 5):
+            k = (i + t) % len(cases)
+            assert _runtime.run_payload(payload, named, cases[k])[0][2] == expected[k]
+        return True
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(work, range(4)))
+    x0 = torch.frombuffer(bytearray(cases[0][0][2]), dtype=torch.float32).reshape(1, 512)
+    r0 = torch.frombuffer(bytearray(cases[0][1][2]), dtype=torch.float32).reshape(64, 512)
+    out = torch.frombuffer(bytearray(expected[0]), dtype=torch.float32).reshape(64, 512)
+    torch.testing.assert_close(out, m(x0, r0), rtol=1e-5, atol=1e-5)
