@@ -99,8 +99,7 @@ TINY = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key
 MODELS = {
     "smollm2": ModelSpec("SmolLM2-135M", smollm2, interleave=True),
     "1.2b": ModelSpec("Llama-1.2B (random)", lambda n: random_llama(n, **LLAMA_1B),
-                      interleave=frozenset({"eager torch", "mlx_delegate"}),
-                      quantized=False),
+                      interleave=frozenset({"eager torch", "mlx_delegate"})),
     "tiny": ModelSpec("tiny Llama (random)", lambda n: random_llama(n, **TINY), interleave=True),
 }
 
