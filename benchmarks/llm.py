@@ -36,7 +36,6 @@ import argparse
 import atexit
 import copy
 import gc
-import inspect
 import json
 import os
 import shutil
@@ -348,7 +347,6 @@ class Job:
 
 def jobs_for(model: Model, dtypes: Sequence[str], quantized: Sequence[str], engines: Sequence[str]) -> Iterator[tuple[str, Callable[[], Model], list[Job]]]:
     """(dtype label, model in that dtype, engine jobs) per dtype; quantized rows after fp32."""
-    quantize_ok = "quantize" in inspect.signature(llm_export.to_pte).parameters
     for label in dtypes:
         def typed(label: str = label) -> Model:
             return model if label == "fp32" else copy.deepcopy(model).to_dtype(DTYPES[label])
@@ -365,7 +363,7 @@ def jobs_for(model: Model, dtypes: Sequence[str], quantized: Sequence[str], engi
             return [j for j in out if ENGINE_KEYS[j.engine] in engines]
 
         yield label, typed, jobs
-        if label == "fp32" and quantize_ok:
+        if label == "fp32":
             for q in quantized:
                 def quantized_jobs(m: Model, q: str = q) -> list[Job]:
                     return [Job("mlx_delegate", q, lambda: MethodRunner(SharedPte(m, q).take()), "compiled graphs",
