@@ -7,11 +7,7 @@ subprocess; the call counters prove which path ran."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +16,7 @@ from torch.export import Dim
 
 from mlx_delegate import _blas, _runtime
 from mlx_delegate.llm import export as llm_export
-from mlx_delegate.testing import TOLERANCE, assert_close, delegate_summary, lower
+from mlx_delegate.testing import TOLERANCE, assert_close, delegate_summary, lower, run_in_subprocess
 
 K = 200  # 3 * 64 + 8: the AVX-512 loop's 64-wide steps and a masked tail
 INNER = 104  # 64 + 32 + 8: every step of that loop
@@ -101,17 +97,6 @@ def expected_calls(rows: int, blas: bool) -> tuple[int, int]:
     return PRODUCTS - FIXED_ROWS, FIXED_ROWS
 
 
-# Runs saved programs on saved inputs; saves the outputs and the kernel's call counts.
-RUN_SAVED = """
-import sys, torch
-from executorch.runtime import Runtime
-from mlx_delegate import _blas, _runtime
-saved, out = sys.argv[1:]
-outputs = [[Runtime.get().load_program(buffer).load_method("forward").execute([x]) for x in inputs]
-           for buffer, inputs in torch.load(saved)]
-torch.save({"outputs": outputs, "counts": _runtime.cpu_kernel_call_counts(), "blas": _blas.lowp_gemm_ready()}, out)
-"""
-
 # The other paths, each in its own process (the switches are read once).
 PATHS = {
     "mlx": {"MLX_DELEGATE_CPU_KERNELS": "0"},
@@ -121,22 +106,11 @@ PATHS = {
 }
 
 
-def run_in_subprocess(cases: dict[torch.dtype, Case], tmp_path: Path, name: str) -> dict:
-    saved, out = tmp_path / "cases.pt", tmp_path / f"out-{name}.pt"
-    if not saved.exists():
-        torch.save([(c.buffer, c.inputs) for c in cases.values()], saved)
-    env = {**os.environ, **PATHS[name]}
-    done = subprocess.run([sys.executable, "-c", RUN_SAVED, str(saved), str(out)], env=env,
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = torch.load(out)
-    return {**result, "outputs": dict(zip(cases, result["outputs"]))}
-
-
 @pytest.fixture(scope="module")
 def other_paths(cases, tmp_path_factory) -> dict[str, dict]:
     tmp_path = tmp_path_factory.mktemp("lowp_matmul")
-    return {name: run_in_subprocess(cases, tmp_path, name) for name in PATHS}
+    programs = {dtype: (c.buffer, c.inputs) for dtype, c in cases.items()}
+    return {name: run_in_subprocess(programs, env, tmp_path) for name, env in PATHS.items()}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
