@@ -15,6 +15,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include <executorch/runtime/core/evalue.h>
 #include <executorch/runtime/core/span.h>
@@ -36,6 +37,20 @@ struct CompileStats {
 };
 CompileStats compile_stats();
 void reset_compile_stats();
+
+// Per-node profiling (MLX_DELEGATE_PROFILE=1 at start-up, or set_profile):
+// calls run node by node and each node's results are evaluated on their own,
+// so the time it took is known. Slower than a normal call by design; the
+// report groups nodes by kind, dtype and output shape.
+bool profile_enabled();
+void set_profile_enabled(bool on);
+struct ProfileEntry {
+  std::string key;  // "Linear f32 [1,1,576]"
+  uint64_t calls = 0;
+  double seconds = 0;
+};
+std::vector<ProfileEntry> profile_report();  // slowest first
+void reset_profile();
 
 class Handle {
  public:
@@ -72,6 +87,7 @@ class Handle {
   std::vector<mx::array> trace(const std::vector<mx::array>& in, Graph& graph);
   void exec_node(size_t i, ExecContext& ctx) const;
   void run_nodes();
+  void run_nodes_profiled();
   void write_outputs(executorch::runtime::Span<executorch::runtime::EValue*> args);
   void finish(executorch::runtime::Span<executorch::runtime::EValue*> args, std::vector<mx::array> results,
               std::vector<mx::array> updates, const std::vector<int64_t>& value_outputs);

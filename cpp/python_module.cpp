@@ -235,6 +235,15 @@ NB_MODULE(_runtime, m) {
                                            {"traces", s.traces}, {"rejected", s.rejected}};
   }, "Process-wide counters: calls served by compiled graphs or node by node, graphs traced, methods rejected.");
   m.def("reset_compile_stats", &reset_compile_stats);
+  m.def("set_profile", &set_profile_enabled, nb::arg("on"),
+        "Per-node profiling: calls run node by node, each node evaluated and timed on its own.");
+  m.def("profile_enabled", &profile_enabled);
+  m.def("profile_report", [] {
+    nb::list out;
+    for (const auto& e : profile_report()) out.append(nb::make_tuple(e.key, e.calls, e.seconds));
+    return out;
+  }, "(node kind, dtype and shape, calls, seconds) rows, slowest first.");
+  m.def("reset_profile", &reset_profile);
   m.def("cpu_kernel_calls", &mlxd::rt::qgemv_cpu_calls,
         "How many times the CPU quantized GEMV kernel has run (MLX_DELEGATE_CPU_KERNELS=0 turns it off).");
   m.def("cpu_kernel_call_counts", &mlxd::rt::cpu_kernel_call_counts,

@@ -55,6 +55,7 @@ struct ExecContext {
   std::vector<Value> values;
   mx::StreamOrDevice stream = {};
   std::vector<IndexGuard>* guards = nullptr;  // set while tracing: guards to check on each replay
+  std::vector<mx::array>* produced = nullptr;  // set while profiling: the arrays this node wrote
 
   // See IndexGuard: checks now when the tensor's value is on the host, records the guard while tracing.
   void guard_index(const mlxd::Tid* tid, int64_t lo, int64_t hi, std::string what);
@@ -71,6 +72,7 @@ struct ExecContext {
   void set(const mlxd::Tid* tid, mx::array value) {
     if (tid == nullptr) throw NodeError("missing output tensor field");
     check_tensor_size(value);
+    if (produced) produced->push_back(value);
     tensors[tid->idx()] = std::move(value);
   }
 
