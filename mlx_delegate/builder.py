@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch.export import ExportedProgram
@@ -33,8 +33,16 @@ Tid, Vid = N.Tid, N.Vid
 
 @dataclass
 class ConstantData:
+    """One constant for the named data store. A derived constant (a fused
+    weight) has no tensor until `materialize` runs its producer: the caller
+    writes it out and drops it, so derived constants never pile up in memory."""
+
     key: str
-    tensor: torch.Tensor
+    tensor: torch.Tensor | None = None
+    producer: Callable[[], torch.Tensor] | None = None
+
+    def materialize(self) -> torch.Tensor:
+        return self.tensor if self.tensor is not None else self.producer()
 
 
 @dataclass
@@ -50,7 +58,17 @@ def constant_key(t: torch.Tensor) -> str:
     """Content-addressed key: identical tensors (tied or shared across methods) are stored once."""
     data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
     digest = hashlib.sha256(data.data).hexdigest()[:32]
-    return f"mlxd.{str(t.dtype).removeprefix('torch.')}.{'x'.join(map(str, t.shape))}.{digest}"
+    return _key(t.dtype, t.shape, digest)
+
+
+def _key(dtype: torch.dtype, shape: Sequence[int], digest: str) -> str:
+    return f"mlxd.{str(dtype).removeprefix('torch.')}.{'x'.join(map(str, shape))}.{digest}"
+
+
+def derived_key(recipe: str, dtype: torch.dtype, shape: Sequence[int]) -> str:
+    """Key of a constant computed from others, named by its recipe (an op and
+    its parts' keys) instead of its content, so it is known without computing it."""
+    return _key(dtype, shape, hashlib.sha256(recipe.encode()).hexdigest()[:32])
 
 
 class ProgramBuilder:
@@ -67,6 +85,12 @@ class ProgramBuilder:
         self._slots: dict[torch.fx.Node, Any] = {}  # node -> Tid | list[Tid]
         self._values: dict[torch.fx.Node, int] = {}
         self.current: torch.fx.Node | None = None
+        self._constant_values: dict[torch.fx.Node, torch.Tensor] = {}
+        self._pending: dict[torch.fx.Node, str] = {}  # constants not read yet -> their names
+        self._keys: dict[torch.fx.Node, str] = {}
+        self.pinned: set[torch.fx.Node] = set()  # slots that live for the whole call
+        self.constant_data: list[ConstantData] = []
+        self.constants: list[Any] = []  # N.Constant
 
     # ------------------------------------------------------------ handler API
     def unsupported(self, reason: str) -> Unsupported:
@@ -120,6 +144,8 @@ class ProgramBuilder:
         if isinstance(x, torch.fx.Node):
             if x in self._slots and not isinstance(self._slots[x], list):
                 return self._slots[x]
+            if x in self._pending:
+                return self._register_constant(x)
             v = self.meta(x)
             if not isinstance(v, torch.Tensor):
                 raise self.unsupported(f"argument {x.name} is not a tensor")
@@ -202,7 +228,62 @@ class ProgramBuilder:
             return self.cast(self.tensor(x), self.dtype_of(x), dtype)
         return self.full(x, dtype)
 
+    def concat_constant(self, parts: Sequence[torch.fx.Node | int], dtype: torch.dtype) -> Any:
+        """A constant slot holding constant placeholders `parts` concatenated on axis 0,
+        an int part standing for that many rows of zeros. Its data is produced only
+        when written out; the parts themselves are not stored unless read elsewhere."""
+        tensors = [p for p in parts if not isinstance(p, int)]
+        if self.check_only:
+            return self._alloc()
+        missing = [p.name for p in tensors if p not in self._constant_values]
+        if missing:
+            raise LoweringError(f"concat_constant: {missing} are not constants")
+        trailing = list(self._constant_value(tensors[0]).shape[1:]) if tensors else None
+        if trailing is None or any(list(self._constant_value(p).shape[1:]) != trailing for p in tensors):
+            raise LoweringError(f"concat_constant: parts {[p.name for p in tensors]} do not stack on axis 0")
+        rows = [p if isinstance(p, int) else int(self._constant_value(p).shape[0]) for p in parts]
+        shape = [sum(rows), *trailing]
+        recipe = "concat0:" + ",".join(f"zeros{p}" if isinstance(p, int) else self._key_of(p) for p in parts)
+        key = derived_key(recipe, dtype, shape)
+
+        def produce() -> torch.Tensor:
+            return torch.cat([torch.zeros([p, *trailing], dtype=dtype) if isinstance(p, int)
+                              else self._constant_value(p).to(dtype) for p in parts])
+
+        name = "+".join(p.name if not isinstance(p, int) else f"zeros{p}" for p in parts)
+        return self._add_constant(key, name, dtype, shape, ConstantData(key, producer=produce))
+
     # -------------------------------------------------------------- internals
+    def add_constant_placeholder(self, n: torch.fx.Node, name: str, t: torch.Tensor) -> None:
+        """Declare constant placeholder `n`; it is stored on its first read only."""
+        self._constant_values[n] = t
+        self._pending[n] = name
+
+    def _constant_value(self, n: torch.fx.Node) -> torch.Tensor:
+        return self._constant_values[n]
+
+    def _key_of(self, n: torch.fx.Node) -> str:
+        if n not in self._keys:
+            self._keys[n] = constant_key(self._constant_values[n])
+        return self._keys[n]
+
+    def _register_constant(self, n: torch.fx.Node) -> Any:
+        t = self._constant_values[n]
+        tid = self._add_constant(self._key_of(n), self._pending.pop(n), t.dtype, list(t.shape),
+                                 ConstantData(self._key_of(n), t))
+        self.pinned.add(n)
+        return self._bind(n, tid)
+
+    def _add_constant(self, key: str, name: str, dtype: torch.dtype, shape: list[int], data: ConstantData) -> Any:
+        ir_dtype = self.ir_dtype(dtype)
+        # A fresh slot, never a recycled one: constants are set before the call
+        # starts, so their slot must hold nothing else at any point of it.
+        tid = Tid(idx=self.num_tensors)
+        self.num_tensors += 1
+        self.constant_data.append(data)
+        self.constants.append(N.Constant(tid=tid, key=key, dtype=ir_dtype, shape=shape, name=name))
+        return tid
+
     def _alloc(self) -> Any:
         if self._free and self.recycle:
             return Tid(idx=self._free.pop())
@@ -214,6 +295,8 @@ class ProgramBuilder:
         return tid
 
     def release(self, n: torch.fx.Node) -> None:
+        if n in self.pinned:
+            return
         slot = self._slots.pop(n, None)
         for t in slot if isinstance(slot, list) else [slot] if slot is not None else []:
             if t is not None:
@@ -295,9 +378,8 @@ def build_program(ep: ExportedProgram, method: str = "", keep_intermediates: boo
     sig = ep.graph_signature
     state = {**ep.state_dict, **ep.constants}
     mutated = {spec.target: spec.arg.name for spec in sig.output_specs if spec.kind == OutputKind.BUFFER_MUTATION}
-    inputs, constants, buffers = [], [], []
+    inputs, buffers = [], []
     built = BuiltProgram(program=None)
-    keep: set[torch.fx.Node] = set()
     placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
     for spec, n in zip(sig.input_specs, placeholders):
         if spec.kind == InputKind.USER_INPUT:
@@ -312,19 +394,18 @@ def build_program(ep: ExportedProgram, method: str = "", keep_intermediates: boo
         b.current = n
         dtype = b.ir_dtype(t.dtype)
         b.current = None
-        tid = b._bind(n, b._alloc())
-        keep.add(n)
-        key = constant_key(t)
-        built.constants.append(ConstantData(key, t))
-        common = dict(tid=tid, key=key, dtype=dtype, shape=list(t.shape), name=spec.target)
         if spec.kind == InputKind.BUFFER and spec.target in mutated:
-            buffers.append(N.MutableBuffer(**common))
-        else:
-            constants.append(N.Constant(**common))
+            tid = b._bind(n, b._alloc())
+            b.pinned.add(n)
+            key = constant_key(t)
+            b.constant_data.append(ConstantData(key, t))
+            buffers.append(N.MutableBuffer(tid=tid, key=key, dtype=dtype, shape=list(t.shape), name=spec.target))
+        else:  # stored when a node reads it: one that only a fused op consumed is not
+            b.add_constant_placeholder(n, spec.target, t)
 
     dead_after = _last_uses(ep.graph)
     output_node = next(n for n in ep.graph.nodes if n.op == "output")
-    keep.update(a for a in output_node.all_input_nodes)
+    keep = set(output_node.all_input_nodes)
     for n in ep.graph.nodes:
         if n.op != "call_function":
             continue
@@ -351,7 +432,8 @@ def build_program(ep: ExportedProgram, method: str = "", keep_intermediates: boo
             raise LoweringError(f"output {i} is a constant ({a!r}); only tensors and ints can be returned")
     built.program = N.Program(
         version=N.VERSION, method=method, num_tensors=b.num_tensors, num_values=b.num_values,
-        inputs=inputs, outputs=outputs, constants=constants, buffers=buffers, instructions=b.instructions,
+        inputs=inputs, outputs=outputs, constants=b.constants, buffers=buffers, instructions=b.instructions,
         keep_intermediates=keep_intermediates)
+    built.constants = b.constant_data
     return built
 

@@ -103,3 +103,15 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
 @rms_norm.register_fake
 def _(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("mlx_delegate::linear_group", mutates_args=())
+def linear_group(x: Tensor, weights: list[Tensor], biases: list[Tensor | None]) -> list[Tensor]:
+    """[linear(x, w, b) for w, b in zip(weights, biases)]: the linears reading one input
+    (q/k/v, gate/up), which the delegate computes as one product over the stacked weights."""
+    return [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]
+
+
+@linear_group.register_fake
+def _(x: Tensor, weights: list[Tensor], biases: list[Tensor | None]) -> list[Tensor]:
+    return [x.new_empty([*x.shape[:-1], w.shape[0]]) for w in weights]

@@ -55,9 +55,9 @@ class MLXDelegateBackend(BackendDetails):
         store = NamedDataStore()
         seen: set[str] = set()
         for c in built.constants:
-            if c.key not in seen:
+            if c.key not in seen:  # derived ones (fused weights) are computed here, one at a time
                 seen.add(c.key)
-                store.add_named_data(c.key, _named_data(c.tensor), alignment=CONSTANT_ALIGNMENT)
+                store.add_named_data(c.key, _named_data(c.materialize()), alignment=CONSTANT_ALIGNMENT)
         return PreprocessResult(processed_bytes=built.serialize(),
                                 data_store_output=store.get_named_data_store_output())
 

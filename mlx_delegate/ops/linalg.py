@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .. import custom_ops  # noqa: F401  (defines mlx_delegate::linear_group)
 from ..builder import ProgramBuilder
 from ..ir import nodes as N
 from ..registry import register
@@ -49,6 +50,32 @@ def linear(b: ProgramBuilder, n: torch.fx.Node) -> None:
     dtype = float_dtype(b, n)
     b.emit(N.LinearNode(x=b.operand(x, dtype), weight=b.operand(w, dtype),
                         bias=None if bias is None else b.operand(bias, dtype), out=b.out(n)))
+
+
+@register(torch.ops.mlx_delegate.linear_group.default)
+def linear_group(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    """Linears sharing input x (patterns/linear_group.py): one product over the weights
+    stacked on the output axis (a derived constant), each result a slice of it."""
+    x, weights, biases = n.args
+    shapes = [b.shape_of(w) for w in weights]
+    if any(len(s) != 2 or not isinstance(s[0], int) for s in shapes) or len({s[1] for s in shapes}) != 1:
+        raise b.unsupported("linear_group needs 2-D weights of static output size and one input size")
+    dtype = b.dtype_of(weights[0])
+    if any(b.dtype_of(t) != dtype for t in [*weights, *filter(None, biases)]):
+        raise b.unsupported("linear_group weights and biases must share a dtype")
+    float_dtype(b, weights[0])
+    sizes = [s[0] for s in shapes]
+    bias = None
+    if any(t is not None for t in biases):  # a linear without one adds zeros
+        bias = b.concat_constant([t if t is not None else size for t, size in zip(biases, sizes)], dtype)
+    full = b.temp()
+    b.emit(N.LinearNode(x=b.operand(x, dtype), weight=b.concat_constant(weights, dtype), bias=bias, out=full))
+    axis = len(b.shape_of(x)) - 1
+    start = 0
+    for out, size in zip(b.outs(n, len(weights)), sizes):
+        b.emit(N.SliceNode(x=full, axis=axis, start=b.int_or_vid(start), stop=b.int_or_vid(start + size), step=1,
+                           out=out))
+        start += size
 
 
 @register(*PRODUCTS)
