@@ -4,7 +4,9 @@
 #include <mlx/fast.h>
 
 #include "../ops_common.h"
+#include "kernels/attention_cpu.h"
 #include "kernels/cpu_parallel.h"
+#include "kernels/rope_cpu.h"
 #include "kernels/rows_cpu.h"
 
 namespace mlxd::rt {
@@ -67,9 +69,12 @@ void exec_SdpaNode(const mlxd::SdpaNode& n, ExecContext& ctx) {
   std::optional<mx::array> mask;
   if (const auto* m = ctx.maybe_in(n.mask())) {
     mask = m->dtype() == mx::bool_ || m->dtype() == q.dtype() ? *m : mx::astype(*m, q.dtype());
-  } else if (n.causal() && L != S) {
-    mask = top_left_causal(L, S);
   }
+  if (fused_sdpa_cpu_applies(q, k, v, mask)) {  // few query rows (decode): one fused kernel
+    ctx.set(n.out(), fused_sdpa_cpu(q, k, v, n.scale(), mask, n.causal()));
+    return;
+  }
+  if (!mask && n.causal() && L != S) mask = top_left_causal(L, S);
   mx::array out = mx::array(0.f);
   if (composed_cpu_sdpa(q) && L > 0 && S > 0) {
     if (n.causal() && !mask) mask = top_left_causal(L, S);
@@ -82,10 +87,31 @@ void exec_SdpaNode(const mlxd::SdpaNode& n, ExecContext& ctx) {
   ctx.set(n.out(), out);
 }
 
+namespace {
+
+// The CPU kernel (kernels/rope_cpu.h) for a RopeNode: one graph node instead
+// of MLX's composed fallback; the frequencies go in as given (no reciprocal).
+mx::array rope_cpu_node(const mlxd::RopeNode& n, const mx::array& x, const mx::array* inv_freq, ExecContext& ctx) {
+  std::optional<mx::array> freqs;
+  if (inv_freq) freqs = *inv_freq;
+  if (const auto* at = ctx.maybe_in(n.offset_tensor())) {
+    if (at->size() != 1 || !mx::issubdtype(at->dtype(), mx::integer))
+      throw NodeError("rope offset must be a one-element integer tensor");
+    return rope_cpu(x, n.dims(), n.traditional(), n.base(), n.scale(), *at, freqs);
+  }
+  return rope_cpu(x, n.dims(), n.traditional(), n.base(), n.scale(), static_cast<int>(ctx.resolve(n.offset())), freqs);
+}
+
+}  // namespace
+
 void exec_RopeNode(const mlxd::RopeNode& n, ExecContext& ctx) {
   auto x = ctx.in(n.x());
   if (x.ndim() < 2) throw NodeError("rope needs [..., L, D]");
   if (n.dims() <= 0 || n.dims() > x.shape(-1) || n.dims() % 2) throw NodeError("bad rope dims");
+  if (const auto* inv_freq = ctx.maybe_in(n.inv_freq()); rope_cpu_applies(x, inv_freq)) {
+    ctx.set(n.out(), rope_cpu_node(n, x, inv_freq, ctx));
+    return;
+  }
   std::optional<float> base = n.base();
   std::optional<mx::array> periods;  // MLX takes 1 / inv_freq
   if (const auto* inv_freq = ctx.maybe_in(n.inv_freq())) {
