@@ -4,6 +4,7 @@
 #include <mlx/fast.h>
 
 #include "../ops_common.h"
+#include "kernels/attention_cpu.h"
 #include "kernels/cpu_parallel.h"
 #include "kernels/rope_cpu.h"
 #include "kernels/rows_cpu.h"
@@ -68,9 +69,12 @@ void exec_SdpaNode(const mlxd::SdpaNode& n, ExecContext& ctx) {
   std::optional<mx::array> mask;
   if (const auto* m = ctx.maybe_in(n.mask())) {
     mask = m->dtype() == mx::bool_ || m->dtype() == q.dtype() ? *m : mx::astype(*m, q.dtype());
-  } else if (n.causal() && L != S) {
-    mask = top_left_causal(L, S);
   }
+  if (fused_sdpa_cpu_applies(q, k, v, mask)) {  // few query rows (decode): one fused kernel
+    ctx.set(n.out(), fused_sdpa_cpu(q, k, v, n.scale(), mask, n.causal()));
+    return;
+  }
+  if (!mask && n.causal() && L != S) mask = top_left_causal(L, S);
   mx::array out = mx::array(0.f);
   if (composed_cpu_sdpa(q) && L > 0 && S > 0) {
     if (n.causal() && !mask) mask = top_left_causal(L, S);

@@ -1,10 +1,11 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from executorch.runtime import Runtime
 from torch.export import Dim
 
 import mlx_delegate
-from mlx_delegate.testing import FLOATS, cases, lower_and_compare
+from mlx_delegate.testing import FLOATS, TOLERANCE, assert_close, cases, lower_and_compare
 
 F32 = (torch.float32,)
 
@@ -83,9 +84,11 @@ def test_sdpa(case):
 
 
 @pytest.mark.parametrize("kernels", [True, False], ids=["cpu_kernels", "mlx"])
-def test_sdpa_cpu_path(kernels):
-    """float32 attention on the CPU is composed around the two-core softmax kernel (with the
-    kernels on); both paths match eager torch (GQA, causal with L < S, a fully masked row)."""
+def test_sdpa_cpu_path(kernels, monkeypatch):
+    """float32 attention with many query rows on the CPU is composed around the two-core softmax
+    kernel (with the kernels on; the fused decode kernel is switched off here so these small cases
+    take that path); both paths match eager torch (GQA, causal with L < S, a fully masked row)."""
+    monkeypatch.setenv("MLX_DELEGATE_SDPA_FUSED_MAX_L", "0")
     runtime = mlx_delegate._runtime
     was = runtime.cpu_kernels_enabled()
     runtime.set_cpu_kernels(kernels)
@@ -100,3 +103,124 @@ def test_sdpa_cpu_path(kernels):
     finally:
         runtime.set_cpu_kernels(was)
     assert (ran >= 3) if kernels else (ran == 0)
+
+
+# The fused decode kernel (cpp/kernels/attention_cpu): few query rows (L <= 16).
+def position_mask(lq, lk, position):
+    """The Llama model's mask over a fixed-size cache: query i sees keys 0 .. position + i."""
+    return lambda: torch.arange(lk)[None, :] <= (position + torch.arange(lq))[:, None]
+
+
+def cache_slice(lq, lk, size, e=64):
+    """k and v as slices of bigger caches (strided views inside the graph)."""
+    def fn(q, k_cache, v_cache, mask):
+        return F.scaled_dot_product_attention(q, k_cache[:, :, :lk], v_cache[:, :, 1:lk + 1], attn_mask=mask,
+                                              enable_gqa=True)
+    make = lambda: (torch.randn(1, 9, lq, e), torch.randn(1, 3, size, e), torch.randn(1, 3, size, e),
+                    position_mask(lq, lk, lk // 2)())
+    return fn, make
+
+
+def transposed_kv(q, k_t, v):
+    """k arrives as [B, H, D, S]: its last axis is strided."""
+    return F.scaled_dot_product_attention(q, k_t.transpose(-1, -2), v)
+
+
+def heads_last(q, k, v, mask):
+    """q, k and v as [B, L, H, D] (a projection's layout), attended as [B, H, L, D] views."""
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          attn_mask=mask, enable_gqa=True).transpose(1, 2)
+
+
+SLICED, SLICED_INPUTS = cache_slice(lq=1, lk=200, size=256)
+FUSED = [
+    *cases("fused_l1_s1", sdpa(), qkv(hq=4, hk=4, lq=1, lk=1, e=64), FLOATS),
+    *cases("fused_l1_s7_gqa_d40_bool", sdpa(enable_gqa=True),
+           with_mask(qkv(hq=6, hk=2, lq=1, lk=7, e=40), bool_mask(1, 7)), FLOATS),
+    *cases("fused_l1_s256_smollm2", sdpa(enable_gqa=True),
+           with_mask(qkv(hq=9, hk=3, lq=1, lk=256, e=64), position_mask(1, 256, 100)), FLOATS),
+    *cases("fused_l2_s256_gqa", sdpa(enable_gqa=True),
+           with_mask(qkv(hq=9, hk=3, lq=2, lk=256, e=64), position_mask(2, 256, 37)), FLOATS),
+    *cases("fused_l5_s7_float_mask", sdpa(), with_mask(qkv(b=2, hq=3, hk=3, lq=5, lk=7, e=40),
+                                                       float_mask((2, 1, 5, 7))), FLOATS),
+    *cases("fused_float_mask_per_head", sdpa(enable_gqa=True),
+           with_mask(qkv(hq=4, hk=2, lq=3, lk=5), float_mask((1, 4, 3, 5))), (torch.float32,)),
+    *cases("fused_float_mask_empty_row", sdpa(), with_mask(qkv(lq=4, lk=6, e=40), float_mask((4, 6), empty_row=1)),
+           FLOATS),
+    *cases("fused_bool_mask_empty_row", sdpa(enable_gqa=True),
+           with_mask(qkv(hq=6, hk=3, lq=4, lk=7), bool_mask(4, 7, empty_row=2)), FLOATS),
+    *cases("fused_bool_mask_per_column", sdpa(), with_mask(qkv(lq=3, lk=6), lambda: torch.rand(1, 6) > 0.4),
+           (torch.float32,)),
+    *cases("fused_causal_short_q", sdpa(is_causal=True), qkv(hq=4, hk=4, lq=3, lk=7), FLOATS),
+    *cases("fused_causal_square_gqa", sdpa(is_causal=True, enable_gqa=True), qkv(hq=6, hk=2, lq=4, lk=4),
+           (torch.float32,)),
+    *cases("fused_value_dim", sdpa(scale=0.3), qkv(lq=2, lk=7, e=40, ev=24), (torch.float32,)),
+    *cases("fused_cache_slices", SLICED, SLICED_INPUTS, FLOATS),
+    *cases("fused_transposed_k", transposed_kv,
+           lambda: (torch.randn(1, 4, 2, 40), torch.randn(1, 4, 40, 9), torch.randn(1, 4, 9, 40)), FLOATS),
+    *cases("fused_heads_last", heads_last,
+           lambda: (torch.randn(1, 3, 6, 64), torch.randn(1, 9, 2, 64), torch.randn(1, 9, 2, 64),
+                    position_mask(3, 9, 4)()), (torch.float32,)),
+    *cases("fused_l16", sdpa(enable_gqa=True),
+           with_mask(qkv(hq=9, hk=3, lq=16, lk=64, e=64), position_mask(16, 64, 20)), (torch.float32,)),
+]
+
+
+def run_fresh(buffer: bytes, inputs: tuple, kernels: bool, calls: int = 1) -> list:
+    """The program loaded anew (its own compiled graphs) and run `calls` times with the CPU
+    kernels on or off; the last call's outputs."""
+    runtime = mlx_delegate._runtime
+    was = runtime.cpu_kernels_enabled()
+    runtime.set_cpu_kernels(kernels)
+    try:
+        program = Runtime.get().load_program(buffer)
+        method = program.load_method("forward")
+        for _ in range(calls):
+            out = method.execute(list(inputs))
+        return out
+    finally:
+        runtime.set_cpu_kernels(was)
+
+
+def fused_calls() -> int:
+    return mlx_delegate._runtime.cpu_kernel_call_counts().get("sdpa", 0)
+
+
+@pytest.mark.parametrize("case", FUSED, ids=str)
+def test_sdpa_fused_cpu(case):
+    """Few query rows: the fused kernel serves the op, matching eager torch and the kernels-off
+    (MLX) path."""
+    before = fused_calls()
+    lowered = lower_and_compare(case)
+    assert fused_calls() > before
+    inputs = case.inputs()
+    rtol, atol = TOLERANCE[case.dtype]
+    assert_close(run_fresh(lowered.buffer, inputs, kernels=False),
+                 run_fresh(lowered.buffer, inputs, kernels=True), rtol, atol)
+
+
+@pytest.mark.parametrize("case", [c for c in FUSED if c.name in (
+    "fused_l2_s256_gqa-float32", "fused_l2_s256_gqa-bfloat16", "fused_cache_slices-float32",
+    "fused_bool_mask_empty_row-float16", "fused_causal_short_q-float32")], ids=str)
+def test_sdpa_fused_cpu_compiled(case, compile_on):
+    """Inside a compiled graph (traced on the second call, replayed after): same results."""
+    inputs = case.inputs()
+    with torch.no_grad():
+        expected = case.module().eval()(*inputs)
+    lowered = lower_and_compare(case)
+    before, compiled_before = fused_calls(), mlx_delegate._runtime.compile_stats()["compiled_calls"]
+    actual = run_fresh(lowered.buffer, inputs, kernels=True, calls=4)
+    assert fused_calls() - before == 4
+    assert mlx_delegate._runtime.compile_stats()["compiled_calls"] - compiled_before == 3
+    assert_close(actual, expected, *TOLERANCE[case.dtype])
+
+
+@pytest.mark.parametrize("max_l", ["0", "4"])
+def test_sdpa_fused_cpu_switch(max_l, monkeypatch):
+    """MLX_DELEGATE_SDPA_FUSED_MAX_L bounds the query rows the fused kernel takes (0: never);
+    longer queries keep the composed path, and both give torch's result."""
+    monkeypatch.setenv("MLX_DELEGATE_SDPA_FUSED_MAX_L", max_l)
+    before = fused_calls()
+    lower_and_compare(cases("sdpa_l5", sdpa(enable_gqa=True), qkv(hq=4, hk=2, lq=5, lk=9), F32)[0])
+    lower_and_compare(cases("sdpa_l4", sdpa(enable_gqa=True), qkv(hq=4, hk=2, lq=4, lk=9), F32)[0])
+    assert fused_calls() - before == (0 if max_l == "0" else 1)

@@ -1,0 +1,104 @@
+"""Decode attention on the CPU: the fused kernel (kernels/attention_cpu) against the composed path
+it replaces for few query rows (MLX_DELEGATE_SDPA_FUSED_MAX_L=0: scale, BLAS matmuls, the two-core
+softmax, mask and empty-row ops), MLX's own ops (kernels off) and eager torch, at SmolLM2-135M's
+attention shape (9 query heads, 3 key heads, head dim 64) over a 256-slot cache under the position
+mask the Llama model uses (`arange(S) <= position`).
+
+One SDPA op is lowered once and loaded three times, one copy per path (each compiles its own
+graph); the copies and eager torch take turns call by call in one process. Medians of the call
+times through the delegate (its per-call overhead, ~40 us, included). Nothing fails here.
+
+    python benchmarks/sdpa_decode.py [--rounds 5] [--calls 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Callable
+
+import common  # noqa: F401  (mlx_delegate before mlx)
+import torch
+import torch.nn.functional as F
+from executorch.runtime import Runtime
+
+from mlx_delegate import _runtime
+from mlx_delegate.testing import Lambda, lower
+
+HQ, HK, D, S = 9, 3, 64, 256
+ENV = "MLX_DELEGATE_SDPA_FUSED_MAX_L"
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def inputs(L: int, position: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Queries at positions position .. position + L - 1 over the whole cache."""
+    q, k, v = (torch.randn(1, h, n, D, dtype=dtype) for h, n in ((HQ, L), (HK, S), (HK, S)))
+    mask = torch.arange(S)[None, :] <= (position + torch.arange(L))[:, None]
+    return [q, k, v, mask]
+
+
+def runners(buffer: bytes) -> dict[str, Callable[[list[torch.Tensor]], None]]:
+    """One loaded copy per path, each always run the same way."""
+    settings = {"fused": (True, None), "composed": (True, "0"), "mlx": (False, None)}
+    programs = {name: Runtime.get().load_program(buffer) for name in settings}
+    methods = {name: p.load_method("forward") for name, p in programs.items()}
+
+    def make(name: str) -> Callable[[list[torch.Tensor]], None]:
+        kernels, env = settings[name]
+
+        def run(x: list[torch.Tensor]) -> None:
+            _runtime.set_cpu_kernels(kernels)
+            if env is not None:
+                os.environ[ENV] = env
+            try:
+                methods[name].execute(x)
+            finally:
+                _runtime.set_cpu_kernels(True)
+                os.environ.pop(ENV, None)
+
+        run.program = programs[name]  # keep it referenced while its method runs
+        return run
+
+    return {name: make(name) for name in settings}
+
+
+def interleaved(engines: dict[str, Callable[[], None]], rounds: int, calls: int) -> dict[str, float]:
+    samples: dict[str, list[float]] = {name: [] for name in engines}
+    for i in range(2 + rounds * calls):
+        for name, run in engines.items():
+            t = time.perf_counter()
+            run()
+            if i >= 2:
+                samples[name].append(time.perf_counter() - t)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    _runtime.set_compile(True)
+    cases = [(1, 255, torch.float32), (1, 128, torch.float32), (1, 128, torch.bfloat16), (2, 128, torch.float32),
+             (4, 128, torch.float32), (8, 128, torch.float32), (16, 128, torch.float32),
+             (32, 128, torch.float32), (64, 128, torch.float32)]
+    names = ("fused", "composed", "mlx", "eager")
+    print(f"{'L':>3s} {'pos':>4s} {'dtype':>8s} " + " ".join(f"{n:>10s}" for n in names) + "   (us per call)")
+    for L, position, dtype in cases:
+        x = inputs(L, position, dtype)
+        run = runners(lower(Lambda(attention), tuple(x)).buffer)
+        engines = {name: (lambda r=r: r(x)) for name, r in run.items()}
+        engines["eager"] = lambda: attention(*x)
+        t = interleaved(engines, args.rounds, args.calls)
+        print(f"{L:3d} {position:4d} {str(dtype).removeprefix('torch.'):>8s} "
+              + " ".join(f"{t[n] * 1e6:10.1f}" for n in names), flush=True)
+
+
+if __name__ == "__main__":
+    main()

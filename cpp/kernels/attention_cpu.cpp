@@ -1,0 +1,306 @@
+// Fused decode attention on the CPU. Each query row: scores against the keys
+// it may see (hidden keys are skipped, so a fixed-size cache under a position
+// mask costs only its filled part), a max-shifted softmax, then the weighted
+// sum of the value rows. Rows are split across the cores; operands are read
+// through their strides, widening half types one row at a time.
+#include "kernels/attention_cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <stdexcept>
+#include <utility>
+#include <vector>
+
+#include <mlx/backend/cpu/encoder.h>
+#include <mlx/primitives.h>
+
+#include "kernels/cpu_parallel.h"
+#include "kernels/vec_math_cpu.h"
+
+namespace mlxd::rt {
+namespace mx = mlx::core;
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// A rank-4 operand as the kernel reads it: its first element, dtype and
+// element strides (0 along broadcast axes).
+struct View4 {
+  const void* data = nullptr;
+  mx::Dtype dtype = mx::float32;
+  int64_t stride[4] = {0, 0, 0, 0};
+
+  int64_t at(int64_t i0, int64_t i1, int64_t i2) const { return i0 * stride[0] + i1 * stride[1] + i2 * stride[2]; }
+};
+
+// a read as shape [B, H, N, E]; a lower-rank a (a mask) is aligned to the
+// right and broadcast along its missing and size-1 axes.
+View4 view_of(const mx::array& a) {
+  View4 t{a.data<void>(), a.dtype(), {}};
+  const int lead = 4 - static_cast<int>(a.ndim());
+  for (int i = lead; i < 4; ++i) t.stride[i] = a.shape(i - lead) == 1 ? 0 : a.strides()[i - lead];
+  return t;
+}
+
+// n elements of t's last axis from element offset `at`, as float32.
+void load_f32(const View4& t, int64_t at, int64_t n, float* dst) {
+  if (t.stride[3] == 1) {
+    cpu_load_f32(t.data, t.dtype, at, n, dst);
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) cpu_load_f32(t.data, t.dtype, at + i * t.stride[3], 1, dst + i);
+}
+
+// The row as float32: in place when it is contiguous float32 already, else widened into buf.
+const float* row_f32(const View4& t, int64_t at, int64_t n, float* buf) {
+  if (t.dtype == mx::float32 && t.stride[3] == 1) return static_cast<const float*>(t.data) + at;
+  load_f32(t, at, n, buf);
+  return buf;
+}
+
+// A mask row as an additive bias: bool false -> -inf.
+void load_bias(const View4& m, int64_t at, int64_t n, float* dst) {
+  if (m.dtype != mx::bool_) {
+    load_f32(m, at, n, dst);
+    return;
+  }
+  const bool* keep = static_cast<const bool*>(m.data) + at;
+  for (int64_t i = 0; i < n; ++i) dst[i] = keep[i * m.stride[3]] ? 0.f : kNegInf;
+}
+
+// The vector loops of one row, portable or AVX2.
+struct VecOps {
+  float (*dot)(const float* a, const float* b, int64_t n);
+  void (*axpy)(float* y, float a, const float* x, int64_t n);  // y += a x
+  float (*exp_sum)(float* x, int64_t n, float shift);         // x = exp(x - shift); returns the sum
+};
+
+float dot_portable(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+void axpy_portable(float* y, float a, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+float exp_sum_portable(float* x, int64_t n, float shift) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += (x[i] = std::exp(x[i] - shift));
+  return s;
+}
+
+constexpr VecOps kPortable{dot_portable, axpy_portable, exp_sum_portable};
+
+#ifdef MLXD_CPU_X86
+// Two accumulators so consecutive FMAs do not wait on each other.
+MLXD_AVX2 float dot_avx2(const float* a, const float* b, int64_t n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  if (i + 8 <= n) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    i += 8;
+  }
+  float s = vmath::hsum8(_mm256_add_ps(acc0, acc1));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+MLXD_AVX2 void axpy_avx2(float* y, float a, const float* x, int64_t n) {
+  const __m256 av = vmath::set1(a);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+MLXD_AVX2 float exp_sum_avx2(float* x, int64_t n, float shift) {
+  const __m256 sv = vmath::set1(shift);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 e = vmath::exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), sv));
+    acc = _mm256_add_ps(acc, e);
+    _mm256_storeu_ps(x + i, e);
+  }
+  if (i < n) {
+    const int lanes = static_cast<int>(n - i);
+    __m256 e = vmath::exp8(_mm256_sub_ps(vmath::load_partial(x + i, lanes, kNegInf), sv));
+    acc = _mm256_add_ps(acc, e);
+    vmath::store_partial(x + i, e, lanes);
+  }
+  return vmath::hsum8(acc);
+}
+
+constexpr VecOps kAvx2{dot_avx2, axpy_avx2, exp_sum_avx2};
+#endif
+
+const VecOps& pick_ops() {
+#ifdef MLXD_CPU_X86
+  if (cpu_use_avx2()) return kAvx2;
+#endif
+  return kPortable;
+}
+
+// One call: q [B, Hq, L, D], k [B, Hk, S, D], v [B, Hk, S, Dv], the optional
+// mask [B, Hq, L, S], out [B, Hq, L, Dv] row-major in out_type.
+struct Problem {
+  View4 q, k, v, mask;
+  bool has_mask, causal;
+  float scale;
+  int64_t Hq, group, L, S, D, Dv;  // group: query heads per key head
+  void* out;
+  mx::Dtype out_type;
+};
+
+// Per-thread float32 rows: the scaled query, a widened key / value row, the scores, the output.
+struct Scratch {
+  explicit Scratch(const Problem& p) : buf(2 * p.D + 2 * p.Dv + p.S) {}
+  float* q() { return buf.data(); }
+  float* kv(const Problem& p) { return buf.data() + p.D; }  // max(D, Dv) floats
+  float* scores(const Problem& p) { return buf.data() + 2 * p.D + p.Dv; }
+  float* acc(const Problem& p) { return buf.data() + 2 * p.D + p.Dv + p.S; }
+  std::vector<float> buf;
+};
+
+// scores[j] = q . k_j * scale + bias_j for the keys query row (b, h, l) may
+// see; returns how many keys it considers (causal rows stop at l) and their max.
+std::pair<int64_t, float> score_row(const Problem& p, const VecOps& ops, int64_t b, int64_t h, int64_t l,
+                                    Scratch& s) {
+  float* q = s.q();
+  load_f32(p.q, p.q.at(b, h, l), p.D, q);
+  for (int64_t i = 0; i < p.D; ++i) q[i] *= p.scale;
+  const int64_t keys = p.causal ? std::min(p.S, l + 1) : p.S;
+  float* scores = s.scores(p);
+  if (p.has_mask) {
+    load_bias(p.mask, p.mask.at(b, h, l), keys, scores);
+  } else {
+    std::fill(scores, scores + keys, 0.f);
+  }
+  const int64_t k0 = p.k.at(b, h / p.group, 0);
+  float top = kNegInf;
+  for (int64_t j = 0; j < keys; ++j) {
+    if (scores[j] == kNegInf) continue;  // hidden: its key is never read
+    scores[j] += ops.dot(q, row_f32(p.k, k0 + j * p.k.stride[2], p.D, s.kv(p)), p.D);
+    top = std::max(top, scores[j]);
+  }
+  return {keys, top};
+}
+
+void attend_row(const Problem& p, const VecOps& ops, int64_t row, Scratch& s) {
+  const int64_t l = row % p.L, h = (row / p.L) % p.Hq, b = row / (p.L * p.Hq);
+  const auto [keys, top] = score_row(p, ops, b, h, l, s);
+  float* acc = s.acc(p);
+  std::fill(acc, acc + p.Dv, 0.f);
+  if (top != kNegInf) {  // else no visible key: zeros, as torch gives
+    float* w = s.scores(p);
+    const float inv_sum = 1.f / ops.exp_sum(w, keys, top);
+    const int64_t v0 = p.v.at(b, h / p.group, 0);
+    for (int64_t j = 0; j < keys; ++j)
+      if (w[j] != 0.f) ops.axpy(acc, w[j] * inv_sum, row_f32(p.v, v0 + j * p.v.stride[2], p.Dv, s.kv(p)), p.Dv);
+  }
+  cpu_store_f32(acc, p.out_type, row * p.Dv, p.Dv, p.out);
+}
+
+// Multiply-adds per unit of cpu_parallel_for's cost: the rows go to both
+// cores only from ~2M multiply-adds (kCpuMinParallel units) on. A decode
+// step's attention (SmolLM2: 9 rows x 256 keys x 128) takes a few
+// microseconds on one core; splitting it made SmolLM2 fp32 decode 25 % slower
+// on the shared 2-core machine (helper wake-ups and waits on a descheduled
+// helper, 30 times a token).
+constexpr int64_t kMacsPerCostUnit = 128;
+
+void run_attention(const Problem& p, int64_t rows) {
+  const VecOps& ops = pick_ops();
+  const int64_t row_cost = std::max<int64_t>(1, p.S * (p.D + p.Dv) / kMacsPerCostUnit);
+  cpu_parallel_for(rows, row_cost, 1, [&](int64_t begin, int64_t end) {
+    Scratch s(p);
+    for (int64_t r = begin; r < end; ++r) attend_row(p, ops, r, s);
+  });
+}
+
+class SdpaCpu : public mx::UnaryPrimitive {
+ public:
+  SdpaCpu(mx::Stream s, float scale, bool has_mask, bool causal)
+      : mx::UnaryPrimitive(s), scale_(scale), has_mask_(has_mask), causal_(causal) {}
+
+  // in: q, k, v, then the mask when present (any strides).
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : in) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    const auto &q = in[0], &k = in[1], &v = in[2];
+    Problem p{view_of(q), view_of(k), view_of(v), has_mask_ ? view_of(in[3]) : View4{},
+              has_mask_, causal_, scale_,
+              q.shape(1), q.shape(1) / k.shape(1), q.shape(2), k.shape(2), q.shape(3), v.shape(3),
+              out.data<void>(), out.dtype()};
+    const int64_t rows = static_cast<int64_t>(q.shape(0)) * q.shape(1) * q.shape(2);
+    cpu_kernel_note_call("sdpa");
+    encoder.dispatch([p, rows] { run_attention(p, rows); });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("SdpaCpu runs on the CPU only");
+  }
+  const char* name() const override { return "SdpaCpu"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const SdpaCpu&>(other);
+    return scale_ == o.scale_ && has_mask_ == o.has_mask_ && causal_ == o.causal_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {out_shape(in[0], in[2])};
+  }
+
+  static mx::Shape out_shape(const mx::array& q, const mx::array& v) {
+    return {q.shape(0), q.shape(1), q.shape(2), v.shape(3)};
+  }
+
+ private:
+  float scale_;
+  bool has_mask_, causal_;
+};
+
+bool mask_ok(const mx::array& m, const mx::Shape& scores) {
+  if (m.dtype() != mx::bool_ && !cpu_kernel_dtype_ok(m)) return false;
+  if (m.ndim() > 4) return false;
+  const int lead = 4 - static_cast<int>(m.ndim());
+  for (int i = 0; i < static_cast<int>(m.ndim()); ++i)
+    if (m.shape(i) != 1 && m.shape(i) != scores[i + lead]) return false;
+  return true;
+}
+
+}  // namespace
+
+int fused_sdpa_cpu_max_queries() {
+  const char* env = std::getenv("MLX_DELEGATE_SDPA_FUSED_MAX_L");
+  return env && *env ? std::atoi(env) : kFusedSdpaCpuMaxQueries;
+}
+
+bool fused_sdpa_cpu_applies(const mx::array& q, const mx::array& k, const mx::array& v,
+                            const std::optional<mx::array>& mask) {
+  if (!cpu_kernels_active() || q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) return false;
+  const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), Hk = k.shape(1), S = k.shape(2);
+  if (L <= 0 || L > fused_sdpa_cpu_max_queries() || S <= 0 || Hk <= 0 || Hq % Hk != 0) return false;
+  if (k.shape(0) != B || v.shape(0) != B || v.shape(1) != Hk || v.shape(2) != S || k.shape(3) != q.shape(3))
+    return false;
+  for (const auto* a : {&q, &k, &v})
+    if (!cpu_kernel_dtype_ok(*a)) return false;
+  return !mask || mask_ok(*mask, {B, Hq, L, S});
+}
+
+mx::array fused_sdpa_cpu(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                         const std::optional<mx::array>& mask, bool causal) {
+  std::vector<mx::array> inputs{q, k, v};
+  if (mask) inputs.push_back(*mask);
+  auto prim = std::make_shared<SdpaCpu>(mx::default_stream(mx::Device::cpu), scale, mask.has_value(),
+                                        causal && !mask);
+  return mx::array(SdpaCpu::out_shape(q, v), q.dtype(), std::move(prim), std::move(inputs));
+}
+
+}  // namespace mlxd::rt
