@@ -9,6 +9,12 @@ graph); the copies and eager torch take turns call by call in one process. Media
 times through the delegate (its per-call overhead, ~40 us, included). Nothing fails here.
 
     python benchmarks/sdpa_decode.py [--rounds 5] [--calls 20]
+
+--decode instead times SmolLM2-135M decode (prompt 64, 256-slot cache) with the fused kernel and
+with the composed path: one export loaded twice (each copy traces its own graph under its setting),
+8 tokens per turn, the copies taking turns in alternating order, compiled graphs and node by node.
+
+    python benchmarks/sdpa_decode.py --decode [--dtype fp32|bf16] [--rounds 8]
 """
 
 from __future__ import annotations
@@ -78,12 +84,59 @@ def interleaved(engines: dict[str, Callable[[], None]], rounds: int, calls: int)
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
+def with_env(env: str | None, fn: Callable[[], float]) -> float:
+    if env is not None:
+        os.environ[ENV] = env
+    try:
+        return fn()
+    finally:
+        os.environ.pop(ENV, None)
+
+
+def decode_ab(dtype: str, rounds: int, tokens: int = 8) -> None:
+    import llm  # benchmarks/llm.py
+    from mlx_delegate.llm import export as llm_export
+
+    model = llm.smollm2(256)
+    if dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    pte = llm.pte_file(llm_export.to_executorch(model))
+    paths = {"fused": None, "composed": "0"}
+    runners = {(path, compiled): llm.MethodRunner(pte, compile_graphs=compiled) for path in paths
+               for compiled in (True, False)}
+    position = {key: 64 for key in runners}
+    samples: dict[tuple[str, bool], list[float]] = {key: [] for key in runners}
+
+    def turn(key: tuple[str, bool], n: int) -> float:
+        runner, start = runners[key], position[key]
+        t = time.perf_counter()
+        for i in range(n):
+            runner.step([5], start + i)
+        position[key] += n
+        return n / (time.perf_counter() - t)
+
+    for key, runner in runners.items():  # prompt, then the steps that trace the graphs
+        with_env(paths[key[0]], lambda: (runner.step(list(range(10, 74)), 0), turn(key, 3))[1])
+    keys = list(runners)
+    for r in range(rounds):
+        for key in keys if r % 2 == 0 else keys[::-1]:
+            samples[key].append(with_env(paths[key[0]], lambda: turn(key, tokens)))
+    print(f"SmolLM2-135M {dtype} decode tok/s, medians of {rounds} turns of {tokens} tokens")
+    for (path, compiled), v in samples.items():
+        print(f"  {path:9s} {'compiled' if compiled else 'nodes':9s} {statistics.median(v):6.2f}   "
+              + " ".join(f"{x:.1f}" for x in v))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--decode", action="store_true", help="SmolLM2 decode A/B instead of the single op")
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     args = parser.parse_args()
     torch.set_num_threads(2)
+    if args.decode:
+        return decode_ab(args.dtype, args.rounds)
     _runtime.set_compile(True)
     cases = [(1, 255, torch.float32), (1, 128, torch.float32), (1, 128, torch.bfloat16), (2, 128, torch.float32),
              (4, 128, torch.float32), (8, 128, torch.float32), (16, 128, torch.float32),
