@@ -5,7 +5,11 @@ attention shape (9 query heads, 3 key heads, head dim 64) over a 256-slot cache 
 mask the Llama model uses (`arange(S) <= position`).
 
 One SDPA op is lowered once and loaded three times, one copy per path (each compiles its own
-graph); the copies and eager torch take turns call by call in one process. Medians of the call
+graph); the copies and eager torch take turns call by call in one process, in rotating order.
+At L = 32 and 64 "fused" and "composed" run the same path (a control for the noise). Caveat: on
+the shared 2-core machine this in-process table put the fused copy ~100 us behind at L = 1 while
+one process per path (`MLX_DELEGATE_SDPA_FUSED_MAX_L=0` for the composed one) measured it ahead
+(92-140 us vs 160-204 us per call); the cause of that bias is not found yet. Medians of the call
 times through the delegate (its per-call overhead, ~40 us, included). Nothing fails here.
 
     python benchmarks/sdpa_decode.py [--rounds 5] [--calls 20]
@@ -74,9 +78,13 @@ def runners(buffer: bytes) -> dict[str, Callable[[list[torch.Tensor]], None]]:
 
 
 def interleaved(engines: dict[str, Callable[[], None]], rounds: int, calls: int) -> dict[str, float]:
+    """Median seconds per call; the engines take turns in an order rotated every call (whichever
+    runs right after eager torch finds its threads still spinning)."""
     samples: dict[str, list[float]] = {name: [] for name in engines}
+    names = list(engines)
     for i in range(2 + rounds * calls):
-        for name, run in engines.items():
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            run = engines[name]
             t = time.perf_counter()
             run()
             if i >= 2:
