@@ -39,6 +39,11 @@ static std::atomic<cblas_sgemm_fn> g_ref_sgemm{nullptr};
 static std::atomic<cblas_dgemm_fn> g_ref_dgemm{nullptr};
 static std::atomic<cblas_gemm_lowp_fn> g_gemm_lowp[2]{{nullptr}, {nullptr}};  // [0] bfloat16, [1] float16
 static std::atomic<uint64_t> g_fast_calls{0};
+// MKL's per-thread thread count (Fortran mkl_set_num_threads_local_, by
+// pointer): small products run on the calling thread, since waking MKL's
+// OpenMP team costs more than they do.
+using set_threads_local_fn = int (*)(const int*);
+static std::atomic<set_threads_local_fn> g_set_threads_local{nullptr};
 
 // Loads the Fortran gemm symbols from `fast_lib` and the reference CBLAS
 // from `reference_lib`. Returns 1 when the fast path is active.
@@ -56,6 +61,7 @@ int mlxd_blas_init(const char* fast_lib, const char* reference_lib) {
   g_dgemm = reinterpret_cast<dgemm_fn>(dlsym(lib, "dgemm_"));
   g_gemm_lowp[0] = reinterpret_cast<cblas_gemm_lowp_fn>(dlsym(lib, "cblas_gemm_bf16bf16f32"));
   g_gemm_lowp[1] = reinterpret_cast<cblas_gemm_lowp_fn>(dlsym(lib, "cblas_gemm_f16f16f32"));
+  g_set_threads_local = reinterpret_cast<set_threads_local_fn>(dlsym(lib, "mkl_set_num_threads_local_"));
   return g_sgemm.load() != nullptr;
 }
 
@@ -83,6 +89,20 @@ __attribute__((visibility("default"))) int mlxd_gemm_lowp(int dtype, int trans_a
 
 static char trans_char(int t) { return t == CblasNoTrans ? 'N' : 'T'; }
 
+// Below this many multiply-adds a product runs on one thread (~50 us of work).
+static constexpr double kSerialMacs = 1 << 20;
+
+// Runs `call` with MKL limited to the calling thread when the product is small.
+template <typename Call>
+static void sized_call(int m, int n, int k, Call call) {
+  auto set_local = g_set_threads_local.load();
+  if (set_local == nullptr || static_cast<double>(m) * n * k >= kSerialMacs) return call();
+  const int one = 1;
+  const int previous = set_local(&one);  // 0: no thread-local setting before
+  call();
+  set_local(&previous);
+}
+
 // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the
 // operands and dimensions instead of transposing anything.
 template <typename T, typename Fortran>
@@ -100,7 +120,7 @@ __attribute__((visibility("default"))) void cblas_sgemm(int order, int ta, int t
                                                         float beta, float* c, int ldc) {
   if (auto f = g_sgemm.load()) {
     g_fast_calls.fetch_add(1, std::memory_order_relaxed);
-    gemm(f, order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    sized_call(m, n, k, [&] { gemm(f, order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc); });
   } else if (auto r = g_ref_sgemm.load()) {
     r(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
@@ -111,7 +131,7 @@ __attribute__((visibility("default"))) void cblas_dgemm(int order, int ta, int t
                                                         double beta, double* c, int ldc) {
   if (auto f = g_dgemm.load()) {
     g_fast_calls.fetch_add(1, std::memory_order_relaxed);
-    gemm(f, order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    sized_call(m, n, k, [&] { gemm(f, order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc); });
   } else if (auto r = g_ref_dgemm.load()) {
     r(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -40,13 +41,21 @@ class Pool {
     {
       std::lock_guard<std::mutex> lock(m_);
       job_ = &job;
-      ++generation_;
+      generation_.fetch_add(1, std::memory_order_release);
     }
-    wake_.notify_all();
+    // Helpers still spinning after their last job see the new generation
+    // without a wake-up; only sleeping ones need the futex call.
+    if (sleeping_.load(std::memory_order_acquire) > 0) wake_.notify_all();
     work(job);
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      job_ = nullptr;  // helpers that wake from now on find no job
+    }
+    // A helper still on its last part finishes within the part's time: spin
+    // for it rather than sleep (the futex round trip costs more than a part).
+    spin_until([&] { return job.users.load(std::memory_order_acquire) == 0; });
     std::unique_lock<std::mutex> lock(m_);
-    job_ = nullptr;  // helpers that wake from now on find no job
-    done_.wait(lock, [&] { return job.users == 0; });
+    done_.wait(lock, [&] { return job.users.load(std::memory_order_relaxed) == 0; });
   }
 
  private:
@@ -54,7 +63,7 @@ class Pool {
     const std::function<void(int)>* fn;
     int parts;
     std::atomic<int> next{0};
-    int users = 0;  // helpers inside work(); guarded by m_
+    std::atomic<int> users{0};  // helpers inside work(); changed under m_
   };
 
   static void work(Job& job) {
@@ -67,14 +76,49 @@ class Pool {
     for (unsigned i = 0; i < helpers_; ++i) std::thread([this] { loop(); }).detach();
   }
 
+  // Back-to-back kernels (a decode step's projections) come microseconds
+  // apart: a helper spins that long for the next job before it sleeps, so the
+  // next call neither pays a futex wake-up nor waits for the scheduler.
+  // MLX_DELEGATE_SPIN_US sets it (0: always sleep, for machines shared with
+  // other busy processes).
+  static std::chrono::microseconds spin_time() {
+    static const auto us = [] {
+      const char* v = std::getenv("MLX_DELEGATE_SPIN_US");
+      return std::chrono::microseconds(v ? std::max(0L, std::strtol(v, nullptr, 10)) : 100);
+    }();
+    return us;
+  }
+
+  // Polls `ready` for up to spin_time(); true as soon as it holds.
+  template <class Ready>
+  static bool spin_until(Ready ready) {
+    const auto until = std::chrono::steady_clock::now() + spin_time();
+    for (int i = 0;; ++i) {
+      if (ready()) return true;
+      if ((i & 63) == 0 && std::chrono::steady_clock::now() > until) return false;
+      cpu_relax();
+    }
+  }
+
+  static void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
+
   void loop() {
     uint64_t seen = 0;
     for (;;) {
       Job* job;
+      bool spun = spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; });
       {
         std::unique_lock<std::mutex> lock(m_);
-        wake_.wait(lock, [&] { return generation_ != seen; });
-        seen = generation_;
+        if (!spun) {
+          ++sleeping_;
+          wake_.wait(lock, [&] { return generation_.load(std::memory_order_relaxed) != seen; });
+          --sleeping_;
+        }
+        seen = generation_.load(std::memory_order_relaxed);
         if ((job = job_) == nullptr) continue;
         ++job->users;
       }
@@ -89,7 +133,8 @@ class Pool {
   std::mutex busy_, m_;
   std::condition_variable wake_, done_;
   Job* job_ = nullptr;
-  uint64_t generation_ = 0;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> sleeping_{0};  // helpers waiting on wake_ (changed under m_)
 };
 
 std::atomic<bool> g_enabled{true};
@@ -193,6 +238,41 @@ void cpu_store_f32(const float* src, mx::Dtype dtype, int64_t offset, int64_t n,
   } else {
     store_as(src, n, static_cast<mx::float16_t*>(dst) + offset);
   }
+}
+
+void cpu_copy_strided(const void* src, size_t itemsize, const mx::Shape& shape, const mx::Strides& strides,
+                      void* dst) {
+  const int nd = static_cast<int>(shape.size());
+  int64_t total = 1;
+  for (int d = 0; d < nd; ++d) total *= shape[d];
+  if (total == 0) return;
+  const auto* s = static_cast<const char*>(src);
+  auto* o = static_cast<char*>(dst);
+  // Innermost axis as one run (a memcpy when its stride is 1); an odometer over the others.
+  const int64_t inner = nd ? shape[nd - 1] : 1, inner_stride = nd ? strides[nd - 1] : 1;
+  std::vector<int64_t> index(std::max(nd - 1, 0), 0);
+  for (int64_t done = 0; done < total; done += inner) {
+    int64_t offset = 0;
+    for (int d = 0; d + 1 < nd; ++d) offset += index[d] * strides[d];
+    const char* row = s + offset * static_cast<int64_t>(itemsize);
+    if (inner_stride == 1) {
+      std::memcpy(o, row, inner * itemsize);
+    } else {
+      for (int64_t i = 0; i < inner; ++i) std::memcpy(o + i * itemsize, row + i * inner_stride * itemsize, itemsize);
+    }
+    o += inner * itemsize;
+    for (int d = nd - 2; d >= 0 && ++index[d] == shape[d]; --d) index[d] = 0;
+  }
+}
+
+CpuRowMajor::CpuRowMajor(const void* data, size_t itemsize, mx::Shape shape, mx::Strides strides, bool contiguous)
+    : data_(data) {
+  if (contiguous) return;
+  int64_t total = 1;
+  for (auto s : shape) total *= s;
+  copy_.resize(static_cast<size_t>(total) * itemsize);
+  cpu_copy_strided(data, itemsize, shape, strides, copy_.data());
+  data_ = copy_.data();
 }
 
 }  // namespace mlxd::rt

@@ -7,6 +7,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <vector>
 
 #include <mlx/mlx.h>
 
@@ -51,5 +52,25 @@ std::map<std::string, uint64_t> cpu_kernel_call_counts();
 // the array the pointer came from).
 void cpu_load_f32(const void* src, mlx::core::Dtype dtype, int64_t offset, int64_t n, float* dst);
 void cpu_store_f32(const float* src, mlx::core::Dtype dtype, int64_t offset, int64_t n, void* dst);
+
+// Copies a strided view (`src` at its first element, strides in elements)
+// into `dst` in row-major order. Kernels take any layout through it instead of
+// asking for an mx::contiguous node, which costs a graph node per call even
+// when the input is contiguous already.
+void cpu_copy_strided(const void* src, size_t itemsize, const mlx::core::Shape& shape,
+                      const mlx::core::Strides& strides, void* dst);
+
+// An input as a row-major buffer: `data` itself when row-contiguous, else a
+// packed copy held by the object. Built inside a kernel's dispatched task
+// (the input's data is ready there).
+class CpuRowMajor {
+ public:
+  CpuRowMajor(const void* data, size_t itemsize, mlx::core::Shape shape, mlx::core::Strides strides, bool contiguous);
+  const void* data() const { return data_; }
+
+ private:
+  std::vector<char> copy_;
+  const void* data_;
+};
 
 }  // namespace mlxd::rt

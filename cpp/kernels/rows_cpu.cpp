@@ -240,7 +240,8 @@ class RowsCpu : public mx::UnaryPrimitive {
   RowsCpu(mx::Stream s, RowKernel kind, float eps, bool weight, bool bias)
       : mx::UnaryPrimitive(s), kind_(kind), eps_(eps), weight_(weight), bias_(bias) {}
 
-  // in: x row-contiguous, then the weight and the bias when present (float32, n elements).
+  // in: x (any layout), then the weight and the bias when present (float32,
+  // n row-contiguous elements).
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
@@ -254,7 +255,12 @@ class RowsCpu : public mx::UnaryPrimitive {
     Problem p{pick(kind_), row_kernel_reduces(kind_) ? 1 : n, x.data<void>(), out.data<void>(), x.dtype(), out.dtype(),
               static_cast<int64_t>(x.size()) / n, n, w, b, eps_};
     cpu_kernel_note_call(info(kind_).name);
-    encoder.dispatch([p] { run_rows(p); });
+    encoder.dispatch([p, shape = x.shape(), strides = x.strides(), contiguous = x.flags().row_contiguous,
+                      itemsize = x.itemsize()]() mutable {
+      CpuRowMajor xs(p.x, itemsize, shape, strides, contiguous);
+      p.x = xs.data();
+      run_rows(p);
+    });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
     throw std::runtime_error("RowsCpu runs on the CPU only");
@@ -279,6 +285,13 @@ class RowsCpu : public mx::UnaryPrimitive {
   bool weight_, bias_;
 };
 
+// A norm's weight or bias as row-contiguous float32: as is when it is such a
+// constant already (no graph node per call), else converted.
+mx::array float32_row_major(const mx::array& p) {
+  if (p.dtype() == mx::float32 && p.ndim() == 1 && p.is_available() && p.flags().row_contiguous) return p;
+  return mx::contiguous(mx::astype(mx::flatten(p), mx::float32));
+}
+
 bool param_ok(const std::optional<mx::array>& p, int64_t n) {
   return !p || (mx::issubdtype(p->dtype(), mx::floating) && static_cast<int64_t>(p->size()) == n);
 }
@@ -299,12 +312,12 @@ bool rows_cpu_applies(const mx::array& x, const std::optional<mx::array>& weight
 
 mx::array rows_cpu(const mx::array& x, RowKernel kind, float eps, const std::optional<mx::array>& weight,
                    const std::optional<mx::array>& bias) {
-  std::vector<mx::array> inputs{mx::contiguous(x)};
+  std::vector<mx::array> inputs{x};
   auto out_type = x.dtype();
   for (const auto* p : {&weight, &bias}) {
     if (!*p) continue;
     out_type = mx::promote_types(out_type, (*p)->dtype());
-    inputs.push_back(mx::contiguous(mx::astype(mx::flatten(**p), mx::float32)));
+    inputs.push_back(float32_row_major(**p));
   }
   auto prim = std::make_shared<RowsCpu>(mx::default_stream(mx::Device::cpu), kind, eps, weight.has_value(),
                                         bias.has_value());

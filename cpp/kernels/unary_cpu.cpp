@@ -93,10 +93,11 @@ class UnaryCpu : public mx::UnaryPrimitive {
  public:
   UnaryCpu(mx::Stream s, UnaryKernel kind) : mx::UnaryPrimitive(s), kind_(kind) {}
 
-  // in[0]: row-contiguous (mx::contiguous made it so), same dtype and shape as out.
+  // in[0]: any layout, same dtype and shape as out.
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     const auto& x = in[0];
-    if (x.is_donatable() && x.itemsize() == out.itemsize()) {
+    const bool contiguous = x.flags().row_contiguous;
+    if (contiguous && x.is_donatable() && x.itemsize() == out.itemsize()) {
       out.copy_shared_buffer(x);  // in place: the input has no other reader
     } else {
       out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -106,7 +107,11 @@ class UnaryCpu : public mx::UnaryPrimitive {
     encoder.set_output_array(out);
     cpu_kernel_note_call(info(kind_).name);
     encoder.dispatch([f = pick(kind_), src = x.data<void>(), dst = out.data<void>(), dtype = x.dtype(),
-                      n = static_cast<int64_t>(x.size())] { run_map(f, src, dst, dtype, n); });
+                      n = static_cast<int64_t>(x.size()), shape = x.shape(), strides = x.strides(), contiguous,
+                      itemsize = x.itemsize()] {
+      CpuRowMajor xs(src, itemsize, shape, strides, contiguous);
+      run_map(f, xs.data(), dst, dtype, n);
+    });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
     throw std::runtime_error("UnaryCpu runs on the CPU only");
@@ -127,7 +132,7 @@ bool unary_cpu_applies(const mx::array& x) { return cpu_kernels_active() && cpu_
 
 mx::array unary_cpu(const mx::array& x, UnaryKernel kind) {
   auto stream = mx::default_stream(mx::Device::cpu);
-  return mx::array(x.shape(), x.dtype(), std::make_shared<UnaryCpu>(stream, kind), {mx::contiguous(x)});
+  return mx::array(x.shape(), x.dtype(), std::make_shared<UnaryCpu>(stream, kind), {x});
 }
 
 }  // namespace mlxd::rt

@@ -3,19 +3,79 @@
 #include <algorithm>
 #include <array>
 #include <limits>
+#include <cstring>
+#include <vector>
+
+#include <mlx/primitives.h>
 
 #include "../ops_common.h"
 
 namespace mlxd::rt {
 
+namespace {
+
+// By name: libmlx exports no type info for its primitives.
+bool is_reshape_view(const mx::array& x) {
+  if (!x.has_primitive()) return false;
+  const char* name = x.primitive().name();
+  return std::strcmp(name, "Reshape") == 0 || std::strcmp(name, "ExpandDims") == 0 ||
+         std::strcmp(name, "Squeeze") == 0;
+}
+
+// x reshaped to `shape`, looking through the reshapes that produced x: a chain
+// of views (view -> transpose of unit axes -> view, as attention does around a
+// one-token step) becomes one reshape, or none when the shape comes back.
+// Every graph node costs a few microseconds of dispatch however little it does.
+mx::array reshaped(mx::array x, const mx::Shape& shape) {
+  while (is_reshape_view(x)) x = x.inputs()[0];
+  if (x.shape() == shape) return x;
+  return mx::reshape(x, shape);
+}
+
+// Whether `perm` moves only size-1 axes: the others keep their order, so the
+// transpose is a reshape.
+bool moves_only_unit_axes(const mx::array& x, const std::vector<int>& perm) {
+  if (perm.size() != static_cast<size_t>(x.ndim())) return false;
+  std::vector<bool> seen(perm.size());
+  for (int a : perm) {
+    if (seen[a]) return false;  // not a permutation: mx::transpose names it
+    seen[a] = true;
+  }
+  int last = -1;
+  for (int a : perm) {
+    if (x.shape(a) == 1) continue;
+    if (a < last) return false;
+    last = a;
+  }
+  return true;
+}
+
+}  // namespace
+
 void exec_ReshapeNode(const mlxd::ReshapeNode& n, ExecContext& ctx) {
-  ctx.set(n.out(), mx::reshape(ctx.in(n.x()), ctx.resolve_shape(n.shape())));
+  const auto& x = ctx.in(n.x());
+  mx::Shape shape = ctx.resolve_shape(n.shape());
+  // Resolves a -1 and checks the size the way MLX does before looking through views.
+  if (std::find(shape.begin(), shape.end(), -1) != shape.end()) shape = mx::reshape(x, shape).shape();
+  int64_t size = 1;
+  for (auto d : shape) size *= d;
+  if (size != static_cast<int64_t>(x.size())) {
+    ctx.set(n.out(), mx::reshape(x, shape));  // MLX names the mismatch
+    return;
+  }
+  ctx.set(n.out(), reshaped(x, shape));
 }
 
 void exec_TransposeNode(const mlxd::TransposeNode& n, ExecContext& ctx) {
   const auto& x = ctx.in(n.x());
   std::vector<int> perm;
   for (int a : int_vector(n.perm())) perm.push_back(normalize_axis(a, x.ndim()));
+  if (moves_only_unit_axes(x, perm)) {
+    mx::Shape shape;
+    for (int a : perm) shape.push_back(x.shape(a));
+    ctx.set(n.out(), reshaped(x, shape));
+    return;
+  }
   ctx.set(n.out(), mx::transpose(x, perm));
 }
 
