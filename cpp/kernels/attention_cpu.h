@@ -15,10 +15,11 @@ namespace mlxd::rt {
 // Most query rows (L) the fused kernel takes: MLX_DELEGATE_SDPA_FUSED_MAX_L
 // when set (0 turns this kernel alone off, for A/B runs; read each time a
 // graph is built), else kFusedSdpaCpuMaxQueries. Each query row reads all of k
-// and v, while the composed path's matmuls share them across rows; measured on
-// SmolLM2 shapes (Hq 9, Hk 3, D 64, S 256, 2 cores) the kernel is the faster
-// one up to here.
-constexpr int kFusedSdpaCpuMaxQueries = 16;
+// and v, while the composed path's matmuls share them across rows. Measured
+// per call on SmolLM2's shape (Hq 9, Hk 3, D 64, S 256, compiled, one process
+// per path, 2 shared cores): L 1 and 2 faster fused (~100-165 us vs 160-570),
+// L 4 even, L 16 slower (560-810 us vs 455-480).
+constexpr int kFusedSdpaCpuMaxQueries = 2;
 int fused_sdpa_cpu_max_queries();
 
 // Whether fused_sdpa_cpu takes these operands: kernels on (cpu_kernels_active),

@@ -105,7 +105,7 @@ def test_sdpa_cpu_path(kernels, monkeypatch):
     assert (ran >= 3) if kernels else (ran == 0)
 
 
-# The fused decode kernel (cpp/kernels/attention_cpu): few query rows (L <= 16).
+# The fused decode kernel (cpp/kernels/attention_cpu): few query rows (L <= 2 by default).
 def position_mask(lq, lk, position):
     """The Llama model's mask over a fixed-size cache: query i sees keys 0 .. position + i."""
     return lambda: torch.arange(lk)[None, :] <= (position + torch.arange(lq))[:, None]
@@ -187,9 +187,10 @@ def fused_calls() -> int:
 
 
 @pytest.mark.parametrize("case", FUSED, ids=str)
-def test_sdpa_fused_cpu(case):
+def test_sdpa_fused_cpu(case, monkeypatch):
     """Few query rows: the fused kernel serves the op, matching eager torch and the kernels-off
-    (MLX) path."""
+    (MLX) path. Its row limit is raised to 16 here so that L 3 .. 16 exercise it too."""
+    monkeypatch.setenv("MLX_DELEGATE_SDPA_FUSED_MAX_L", "16")
     before = fused_calls()
     lowered = lower_and_compare(case)
     assert fused_calls() > before
@@ -202,8 +203,9 @@ def test_sdpa_fused_cpu(case):
 @pytest.mark.parametrize("case", [c for c in FUSED if c.name in (
     "fused_l2_s256_gqa-float32", "fused_l2_s256_gqa-bfloat16", "fused_cache_slices-float32",
     "fused_bool_mask_empty_row-float16", "fused_causal_short_q-float32")], ids=str)
-def test_sdpa_fused_cpu_compiled(case, compile_on):
+def test_sdpa_fused_cpu_compiled(case, compile_on, monkeypatch):
     """Inside a compiled graph (traced on the second call, replayed after): same results."""
+    monkeypatch.setenv("MLX_DELEGATE_SDPA_FUSED_MAX_L", "16")
     inputs = case.inputs()
     with torch.no_grad():
         expected = case.module().eval()(*inputs)
@@ -215,12 +217,15 @@ def test_sdpa_fused_cpu_compiled(case, compile_on):
     assert_close(actual, expected, *TOLERANCE[case.dtype])
 
 
-@pytest.mark.parametrize("max_l", ["0", "4"])
+@pytest.mark.parametrize("max_l", ["0", "4", None])
 def test_sdpa_fused_cpu_switch(max_l, monkeypatch):
     """MLX_DELEGATE_SDPA_FUSED_MAX_L bounds the query rows the fused kernel takes (0: never);
     longer queries keep the composed path, and both give torch's result."""
-    monkeypatch.setenv("MLX_DELEGATE_SDPA_FUSED_MAX_L", max_l)
+    if max_l is None:
+        monkeypatch.delenv("MLX_DELEGATE_SDPA_FUSED_MAX_L", raising=False)  # the default: L <= 2
+    else:
+        monkeypatch.setenv("MLX_DELEGATE_SDPA_FUSED_MAX_L", max_l)
     before = fused_calls()
-    lower_and_compare(cases("sdpa_l5", sdpa(enable_gqa=True), qkv(hq=4, hk=2, lq=5, lk=9), F32)[0])
-    lower_and_compare(cases("sdpa_l4", sdpa(enable_gqa=True), qkv(hq=4, hk=2, lq=4, lk=9), F32)[0])
-    assert fused_calls() - before == (0 if max_l == "0" else 1)
+    for lq in (5, 4, 2):
+        lower_and_compare(cases(f"sdpa_l{lq}", sdpa(enable_gqa=True), qkv(hq=4, hk=2, lq=lq, lk=9), F32)[0])
+    assert fused_calls() - before == {"0": 0, "4": 2, None: 1}[max_l]
