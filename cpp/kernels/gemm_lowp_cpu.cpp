@@ -405,23 +405,29 @@ void run_product(const Product& p, bool blas_path) {
 
 // ---- The MLX primitive ------------------------------------------------------------------
 
-Operand operand(const mx::array& x) {
+// A [B, M, K] / [B, K, N] operand; a 2-D one is shared by every batch, and a
+// weight given as [N, K] (`nk`) is read as its transpose.
+Operand operand(const mx::array& x, bool nk = false) {
+  if (nk) return {x.data<void>(), 0, x.strides(1), x.strides(0)};
+  if (x.ndim() == 2) return {x.data<void>(), 0, x.strides(0), x.strides(1)};
   return {x.data<void>(), x.shape(0) > 1 ? x.strides(0) : 0, x.strides(1), x.strides(2)};
 }
 
 class GemmLowpCpu : public mx::UnaryPrimitive {
  public:
-  explicit GemmLowpCpu(mx::Stream s) : mx::UnaryPrimitive(s) {}
+  GemmLowpCpu(mx::Stream s, bool weight_nk) : mx::UnaryPrimitive(s), weight_nk_(weight_nk) {}
 
-  // inputs: a [B, M, K], b [B, K, N] or [1, K, N], any strides; same dtype
-  // (bfloat16 or float16; float32 with M <= kRows).
+  // inputs: a [B, M, K]; b [B, K, N], [K, N] or (weight_nk) a linear's [N, K]
+  // weight, any strides; same dtype (bfloat16 or float16; float32 with M <= kRows).
+  // Operands go in as they are: a reshape or transpose node per call costs
+  // more dispatch than a decode GEMV's arithmetic.
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& x : in) encoder.set_input_array(x);
     encoder.set_output_array(out);
     const auto &a = in[0], &b = in[1];
-    Product p{operand(a), operand(b), out.data<void>(), out.shape(0), out.shape(1), out.shape(2), a.shape(2),
+    Product p{operand(a), operand(b, weight_nk_), out.data<void>(), out.shape(0), out.shape(1), out.shape(2), a.shape(2),
               dtype_code(out.dtype())};
     const bool blas_path = use_blas(p);
     if (p.code == 2) {
@@ -436,11 +442,36 @@ class GemmLowpCpu : public mx::UnaryPrimitive {
     throw std::runtime_error("GemmLowpCpu runs on the CPU only");
   }
   const char* name() const override { return "GemmLowpCpu"; }
-  bool is_equivalent(const mx::Primitive&) const override { return true; }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
-    return {{in[0].shape(0), in[0].shape(1), in[1].shape(2)}};
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return weight_nk_ == static_cast<const GemmLowpCpu&>(other).weight_nk_;
   }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {{in[0].shape(0), in[0].shape(1), weight_nk_ ? in[1].shape(0) : in[1].shape(-1)}};
+  }
+
+ private:
+  bool weight_nk_;
 };
+
+mx::array with_shape(const mx::array& x, const mx::Shape& shape) {
+  return x.shape() == shape ? x : mx::reshape(x, shape);
+}
+
+// a @ b, or a @ b^T for a [N, K] weight (weight_nk); see GemmLowpCpu.
+mx::array make_product(const mx::array& a, const mx::array& b, bool weight_nk) {
+  const int k = a.shape(-1), n = weight_nk ? b.shape(0) : b.shape(-1);
+  // A 2-D b multiplies every row of a: fold a's batch axes into its rows.
+  const bool fold = b.ndim() == 2;
+  const int m = fold ? static_cast<int>(a.size() / k) : a.shape(-2);
+  const int batch = fold ? 1 : static_cast<int>(a.size() / (int64_t{m} * k));
+  auto a3 = with_shape(a, {batch, m, k});
+  auto b_in = fold ? b : with_shape(b, {batch, k, n});
+  auto y = mx::array({batch, m, n}, a.dtype(),
+                     std::make_shared<GemmLowpCpu>(mx::default_stream(mx::Device::cpu), weight_nk), {a3, b_in});
+  auto shape = a.shape();
+  shape.back() = n;
+  return with_shape(y, shape);
+}
 
 // Whether the batch shapes of a and b (all but the last two axes) are equal.
 bool same_batch(const mx::array& a, const mx::array& b) {
@@ -484,18 +515,19 @@ bool gemm_lowp_cpu_applies(const mx::array& a, const mx::array& b) {
 
 mx::array gemm_lowp_cpu(const mx::array& a, const mx::array& b) {
   if (!gemm_lowp_cpu_applies(a, b)) throw std::invalid_argument("gemm_lowp_cpu: operands it does not take");
-  const int k = a.shape(-1), n = b.shape(-1);
-  // A 2-D b multiplies every row of a: fold a's batch axes into its rows.
-  const bool fold = b.ndim() == 2;
-  const int m = fold ? static_cast<int>(a.size() / k) : a.shape(-2);
-  const int batch = fold ? 1 : static_cast<int>(a.size() / (int64_t{m} * k));
-  auto a3 = mx::reshape(a, {batch, m, k});
-  auto b3 = mx::reshape(b, {fold ? 1 : batch, k, n});
-  auto y = mx::array({batch, m, n}, a.dtype(), std::make_shared<GemmLowpCpu>(mx::default_stream(mx::Device::cpu)),
-                     {a3, b3});
-  auto shape = a.shape();
-  shape.back() = n;
-  return mx::reshape(y, shape);
+  return make_product(a, b, false);
+}
+
+bool gemm_lowp_cpu_linear_applies(const mx::array& x, const mx::array& w) {
+  if (w.ndim() != 2 || x.ndim() < 2) return false;
+  // The fp32 GEMV reads the weight in place only when it is an evaluated row-major matrix.
+  if (x.dtype() == mx::float32 && !(w.is_available() && w.flags().row_contiguous)) return false;
+  return gemm_lowp_cpu_applies(x, mx::transpose(w));  // a view, never evaluated
+}
+
+mx::array gemm_lowp_cpu_linear(const mx::array& x, const mx::array& w) {
+  if (!gemm_lowp_cpu_linear_applies(x, w)) throw std::invalid_argument("gemm_lowp_cpu_linear: operands it does not take");
+  return make_product(x, w, true);
 }
 
 }  // namespace mlxd::rt

@@ -35,4 +35,9 @@ bool gemm_lowp_cpu_applies(const mlx::core::array& a, const mlx::core::array& b)
 // torch.matmul(a, b) for the operands gemm_lowp_cpu_applies accepts.
 mlx::core::array gemm_lowp_cpu(const mlx::core::array& a, const mlx::core::array& b);
 
+// x @ w^T for a linear's [N, K] weight: what gemm_lowp_cpu(x, transpose(w))
+// computes, with the weight read in place and no transpose node per call.
+bool gemm_lowp_cpu_linear_applies(const mlx::core::array& x, const mlx::core::array& w);
+mlx::core::array gemm_lowp_cpu_linear(const mlx::core::array& x, const mlx::core::array& w);
+
 }  // namespace mlxd::rt

@@ -19,8 +19,9 @@ void exec_MatmulNode(const mlxd::MatmulNode& n, ExecContext& ctx) {
 void exec_LinearNode(const mlxd::LinearNode& n, ExecContext& ctx) {
   const auto& w = ctx.in(n.weight());
   if (w.ndim() != 2) throw NodeError("linear weight must be 2-D");
+  const auto& x = ctx.in(n.x());
   // transpose is a view: the kernel reads the [N, K] weight in place.
-  auto y = product(ctx.in(n.x()), mx::transpose(w));
+  auto y = gemm_lowp_cpu_linear_applies(x, w) ? gemm_lowp_cpu_linear(x, w) : product(x, mx::transpose(w));
   if (auto* b = ctx.maybe_in(n.bias())) y = mx::add(y, *b);
   ctx.set(n.out(), y);
 }

@@ -70,7 +70,9 @@ void exec_TransposeNode(const mlxd::TransposeNode& n, ExecContext& ctx) {
   const auto& x = ctx.in(n.x());
   std::vector<int> perm;
   for (int a : int_vector(n.perm())) perm.push_back(normalize_axis(a, x.ndim()));
-  if (moves_only_unit_axes(x, perm)) {
+  // Constants keep a real transpose view: kernels recognise a transposed
+  // weight by it (and it is no per-call cost outside a compiled graph's input).
+  if (!x.is_available() && moves_only_unit_axes(x, perm)) {
     mx::Shape shape;
     for (int a : perm) shape.push_back(x.shape(a));
     ctx.set(n.out(), reshaped(x, shape));

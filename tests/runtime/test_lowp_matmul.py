@@ -48,7 +48,7 @@ class Products(torch.nn.Module):
             self.linear(y),
             torch.mm(y, self.w3.t()),  # b a transposed view
             torch.addmm(self.b4, y, self.w4.t(), beta=0.5, alpha=2.0),
-            torch.mm(y.t().contiguous().t(), self.w4.t()),  # a stored transposed
+            torch.mm((-y).t().contiguous().t(), self.w4.t()),  # a stored transposed (negated: not addmm's product)
             torch.mm(self.w3, y.t()),  # 24 rows whatever M is; b = y transposed
             torch.bmm(z, self.w5),
             torch.bmm(z, self.w6.transpose(1, 2)),
