@@ -82,30 +82,53 @@ MLXD_AVX2 inline __m256 load_q8(const uint32_t* wn, int64_t e) {
   }
 }
 
-template <int Bits, int M>
-MLXD_AVX2 void rows_avx2(const Problem& p, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint32_t* wn = p.w + n * p.words_per_row;
-    __m256 total[M];
-    float bias_part[M];
-    for (int m = 0; m < M; ++m) total[m] = _mm256_setzero_ps(), bias_part[m] = 0.f;
-    for (int64_t g = 0; g < p.groups; ++g) {
-      __m256 acc[M];
-      for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-      const int64_t k0 = g * p.group_size;
-      for (int64_t e = k0; e < k0 + p.group_size; e += 8) {
-        __m256 q = load_q8<Bits>(wn, e);
-        for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(q, _mm256_loadu_ps(p.x + m * p.k + e), acc[m]);
-      }
-      const __m256 s = _mm256_set1_ps(p.scales[n * p.groups + g]);
-      const float b = p.biases[n * p.groups + g];
-      for (int m = 0; m < M; ++m) {
-        total[m] = _mm256_fmadd_ps(s, acc[m], total[m]);
-        bias_part[m] += b * p.xsums[m * p.groups + g];
+// Rows per pass by row count of x: with one or two rows of x a single
+// accumulator chain per output would wait on the FMA latency, so several
+// outputs (rows of w) share each x load and run as independent chains.
+template <int M>
+constexpr int kBlockRows = M == 1 ? 4 : M == 2 ? 2 : 1;
+
+// Outputs n0 .. n0 + NB of every row of x.
+template <int Bits, int M, int NB>
+MLXD_AVX2 void block_avx2(const Problem& p, int64_t n0) {
+  const uint32_t* wn[NB];
+  for (int j = 0; j < NB; ++j) wn[j] = p.w + (n0 + j) * p.words_per_row;
+  __m256 total[M][NB];
+  float bias_part[M][NB] = {};
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < NB; ++j) total[m][j] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < p.groups; ++g) {
+    __m256 acc[M][NB];
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
+    const int64_t k0 = g * p.group_size;
+    for (int64_t e = k0; e < k0 + p.group_size; e += 8) {
+      __m256 xv[M];
+      for (int m = 0; m < M; ++m) xv[m] = _mm256_loadu_ps(p.x + m * p.k + e);
+      for (int j = 0; j < NB; ++j) {
+        const __m256 q = load_q8<Bits>(wn[j], e);
+        for (int m = 0; m < M; ++m) acc[m][j] = _mm256_fmadd_ps(q, xv[m], acc[m][j]);
       }
     }
-    for (int m = 0; m < M; ++m) p.y[m * p.n_rows + n] = vmath::hsum8(total[m]) + bias_part[m];
+    for (int j = 0; j < NB; ++j) {
+      const __m256 s = _mm256_set1_ps(p.scales[(n0 + j) * p.groups + g]);
+      const float b = p.biases[(n0 + j) * p.groups + g];
+      for (int m = 0; m < M; ++m) {
+        total[m][j] = _mm256_fmadd_ps(s, acc[m][j], total[m][j]);
+        bias_part[m][j] += b * p.xsums[m * p.groups + g];
+      }
+    }
   }
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < NB; ++j) p.y[m * p.n_rows + n0 + j] = vmath::hsum8(total[m][j]) + bias_part[m][j];
+}
+
+template <int Bits, int M>
+MLXD_AVX2 void rows_avx2(const Problem& p, int64_t n0, int64_t n1) {
+  constexpr int NB = kBlockRows<M>;
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) block_avx2<Bits, M, NB>(p, n);
+  for (; n < n1; ++n) block_avx2<Bits, M, 1>(p, n);
 }
 
 #endif
@@ -150,27 +173,53 @@ RowsFn pick_kernel(int bits, int64_t m) {
 
 void run_problem(const Problem& p, int bits, int64_t m) {
   RowsFn kernel = pick_kernel(bits, m);
-  cpu_parallel_for(p.n_rows, p.k, 1, [&](int64_t begin, int64_t end) { kernel(p, begin, end); });
+  cpu_parallel_for(p.n_rows, p.k, 4, [&](int64_t begin, int64_t end) { kernel(p, begin, end); });
 }
 
 // ---- The MLX primitive --------------------------------------------------------
+
+// An input as row-major float32 inside the task: read in place when it already
+// is, else packed (strided views) and converted (bfloat16 / float16) here, so
+// the graph needs no contiguous or astype node per call.
+class F32RowMajor {
+ public:
+  explicit F32RowMajor(const mx::array& a)
+      : raw_(a.data<void>(), a.itemsize(), a.shape(), a.strides(), a.flags().row_contiguous), dtype_(a.dtype()) {
+    if (dtype_ == mx::float32) return;
+    converted_.resize(a.size());
+    cpu_load_f32(raw_.data(), dtype_, 0, static_cast<int64_t>(a.size()), converted_.data());
+  }
+  const float* data() const {
+    return dtype_ == mx::float32 ? static_cast<const float*>(raw_.data()) : converted_.data();
+  }
+
+ private:
+  CpuRowMajor raw_;
+  mx::Dtype dtype_;
+  std::vector<float> converted_;
+};
 
 class QGemvCpu : public mx::UnaryPrimitive {
  public:
   QGemvCpu(mx::Stream s, int group_size, int bits) : mx::UnaryPrimitive(s), group_size_(group_size), bits_(bits) {}
 
-  // inputs: x [M, K], w [N, K * bits / 32], scales, biases [N, G]; all row-contiguous float32 / uint32.
+  // inputs: x [..., K] (float32 / bfloat16 / float16), w [N, K * bits / 32] uint32, scales and
+  // biases [N, G] (float dtypes); any layout. Output [..., N] float32.
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : in) encoder.set_input_array(a);
     encoder.set_output_array(out);
-    const int64_t m = in[0].shape(0), k = in[0].shape(1), n = in[1].shape(0);
-    Problem p{in[0].data<float>(), nullptr, in[1].data<uint32_t>(), in[2].data<float>(), in[3].data<float>(),
-              out.data<float>(), n, k, k / group_size_, group_size_, in[1].shape(1)};
+    const int64_t k = in[0].shape(-1), m = static_cast<int64_t>(in[0].size()) / k, n = in[1].shape(0);
+    Problem p{nullptr, nullptr, nullptr, nullptr, nullptr, out.data<float>(), n, k, k / group_size_, group_size_,
+              in[1].shape(1)};
     g_calls.fetch_add(1, std::memory_order_relaxed);
-    encoder.dispatch([p, m, bits = bits_]() mutable {
+    encoder.dispatch([p, m, bits = bits_, in]() mutable {
+      F32RowMajor x(in[0]), scales(in[2]), biases(in[3]);
+      CpuRowMajor w(in[1].data<void>(), in[1].itemsize(), in[1].shape(), in[1].strides(),
+                    in[1].flags().row_contiguous);
       std::vector<float> xsums(static_cast<size_t>(m * p.groups));
+      p.x = x.data();
       for (int64_t r = 0; r < m; ++r)
         for (int64_t g = 0; g < p.groups; ++g) {
           const float* xg = p.x + r * p.k + g * p.group_size;
@@ -179,6 +228,9 @@ class QGemvCpu : public mx::UnaryPrimitive {
           xsums[r * p.groups + g] = s;
         }
       p.xsums = xsums.data();
+      p.w = static_cast<const uint32_t*>(w.data());
+      p.scales = scales.data();
+      p.biases = biases.data();
       run_problem(p, bits, m);
     });
   }
@@ -191,7 +243,9 @@ class QGemvCpu : public mx::UnaryPrimitive {
     return group_size_ == o.group_size_ && bits_ == o.bits_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
-    return {{in[0].shape(0), in[1].shape(0)}};
+    auto shape = in[0].shape();
+    shape.back() = in[1].shape(0);
+    return {shape};
   }
 
  private:
@@ -201,7 +255,7 @@ class QGemvCpu : public mx::UnaryPrimitive {
 }  // namespace
 
 bool qgemv_cpu_applies(const mx::array& x, int group_size, int bits) {
-  if (!cpu_kernels_active()) return false;
+  if (!cpu_kernels_active() || !cpu_kernel_dtype_ok(x)) return false;
   if ((bits != 4 && bits != 8) || group_size <= 0 || group_size % 32 != 0) return false;
   if (x.ndim() == 0 || x.shape(-1) == 0 || x.shape(-1) % group_size != 0) return false;
   int64_t rows = static_cast<int64_t>(x.size()) / x.shape(-1);
@@ -211,21 +265,19 @@ bool qgemv_cpu_applies(const mx::array& x, int group_size, int bits) {
 mx::array qgemv_cpu(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                     int group_size, int bits) {
   const int k = x.shape(-1), n = w.shape(0), groups = k / group_size;
-  auto f32 = [](const mx::array& a) { return mx::contiguous(mx::astype(a, mx::float32)); };
   if (w.dtype() != mx::uint32 || w.ndim() != 2 || static_cast<int64_t>(w.shape(1)) * 32 != int64_t{k} * bits)
     throw std::invalid_argument("qgemv_cpu: packed weights do not match x's last axis");
   mx::Shape side{n, groups};
   if (scales.shape() != side || biases.shape() != side)
     throw std::invalid_argument("qgemv_cpu: scales and biases must be [N, K / group_size]");
-  int rows = static_cast<int>(x.size() / k);
-  auto x2 = f32(mx::reshape(x, {rows, k}));
-  std::vector<mx::array> inputs{x2, mx::contiguous(w), f32(scales), f32(biases)};
-  auto y = mx::array({rows, n}, mx::float32, std::make_shared<QGemvCpu>(mx::default_stream(mx::Device::cpu),
-                                                                       group_size, bits),
-                     std::move(inputs));
+  for (const auto* a : {&scales, &biases})
+    if (!mx::issubdtype(a->dtype(), mx::floating) || a->dtype() == mx::float64)
+      throw std::invalid_argument("qgemv_cpu: scales and biases must be float32, bfloat16 or float16");
   auto shape = x.shape();
   shape.back() = n;
-  return mx::reshape(y, shape);
+  return mx::array(std::move(shape), mx::float32,
+                   std::make_shared<QGemvCpu>(mx::default_stream(mx::Device::cpu), group_size, bits),
+                   {x, w, scales, biases});
 }
 
 uint64_t qgemv_cpu_calls() { return g_calls.load(std::memory_order_relaxed); }

@@ -23,8 +23,9 @@ K = 256
 LAYOUTS = [("int4", 32, "symmetric"), ("int4", 64, "symmetric"), ("int4", 128, "asymmetric"),
            ("int8", 32, "symmetric"), ("int8", 64, "symmetric"), ("int8", 128, "asymmetric")]
 ROWS = (1, 4)  # decode-sized products: the kernel takes up to 8 rows
-# Outputs of 48 (one thread) and 384 (split across the cores) per layout.
-WIDTHS = (48, 384)
+# Outputs of 48 (one thread), 384 (split across the cores) and 51 (not a whole
+# number of the kernel's 4-output blocks) per layout.
+WIDTHS = (48, 384, 51)
 
 
 class Layouts(torch.nn.Module):
