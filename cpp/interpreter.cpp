@@ -92,13 +92,30 @@ mx::array owned_copy(const mx::array& a) {
   return out;
 }
 
-// Small graphs on the CPU: MLX's stream thread sleeps between tasks and each
-// task eval enqueues wakes it. On a busy 2-core machine every such wake-up
-// preempts the calling thread (a pair of context switches per task, most of a
-// tiny call's cost). Parking the stream thread in one task while eval enqueues
-// the graph, then releasing it, costs two wake-ups per call instead of one per
-// task. The park ends by itself after kParkTimeout, so nothing that waits on
-// the stream thread inside eval (MLX's active-task throttle) can hang on it.
+// Small graphs on the CPU: MLX's stream thread sleeps between tasks, each
+// task that eval enqueues wakes it, and eval then sleeps until the last task
+// has run. On a 2-core VM every such hand-off is a futex wake-up and a context
+// switch, most of a tiny call's cost. Instead the stream thread is parked in
+// one task, spinning, while eval enqueues the graph; released, it runs the
+// tasks back to back while the calling thread spins for a marker task behind
+// them, so the final wait in eval finds everything done. Both spins are
+// bounded (kSpinLimit), after which each side sleeps as before, so nothing
+// that waits on the stream thread inside eval (MLX's active-task throttle)
+// can hang on the park.
+constexpr auto kSpinLimit = std::chrono::microseconds(2000);
+
+template <class Ready>
+bool spin_for(Ready ready, std::chrono::microseconds limit) {
+  const auto until = std::chrono::steady_clock::now() + limit;
+  for (int i = 0;; ++i) {
+    if (ready()) return true;
+    if ((i & 63) == 0 && std::chrono::steady_clock::now() > until) return false;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
+}
+
 class StreamPark {
  public:
   explicit StreamPark(mx::Stream stream) : state_(std::make_shared<State>()) {
@@ -106,23 +123,20 @@ class StreamPark {
   }
   ~StreamPark() { release(); }
   void release() {
-    {
-      std::lock_guard<std::mutex> lock(state_->mutex);
-      if (state_->open) return;
-      state_->open = true;
-    }
+    if (state_->open.exchange(true)) return;
+    std::lock_guard<std::mutex> lock(state_->mutex);  // a waiter past its spin sleeps on cv
     state_->cv.notify_one();
   }
 
  private:
-  static constexpr auto kParkTimeout = std::chrono::milliseconds(2);
   struct State {
+    std::atomic<bool> open{false};
     std::mutex mutex;
     std::condition_variable cv;
-    bool open = false;
     void wait() {
+      if (spin_for([this] { return open.load(std::memory_order_acquire); }, kSpinLimit)) return;
       std::unique_lock<std::mutex> lock(mutex);
-      cv.wait_for(lock, kParkTimeout, [this] { return open; });
+      cv.wait_for(lock, kSpinLimit, [this] { return open.load(); });
     }
   };
   std::shared_ptr<State> state_;
@@ -148,7 +162,10 @@ std::optional<mx::Stream> parkable_stream(const std::vector<mx::array>& arrays) 
 void eval_parked(std::vector<mx::array>& arrays, mx::Stream stream) {
   StreamPark park(stream);
   mx::async_eval(arrays);
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  mx::scheduler::enqueue(stream, [done] { done->store(true, std::memory_order_release); });
   park.release();
+  spin_for([&] { return done->load(std::memory_order_acquire); }, kSpinLimit);
   mx::eval(arrays);
 }
 
