@@ -24,6 +24,11 @@ FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 TOLERANCE = {
     torch.float32: (1e-4, 1e-5), torch.float16: (1e-2, 1e-2), torch.bfloat16: (5e-2, 5e-2),
 }
+# Weight-only int4/int8 products: on the CPU the quantized GEMV rounds the
+# activations to int16 per block of <= 128 (cpp/kernels/qgemv_cpu.cpp; at most
+# 2^-16 of the block's largest |x|), which shows as absolute errors of ~5e-5 on
+# float32 outputs of order 1: still far below the weights' own rounding.
+QUANTIZED_TOLERANCE = {**TOLERANCE, torch.float32: (1e-4, 2e-4)}
 
 
 class Lambda(torch.nn.Module):

@@ -9,6 +9,7 @@
 #include "kernels/vec_math_cpu.h"
 
 #include <algorithm>
+#include <cmath>
 #include <array>
 #include <atomic>
 #include <stdexcept>
@@ -38,6 +39,11 @@ struct Problem {
   const float* biases;  // [N, G]
   float* y;             // [M, N]
   int64_t n_rows, k, groups, group_size, words_per_row;
+  // The AVX2 kernel's activations (see quantize_x): x as int16 in blocks of
+  // x_block elements, one scale per block, each 32 elements in load order.
+  const int16_t* x16 = nullptr;  // [M, K]
+  const float* x16_scales = nullptr;  // [M, K / x_block]
+  int64_t x_block = 0;
 };
 
 // ---- Portable kernel: scalar, any M <= 8 -------------------------------------
@@ -68,22 +74,60 @@ void rows_portable(const Problem& p, int64_t n0, int64_t n1) {
 
 #ifdef MLXD_QGEMV_X86
 
-// Eight weights starting at element e (a multiple of 8) as floats.
+// The weights stay integers: x is rounded to int16 per block of x_block
+// elements (scale = max|x| / 32767, so the rounding error is at most 2^-16 of
+// the block's largest value, far below the weights' own quantization error),
+// and 16 products at a time are summed exactly in int32 by vpmaddwd. That is
+// 7 vector instructions per 32 weights where converting each weight to float
+// for an FMA takes 16. Within each 32 elements x is stored in the order the
+// packed weights unpack in: for int4, 16 bytes widened to 16-bit lanes give
+// the even elements as low nibbles and the odd ones as high nibbles.
+constexpr int16_t kX16Max = 32767;
+
+// A block holds at most 128 elements: int32 sums then stay below 2^31 for
+// int8 weights (4 chunks x 2 vpmaddwd x 2 x 255 x 32767).
+int64_t x_block_for(int64_t group_size) {
+  for (int64_t b : {128, 64, 32})
+    if (group_size % b == 0) return b;
+  return 0;
+}
+
 template <int Bits>
-MLXD_AVX2 inline __m256 load_q8(const uint32_t* wn, int64_t e) {
+void quantize_x(const float* x, int64_t m, int64_t k, int64_t block, int16_t* q, float* scales) {
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t b0 = 0; b0 < k; b0 += block) {
+      const float* xb = x + r * k + b0;
+      float amax = 0.f;
+      for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float scale = amax / kX16Max, inv = amax > 0.f ? kX16Max / amax : 0.f;
+      scales[(r * k + b0) / block] = scale;
+      int16_t* qb = q + r * k + b0;
+      for (int64_t c = 0; c < block; c += 32)
+        for (int i = 0; i < 32; ++i) {
+          // int4: slot i < 16 holds element 2i of the chunk, slot 16 + i element 2i + 1.
+          const int e = Bits == 4 ? (i < 16 ? 2 * i : 2 * (i - 16) + 1) : i;
+          qb[c + i] = static_cast<int16_t>(std::lrintf(xb[c + e] * inv));
+        }
+    }
+}
+
+// 32 weights of one row from element e (a multiple of 32) as two vectors of
+// 16-bit lanes, in the order quantize_x stores x.
+template <int Bits>
+MLXD_AVX2 inline void load_w32(const uint32_t* wn, int64_t e, __m256i& lo, __m256i& hi) {
+  const auto* bytes = reinterpret_cast<const uint8_t*>(wn);
   if constexpr (Bits == 4) {
-    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-    __m256i words = _mm256_set1_epi32(static_cast<int>(wn[e / 8]));
-    __m256i q = _mm256_and_si256(_mm256_srlv_epi32(words, shifts), _mm256_set1_epi32(0xF));
-    return _mm256_cvtepi32_ps(q);
+    __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + e / 2)));
+    lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0F));
+    hi = _mm256_srli_epi16(v, 4);
   } else {
-    __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint8_t*>(wn) + e));
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+    lo = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + e)));
+    hi = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + e + 16)));
   }
 }
 
 // Rows per pass by row count of x: with one or two rows of x a single
-// accumulator chain per output would wait on the FMA latency, so several
+// accumulator chain per output would wait on the adder latency, so several
 // outputs (rows of w) share each x load and run as independent chains.
 template <int M>
 constexpr int kBlockRows = M == 1 ? 4 : M == 2 ? 2 : 1;
@@ -97,26 +141,37 @@ MLXD_AVX2 void block_avx2(const Problem& p, int64_t n0) {
   float bias_part[M][NB] = {};
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < NB; ++j) total[m][j] = _mm256_setzero_ps();
+  const int64_t blocks_per_group = p.group_size / p.x_block, blocks_per_row = p.k / p.x_block;
   for (int64_t g = 0; g < p.groups; ++g) {
-    __m256 acc[M][NB];
-    for (int m = 0; m < M; ++m)
-      for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
-    const int64_t k0 = g * p.group_size;
-    for (int64_t e = k0; e < k0 + p.group_size; e += 8) {
-      __m256 xv[M];
-      for (int m = 0; m < M; ++m) xv[m] = _mm256_loadu_ps(p.x + m * p.k + e);
-      for (int j = 0; j < NB; ++j) {
-        const __m256 q = load_q8<Bits>(wn[j], e);
-        for (int m = 0; m < M; ++m) acc[m][j] = _mm256_fmadd_ps(q, xv[m], acc[m][j]);
+    float sw[NB];
+    for (int j = 0; j < NB; ++j) sw[j] = p.scales[(n0 + j) * p.groups + g];
+    for (int64_t xb = g * blocks_per_group; xb < (g + 1) * blocks_per_group; ++xb) {
+      __m256i acc[M][NB];
+      for (int m = 0; m < M; ++m)
+        for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_si256();
+      for (int64_t e = xb * p.x_block; e < (xb + 1) * p.x_block; e += 32) {
+        __m256i xlo[M], xhi[M];
+        for (int m = 0; m < M; ++m) {
+          xlo[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.x16 + m * p.k + e));
+          xhi[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.x16 + m * p.k + e + 16));
+        }
+        for (int j = 0; j < NB; ++j) {
+          __m256i lo, hi;
+          load_w32<Bits>(wn[j], e, lo, hi);
+          for (int m = 0; m < M; ++m)
+            acc[m][j] = _mm256_add_epi32(acc[m][j], _mm256_add_epi32(_mm256_madd_epi16(lo, xlo[m]),
+                                                                     _mm256_madd_epi16(hi, xhi[m])));
+        }
+      }
+      for (int m = 0; m < M; ++m) {
+        const float sx = p.x16_scales[m * blocks_per_row + xb];
+        for (int j = 0; j < NB; ++j)
+          total[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][j]), _mm256_set1_ps(sx * sw[j]), total[m][j]);
       }
     }
     for (int j = 0; j < NB; ++j) {
-      const __m256 s = _mm256_set1_ps(p.scales[(n0 + j) * p.groups + g]);
       const float b = p.biases[(n0 + j) * p.groups + g];
-      for (int m = 0; m < M; ++m) {
-        total[m][j] = _mm256_fmadd_ps(s, acc[m][j], total[m][j]);
-        bias_part[m][j] += b * p.xsums[m * p.groups + g];
-      }
+      for (int m = 0; m < M; ++m) bias_part[m][j] += b * p.xsums[m * p.groups + g];
     }
   }
   for (int m = 0; m < M; ++m)
@@ -171,8 +226,20 @@ RowsFn pick_kernel(int bits, int64_t m) {
 
 // ---- Rows of w (N) split across the cores (the shared pool in cpu_parallel.h) --
 
-void run_problem(const Problem& p, int bits, int64_t m) {
+void run_problem(Problem p, int bits, int64_t m) {
   RowsFn kernel = pick_kernel(bits, m);
+  std::vector<int16_t> x16;
+  std::vector<float> x16_scales;
+#ifdef MLXD_QGEMV_X86
+  if (cpu_use_avx2()) {
+    p.x_block = x_block_for(p.group_size);
+    x16.resize(static_cast<size_t>(m * p.k));
+    x16_scales.resize(static_cast<size_t>(m * p.k / p.x_block));
+    (bits == 4 ? quantize_x<4> : quantize_x<8>)(p.x, m, p.k, p.x_block, x16.data(), x16_scales.data());
+    p.x16 = x16.data();
+    p.x16_scales = x16_scales.data();
+  }
+#endif
   cpu_parallel_for(p.n_rows, p.k, 4, [&](int64_t begin, int64_t end) { kernel(p, begin, end); });
 }
 

@@ -19,7 +19,7 @@ from mlx_delegate.llm import export as llm_export
 from mlx_delegate.llm.generate import Generator
 from mlx_delegate.models import loading
 from mlx_delegate.patterns import MLXPatternPass
-from mlx_delegate.testing import TOLERANCE, assert_close, delegate_summary
+from mlx_delegate.testing import QUANTIZED_TOLERANCE, assert_close, delegate_summary
 
 FUSED = {"QuantizedLinearNode", "QuantizedEmbeddingNode"}
 PLAIN = {"LinearNode", "MatmulNode", "AddmmNode", "TakeNode"}
@@ -78,7 +78,7 @@ def lower_quantized(module, inputs, dtype, more_inputs=()):
     method = Runtime.get().load_program(buffer).load_method("forward")
     for args in (inputs, *more_inputs):
         with torch.no_grad():
-            assert_close(method.execute(list(args)), module(*args), *TOLERANCE[dtype])
+            assert_close(method.execute(list(args)), module(*args), *QUANTIZED_TOLERANCE[dtype])
     return pattern_pass.counts["quantized"], delegate_summary(edge), ir_nodes(edge)
 
 
