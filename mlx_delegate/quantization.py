@@ -114,6 +114,20 @@ def _(x: Tensor, w: Tensor, scales: Tensor, biases: Tensor, bias: Tensor | None,
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
+@torch.library.custom_op("mlx_delegate::quantized_linear_group", mutates_args=())
+def quantized_linear_group(x: Tensor, ws: list[Tensor], scales: list[Tensor], biases: list[Tensor],
+                           bias: list[Tensor | None], group_size: int, bits: int) -> list[Tensor]:
+    """`quantized_linear` for several weights of one layout reading the same x (q/k/v, gate/up),
+    which the delegate computes as one product over the stacked packed weights."""
+    return [quantized_linear(x, *parts, group_size, bits) for parts in zip(ws, scales, biases, bias)]
+
+
+@quantized_linear_group.register_fake
+def _(x: Tensor, ws: list[Tensor], scales: list[Tensor], biases: list[Tensor], bias: list[Tensor | None],
+      group_size: int, bits: int) -> list[Tensor]:
+    return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in ws]
+
+
 @torch.library.custom_op("mlx_delegate::quantized_embedding", mutates_args=())
 def quantized_embedding(w: Tensor, scales: Tensor, biases: Tensor, indices: Tensor, group_size: int,
                         bits: int) -> Tensor:

@@ -70,9 +70,14 @@ def linear_group(b: ProgramBuilder, n: torch.fx.Node) -> None:
         bias = b.concat_constant([t if t is not None else size for t, size in zip(biases, sizes)], dtype)
     full = b.temp()
     b.emit(N.LinearNode(x=b.operand(x, dtype), weight=b.concat_constant(weights, dtype), bias=bias, out=full))
-    axis = len(b.shape_of(x)) - 1
+    split_last_axis(b, n, full, sizes)
+
+
+def split_last_axis(b: ProgramBuilder, n: torch.fx.Node, full: Any, sizes: list[int]) -> None:
+    """Node n's outputs as consecutive slices of `full` along its last axis (MLX views)."""
+    axis = len(b.shape_of(n.args[0])) - 1
     start = 0
-    for out, size in zip(b.outs(n, len(weights)), sizes):
+    for out, size in zip(b.outs(n, len(sizes)), sizes):
         b.emit(N.SliceNode(x=full, axis=axis, start=b.int_or_vid(start), stop=b.int_or_vid(start + size), step=1,
                            out=out))
         start += size

@@ -22,6 +22,7 @@ from ..builder import ProgramBuilder
 from ..ir import nodes as N
 from ..registry import register
 from .indexing import index_tensor
+from .linalg import split_last_axis
 
 mlxd = torch.ops.mlx_delegate
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -63,6 +64,29 @@ def quantized_linear(b: ProgramBuilder, n: torch.fx.Node) -> None:
     b.emit(N.QuantizedLinearNode(x=b.tensor(x), w=b.tensor(w), scales=b.tensor(scales), biases=b.tensor(biases),
                                  bias=b.tensor(bias) if bias is not None else None, group_size=group_size,
                                  bits=bits, out=b.out(n)))
+
+
+@register(mlxd.quantized_linear_group.default)
+def quantized_linear_group(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    """Quantized linears of one layout sharing x (patterns/linear_group.py): one
+    QuantizedLinearNode over the packed weights, scales and biases stacked on the output
+    axis (derived constants), each result a slice of it."""
+    x, ws, scales, biases, bias, group_size, bits = n.args
+    dtype = b.dtype_of(x)
+    ks = {_packed(b, *parts, group_size, bits, dtype) for parts in zip(ws, scales, biases)}
+    if len(ks) != 1 or not b.shape_of(x) or b.shape_of(x)[-1] != ks.pop():
+        raise b.unsupported("quantized_linear_group needs one input size matching x's last axis")
+    if any(t is not None and (b.dtype_of(t) != dtype or len(b.shape_of(t)) != 1) for t in bias):
+        raise b.unsupported("bias must be 1-D in the input's dtype")
+    sizes = [b.shape_of(w)[0] for w in ws]
+    stacked_bias = None
+    if any(t is not None for t in bias):  # a linear without one adds zeros
+        stacked_bias = b.concat_constant([t if t is not None else size for t, size in zip(bias, sizes)], dtype)
+    full = b.temp()
+    b.emit(N.QuantizedLinearNode(x=b.tensor(x), w=b.concat_constant(ws, torch.int32),
+                                 scales=b.concat_constant(scales, dtype), biases=b.concat_constant(biases, dtype),
+                                 bias=stacked_bias, group_size=group_size, bits=bits, out=full))
+    split_last_axis(b, n, full, sizes)
 
 
 @register(mlxd.quantized_embedding.default)

@@ -9,8 +9,10 @@ decode step then pays one matrix-vector product's fixed cost instead of three.
 
 Only constant 2-D weights (and biases) read by nothing else are grouped: the
 stacked copy is built from them when the program is written out, and the
-parts themselves are then not stored. Quantized linears are rewritten before
-this runs (`quantized_linear`) and are left alone.
+parts themselves are then not stored. Quantized linears (`quantized_linear`,
+rewritten before this runs) of one layout group the same way, into
+`mlx_delegate::quantized_linear_group` over stacked packed weights, scales
+and biases.
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ from executorch.exir.dialects._ops import ops as exir_ops
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
+from .. import quantization  # noqa: F401  (defines the quantized ops grouped here)
 from .common import aten, dtype, fusable, is_op, only_user, shape
 
 LINEAR = aten.linear.default
 GROUP = exir_ops.edge.mlx_delegate.linear_group.default
+QLINEAR = torch.ops.mlx_delegate.quantized_linear.default
+QGROUP = exir_ops.edge.mlx_delegate.quantized_linear_group.default
 CONSTANT_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 
 
@@ -43,7 +48,14 @@ def _is_constant(n: object, constants: set[str], user: torch.fx.Node) -> bool:
 
 
 def _group_key(n: torch.fx.Node, constants: set[str]) -> tuple | None:
-    """What linears must share to be fused (input, dtype, K), or None if `n` cannot be."""
+    """What linears must share to be fused (input, dtype, K; for quantized ones the layout),
+    or None if `n` cannot be."""
+    if is_op(n, QLINEAR) and n.users:
+        x, w, scales, biases, bias, group_size, bits = n.args
+        if not all(_is_constant(t, constants, n) for t in (w, scales, biases)) or \
+                (bias is not None and not _is_constant(bias, constants, n)):
+            return None
+        return (x, "quantized", dtype(scales), shape(w)[1], group_size, bits)
     if not is_op(n, LINEAR) or not n.users:
         return None
     x, w = n.args[0], n.args[1]
@@ -58,12 +70,21 @@ def _group_key(n: torch.fx.Node, constants: set[str]) -> tuple | None:
     return (x, dtype(w), ws[1])
 
 
-def _fuse(ep: ExportedProgram, linears: list[torch.fx.Node]) -> bool:
-    graph = ep.graph
+def _group_call(linears: list[torch.fx.Node]) -> tuple[object, tuple]:
+    """The grouped op and its arguments for `linears` (one key of _group_key)."""
+    if is_op(linears[0], QLINEAR):
+        x, *_, group_size, bits = linears[0].args
+        parts = [list(part) for part in zip(*(n.args[1:5] for n in linears))]  # ws, scales, biases, bias
+        return QGROUP, (x, *parts, group_size, bits)
     weights = [n.args[1] for n in linears]
     biases = [n.args[2] if len(n.args) > 2 else n.kwargs.get("bias") for n in linears]
+    return GROUP, (linears[0].args[0], weights, biases)
+
+
+def _fuse(ep: ExportedProgram, linears: list[torch.fx.Node]) -> bool:
+    graph = ep.graph
     with graph.inserting_before(linears[0]):
-        group = graph.call_function(GROUP, (linears[0].args[0], weights, biases))
+        group = graph.call_function(*_group_call(linears))
     group.meta = {**linears[0].meta, "val": [n.meta["val"] for n in linears]}
     if not fusable(group):
         graph.erase_node(group)

@@ -89,13 +89,18 @@ def sample(dtype, k=256, length=3):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_quantized_layers_fuse(dtype):
     """int8 (per channel, groups of 32 and 128) and int4 (groups of 32/64/128, symmetric and not):
-    linears with and without bias and an embedding each become one quantized node."""
+    linears with and without bias and an embedding each become quantized nodes; the two linears
+    reading x (one with a bias, one without) share one product over their stacked weights."""
     module = AllLayouts(dtype)
     assert (module.blocks[-1].biased.weight.zero_point != 0).any()  # the asymmetric row has zero points
     # 6 rows and 16 rows: on the CPU the runtime switches from quantized_matmul to dequantize + matmul at 8.
     fused, summary, nodes = lower_quantized(module, sample(dtype), dtype, [sample(dtype, length=8)])
     assert fused == 3 * len(LAYOUTS) and summary == (1, [])
-    assert nodes["QuantizedLinearNode"] == 2 * len(LAYOUTS) and nodes["QuantizedEmbeddingNode"] == len(LAYOUTS)
+    # One grouped product per MLX layout reading x: int8 per channel (K = 256) is int8 in groups of 128
+    # like row 3, and the two int4 group-32 rows share theirs too.
+    layouts = len({("int8", 128) if mode == "int8" and g is None else (mode, g) for mode, g, _ in LAYOUTS})
+    assert nodes["QuantizedLinearNode"] == layouts == 5 and nodes["SliceNode"] == 2 * len(LAYOUTS)
+    assert nodes["QuantizedEmbeddingNode"] == len(LAYOUTS)
     assert not PLAIN & set(nodes) and not {"BinaryNode", "AsTypeNode"} & set(nodes)  # no dequantize + matmul
 
 
@@ -139,7 +144,8 @@ def test_int4_llama_generates_like_eager():
                             constant_methods=llm_export.metadata(model))
     nodes = ir_nodes(edge)
     assert delegate_summary(edge) == (1, [])
-    assert nodes["QuantizedLinearNode"] == 2 * 7 + 1 and nodes["QuantizedEmbeddingNode"] == 1  # + tied lm_head
+    # Per layer q/k/v, o, gate/up and down (q/k/v and gate/up each one grouped product), + the tied lm_head.
+    assert nodes["QuantizedLinearNode"] == 2 * 4 + 1 and nodes["QuantizedEmbeddingNode"] == 1
     prompt, steps = [5, 17, 99, 3, 42, 7], 16
     ours = list(Generator(edge.to_executorch().buffer, eos_token_ids=[]).generate_ids(prompt, steps))
     tokens = list(prompt)

@@ -12,7 +12,7 @@ from executorch.runtime import Runtime
 from torch.export import Dim
 from torchao.quantization import MappingType, quantize_
 
-from mlx_delegate import _runtime
+from mlx_delegate import MLXPartitioner, _runtime
 from mlx_delegate import quantization as Q
 from mlx_delegate.llm import export as llm_export
 from mlx_delegate.patterns import MLXPatternPass
@@ -64,7 +64,8 @@ def make_case(dtype: torch.dtype) -> Case:
     example = torch.randn(1, 2, K, dtype=dtype)
     ep = torch.export.export(module, (example,), dynamic_shapes=({1: Dim("L", min=1, max=16)},), strict=True)
     pattern_pass = MLXPatternPass()
-    edge = llm_export.lower(ep, pattern_pass=pattern_pass)
+    # Linears kept apart (no fuse_linears): each width is its own kernel call.
+    edge = llm_export.lower(ep, pattern_pass=pattern_pass, partitioner=MLXPartitioner(disable={"fuse_linears"}))
     assert pattern_pass.counts["quantized"] == LINEARS and delegate_summary(edge) == (1, [])
     return Case(module, edge.to_executorch().buffer, [torch.randn(1, rows, K, dtype=dtype) for rows in ROWS])
 
