@@ -156,6 +156,10 @@ MLXD_AVX2 void block_avx2(const Problem& p, int64_t n0) {
           xhi[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.x16 + m * p.k + e + 16));
         }
         for (int j = 0; j < NB; ++j) {
+          // The next block's rows, one cache line ahead of use: the hardware
+          // prefetcher does not follow NB short interleaved row streams well.
+          if (e % (512 / Bits) == 0)
+            _mm_prefetch(reinterpret_cast<const char*>(wn[j] + NB * p.words_per_row) + e * Bits / 8, _MM_HINT_T0);
           __m256i lo, hi;
           load_w32<Bits>(wn[j], e, lo, hi);
           for (int m = 0; m < M; ++m)
