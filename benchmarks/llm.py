@@ -25,7 +25,8 @@ turns within each round for the small model; for the 1.2B model the delegate and
 turns (they share the machine's load alike), and the other engines run one after another, each freed
 before the next is built (more copies of 5 GB of weights do not fit). The memory bandwidth
 is measured in the same run; `% bw` is decode tok/s over the bound from reading every weight once
-per token.
+per token (for the weight-only quantized rows the bytes read are the program's: its .pte size, packed
+weights plus their scales and biases).
 
     python benchmarks/llm.py [--quick] [--json out.json] [--models smollm2,1.2b] [--dtypes fp32,bf16]
 """
@@ -156,6 +157,7 @@ def pte_file(program: Any) -> Path:
 
 class MethodRunner(Runner):
     def __init__(self, pte: Path, compile_graphs: bool = True) -> None:
+        self.program_bytes = pte.stat().st_size
         self.program = Runtime.get().load_program(pte)
         self.method = self.program.load_method("forward")
         self.compile_graphs = compile_graphs
@@ -330,6 +332,7 @@ class Row:
     rounds: int = 0
     load_s: float | None = None
     rss_delta_mb: float | None = None
+    program_bytes: int | None = None  # the .pte size, for the delegate rows
     note: str = ""
     error: str | None = None
     prefill_s: list[float] = field(default_factory=list)
@@ -403,6 +406,7 @@ def measure(spec: ModelSpec, label: str, m: Model, jobs: list[Job], args: argpar
             for _ in range(job.warm_rounds):
                 run_round(runner, prompt, decode)
             row.rss_delta_mb = rss_mb() - rss0
+            row.program_bytes = getattr(runner, "program_bytes", None)
             if job.engine == "eager torch":
                 reference[label] = logits
             ref = reference.get(label)
@@ -525,7 +529,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             got = measure(spec, label, m, jobs(m), args, reference)
             for r in got:
                 if bw and r.decode_tok_s:
-                    r.bw_share = r.decode_tok_s * weight_bytes(m) / (bw * 1e9) if label in DTYPES else None
+                    read = weight_bytes(m) if label in DTYPES else r.program_bytes
+                    r.bw_share = r.decode_tok_s * read / (bw * 1e9) if read else None
             rows += got
             print(table(rows), file=sys.stderr, flush=True)  # progress: the table so far
             del m
@@ -539,7 +544,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print()
     print(table(rows))
     if bw:
-        print(f"% bw: decode tok/s over {bw} GB/s / weight bytes (fp32/bf16 rows; every weight read once per token)")
+        print(f"% bw: decode tok/s over {bw} GB/s / bytes read per token (every weight once; for the quantized "
+              "rows the .pte size)")
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
         print(f"wrote {args.json}")
