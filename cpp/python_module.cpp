@@ -252,5 +252,7 @@ NB_MODULE(_runtime, m) {
   m.def("set_cpu_kernels", &mlxd::rt::set_cpu_kernels_enabled, nb::arg("on"),
         "Turn the CPU element-wise / row kernels on or off for graphs built from now on (A/B runs).");
   m.def("cpu_kernels_enabled", &mlxd::rt::cpu_kernels_enabled);
+  m.def("cpu_vector_kernels", &mlxd::rt::cpu_use_avx2,
+        "Whether the CPU kernels run their vector (AVX2 + FMA) code: kernels on and the CPU has it.");
   if (!register_backend()) throw std::runtime_error("mlx_delegate: could not register the backend with ExecuTorch");
 }

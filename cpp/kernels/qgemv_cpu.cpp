@@ -230,8 +230,24 @@ RowsFn pick_kernel(int bits, int64_t m) {
 
 // ---- Rows of w (N) split across the cores (the shared pool in cpu_parallel.h) --
 
+// Problem p from row r0 of x on.
+Problem from_row(Problem p, int64_t r0) {
+  p.x += r0 * p.k;
+  p.xsums += r0 * p.groups;
+  if (p.x16) {
+    p.x16 += r0 * p.k;
+    p.x16_scales += r0 * (p.k / p.x_block);
+  }
+  p.y += r0 * p.n_rows;
+  return p;
+}
+
+// Outputs per chunk when x has more rows than one kernel pass takes: every
+// block of kQgemvMaxRows rows runs over the chunk while its weights are still
+// in the core's cache.
+constexpr int64_t kRowsChunk = 64;
+
 void run_problem(Problem p, int bits, int64_t m) {
-  RowsFn kernel = pick_kernel(bits, m);
   std::vector<int16_t> x16;
   std::vector<float> x16_scales;
 #ifdef MLXD_QGEMV_X86
@@ -244,7 +260,18 @@ void run_problem(Problem p, int bits, int64_t m) {
     p.x16_scales = x16_scales.data();
   }
 #endif
-  cpu_parallel_for(p.n_rows, p.k, 4, [&](int64_t begin, int64_t end) { kernel(p, begin, end); });
+  if (m <= kQgemvMaxRows) {
+    RowsFn kernel = pick_kernel(bits, m);
+    cpu_parallel_for(p.n_rows, p.k * m, 4, [&](int64_t begin, int64_t end) { kernel(p, begin, end); });
+    return;
+  }
+  cpu_parallel_for(p.n_rows, p.k * m, kRowsChunk, [&](int64_t begin, int64_t end) {
+    for (int64_t n0 = begin; n0 < end; n0 += kRowsChunk)
+      for (int64_t r0 = 0; r0 < m; r0 += kQgemvMaxRows) {
+        const int64_t rows = std::min(kQgemvMaxRows, m - r0);
+        pick_kernel(bits, rows)(from_row(p, r0), n0, std::min(end, n0 + kRowsChunk));
+      }
+  });
 }
 
 // ---- The MLX primitive --------------------------------------------------------
@@ -330,7 +357,9 @@ bool qgemv_cpu_applies(const mx::array& x, int group_size, int bits) {
   if ((bits != 4 && bits != 8) || group_size <= 0 || group_size % 32 != 0) return false;
   if (x.ndim() == 0 || x.shape(-1) == 0 || x.shape(-1) % group_size != 0) return false;
   int64_t rows = static_cast<int64_t>(x.size()) / x.shape(-1);
-  return rows >= 1 && rows <= kQgemvMaxRows;
+  // The integer AVX2 kernel takes any number of rows (blocks of kQgemvMaxRows over cached
+  // chunks of w); the portable loop only decode-sized products.
+  return rows >= 1 && (rows <= kQgemvMaxRows || cpu_use_avx2());
 }
 
 mx::array qgemv_cpu(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,

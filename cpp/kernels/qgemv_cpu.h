@@ -1,8 +1,9 @@
-// A CPU kernel for weight-only quantized products with few rows (decode):
+// A CPU kernel for weight-only quantized products:
 // y[M, N] = x[M, K] . dequantize(w)^T in MLX's affine layout, as an MLX
 // primitive so it runs on the CPU stream like any other op. MLX's own CPU
 // quantized_matmul is a single-threaded scalar loop; this one is vectorised
-// (AVX2 + FMA where the CPU has them) and splits N across the cores.
+// (integer dot products with AVX2 where the CPU has it) and splits N across
+// the cores. Rows of x are taken kQgemvMaxRows at a time.
 #pragma once
 
 #include <cstdint>
@@ -13,8 +14,8 @@ namespace mlxd::rt {
 
 // Whether qgemv_cpu takes this product: cpu_kernels_active() (kernels/cpu_parallel.h:
 // MLX_DELEGATE_CPU_KERNELS=0 or set_cpu_kernels(False) turn it off, =portable forces the
-// non-AVX2 code), bits 4 or 8, a group size that is a multiple of 32 dividing K, at most
-// kQgemvMaxRows rows.
+// non-AVX2 code), bits 4 or 8, a group size that is a multiple of 32 dividing K; any number
+// of rows with AVX2, at most kQgemvMaxRows for the portable loop.
 constexpr int64_t kQgemvMaxRows = 8;
 bool qgemv_cpu_applies(const mlx::core::array& x, int group_size, int bits);
 

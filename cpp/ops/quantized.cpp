@@ -7,11 +7,12 @@
 namespace mlxd::rt {
 namespace {
 
-// For a few rows (decode) the CPU runs our own kernel (kernels/qgemv_cpu.h)
-// unless MLX_DELEGATE_CPU_KERNELS=0 turns it off; then MLX's CPU quantized
-// matmul, a plain loop, runs in fp32 (it is much slower in bf16/fp16). From
-// this many rows on (prefill) dequantize + the BLAS matmul is several times
-// faster than either. GPUs always run quantized_matmul.
+// The CPU runs our own kernel (kernels/qgemv_cpu.h: any number of rows with
+// AVX2, decode-sized products otherwise) unless MLX_DELEGATE_CPU_KERNELS=0
+// turns it off. Otherwise a few rows run MLX's CPU quantized matmul, a plain
+// loop, in fp32 (it is much slower in bf16/fp16); from this many rows on
+// dequantize + the BLAS matmul is several times faster. GPUs always run
+// quantized_matmul.
 constexpr int64_t kCpuDequantizeRows = 8;
 
 // The payload stores the packed words as int32 (torch has no usable uint32);

@@ -93,7 +93,8 @@ def test_quantized_layers_fuse(dtype):
     reading x (one with a bias, one without) share one product over their stacked weights."""
     module = AllLayouts(dtype)
     assert (module.blocks[-1].biased.weight.zero_point != 0).any()  # the asymmetric row has zero points
-    # 6 rows and 16 rows: on the CPU the runtime switches from quantized_matmul to dequantize + matmul at 8.
+    # 6 rows and 16 rows: one and two row blocks of the CPU kernel (with AVX2; without, at 8 rows the
+    # runtime switches from quantized_matmul to dequantize + matmul).
     fused, summary, nodes = lower_quantized(module, sample(dtype), dtype, [sample(dtype, length=8)])
     assert fused == 3 * len(LAYOUTS) and summary == (1, [])
     # One grouped product per MLX layout reading x: int8 per channel (K = 256) is int8 in groups of 128

@@ -110,13 +110,15 @@ def test_quantized_gemv_matches_mlx_and_portable_loop(dtype, cases, other_paths)
         assert_close(got, plain, *QUANTIZED_TOLERANCE[dtype])
 
 
-def test_many_rows_do_not_use_the_kernel(cases):
-    """From 8 rows on the CPU dequantizes and runs the BLAS matmul instead."""
+def test_many_rows_run_in_row_blocks(cases):
+    """Prefill-sized products: with AVX2 the kernel takes them 8 rows at a time (9 rows: a partial
+    second block); the portable loop leaves them to dequantize + the BLAS matmul."""
     case = cases[torch.float32]
     method = Runtime.get().load_program(case.buffer).load_method("forward")
-    x = torch.randn(1, 9, K)
-    before = _runtime.cpu_kernel_calls()
-    got = method.execute([x])
-    assert _runtime.cpu_kernel_calls() == before
-    with torch.no_grad():
-        assert_close(got, case.module(x), *QUANTIZED_TOLERANCE[torch.float32])
+    for rows in (9, 16):
+        x = torch.randn(1, rows, K)
+        before = _runtime.cpu_kernel_calls()
+        got = method.execute([x])
+        assert _runtime.cpu_kernel_calls() - before == (LINEARS if _runtime.cpu_vector_kernels() else 0)
+        with torch.no_grad():
+            assert_close(got, case.module(x), *QUANTIZED_TOLERANCE[torch.float32])
