@@ -339,10 +339,24 @@ def _dims(builder: ProgramBuilder, ep: ExportedProgram, val: torch.Tensor) -> li
             continue
         vr = ep.range_constraints.get(d.node.expr)
         lo = int(vr.lower) if vr is not None and vr.lower.is_finite else 0
+        if lo == 2 and _narrowed_by_specialization(d):
+            lo = 1  # the user's own range (Dim(min=1)) still holds; see below
         hi = int(vr.upper) if vr is not None and vr.upper.is_finite else MAX_DIM
         hint = d.node.hint if d.node.hint is not None else lo
         dims.append(N.Dim(size=int(hint), min=lo, max=min(hi, MAX_DIM), dynamic=True))
     return dims
+
+
+def _narrowed_by_specialization(d: torch.SymInt) -> bool:
+    """Whether a size's lower bound of 2 comes from torch's 0/1 specialisation, not from the user.
+
+    Re-tracing while lowering narrows `Dim(min=1)` to [2, max] in the edge program;
+    the exported program (the user's contract, which XNNPACK and ExecuTorch honour)
+    keeps [1, max]. The shape environment records why each bound was set.
+    """
+    sloc = getattr(d.node.shape_env, "var_to_range_sloc", {}).get(d.node.expr)
+    lower = getattr(getattr(sloc, "lower", None), "framework_loc", None)
+    return isinstance(lower, str) and "0/1 specialization" in lower
 
 
 def _io_slot(b: ProgramBuilder, ep: ExportedProgram, n: torch.fx.Node, name: str) -> Any:

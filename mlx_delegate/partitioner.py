@@ -93,6 +93,11 @@ class MLXPartitioner(Partitioner):
         self.rejected: dict[str, str] = {}
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
+        # The edge program shares its state and constants tables with the user's
+        # ExportedProgram; lowering deletes the entries it takes into a delegate,
+        # which would leave the user's program unusable (a second lowering fails).
+        exported_program._state_dict = dict(exported_program.state_dict)
+        exported_program._constants = dict(exported_program.constants)
         support = _HandlerSupport(self.exclude)
         partitioner = CapabilityBasedPartitioner(
             exported_program.graph_module, support, allows_single_node_partition=True)
@@ -114,8 +119,29 @@ class MLXPartitioner(Partitioner):
     def ops_to_not_decompose(
         self, ep: ExportedProgram
     ) -> tuple[list[torch._ops.OpOverload], Callable[[torch.fx.Node], bool] | None]:
-        """Keep ops we lower as a whole (linear, gelu, ...) out of the core ATen decompositions."""
-        return _kept_ops(), lambda n: registry.base_name(n.target) not in self.exclude and check_node(n) is None
+        """Keep ops we lower as a whole (linear, gelu, sdpa, ...) out of the core ATen decompositions.
+
+        An op is kept only when every one of its nodes in `ep` lowers, and no per-node
+        check is returned: ExecuTorch's per-node path (EDGE_DO_NOT_DECOMP) re-traces kept
+        ops with other output strides, which breaks the `view`s recorded after them
+        (SDPA followed by transformers' or nn.MultiheadAttention's reshape).
+        """
+        nodes: dict[Any, list[torch.fx.Node]] = {}
+        for gm in _graph_modules(ep.graph_module):
+            for n in gm.graph.nodes:
+                if n.op == "call_function":
+                    nodes.setdefault(n.target, []).append(n)
+        keep = [op for op in _kept_ops() if registry.base_name(op) not in self.exclude
+                and all(check_node(n) is None for n in nodes.get(op, ()))]
+        return keep, None
+
+
+def _graph_modules(gm: torch.fx.GraphModule) -> Iterable[torch.fx.GraphModule]:
+    """`gm` and the graphs of its control-flow branches."""
+    yield gm
+    for child in gm.children():
+        if isinstance(child, torch.fx.GraphModule):
+            yield from _graph_modules(child)
 
 
 _NO_WORK = {"view_copy", "alias_copy", "getitem", "sym_size", "_assert_scalar", "sym_constrain_range_for_size"}

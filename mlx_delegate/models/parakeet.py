@@ -9,48 +9,18 @@ does for a padded batch. Decoding is greedy CTC: argmax, merge repeats, drop bla
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import audio as A
 
 SUBSAMPLING = 8
-ATTENTION = "mlx_delegate_sdpa"
-
-
-def _sdpa_contiguous(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                     **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA attention, but with an explicitly contiguous [B, T, H, Dh] result.
-
-    With a dynamic length, the kept SDPA op's output strides differ from the ones
-    seen at export, and the `view` transformers applies afterwards fails to retrace.
-    """
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
-    return out.transpose(1, 2).clone(memory_format=torch.contiguous_format), None
-
-
-@contextlib.contextmanager
-def _export_attention(model: nn.Module) -> Iterator[None]:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTENTION, _sdpa_contiguous)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(ATTENTION)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)
-
-
 class CTCLogits(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -91,7 +61,7 @@ def export(model: nn.Module, max_frames: int = 8 * 1000 - 4,
     else:
         k = torch.export.Dim("k", min=2, max=(max_frames + 4) // SUBSAMPLING)
         inputs, shapes = example_inputs(model), {"features": {1: SUBSAMPLING * k - 4}, "length": None}
-    with torch.no_grad(), _export_attention(model):
+    with torch.no_grad():
         return torch.export.export(CTCLogits(model).eval(), inputs, dynamic_shapes=shapes, strict=False)
 
 
