@@ -10,6 +10,9 @@ from . import _blas
 _blas.install()  # must run before libmlx.so is loaded (by _runtime below)
 
 from . import _runtime  # noqa: E402,F401  (registers the C++ backend on import)
+from . import compat  # noqa: E402
+
+compat.apply()
 from .backend import BACKEND_ID, MLXDelegateBackend  # noqa: E402
 from .errors import LoweringError, Unsupported  # noqa: E402
 from .partitioner import MLXPartitioner  # noqa: E402

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.export import ExportedProgram

@@ -20,19 +20,11 @@ from .. import custom_ops
 from ..builder import ProgramBuilder
 from ..ir import nodes as N
 from ..registry import register
+from .shape import same_dim
 
 aten = torch.ops.aten
 mlxd = torch.ops.mlx_delegate
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _same_dim(a: object, b: object) -> bool:
-    """Whether two (possibly symbolic) sizes are provably equal, without adding guards."""
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
-        return a.node.expr == b.node.expr
-    return False
 
 
 def _check_sdpa(b: ProgramBuilder, args: dict) -> None:
@@ -44,11 +36,11 @@ def _check_sdpa(b: ProgramBuilder, args: dict) -> None:
     if dtype not in FLOAT_DTYPES or b.dtype_of(k) != dtype or b.dtype_of(v) != dtype:
         raise b.unsupported(f"q/k/v dtypes {[str(b.dtype_of(x)) for x in (q, k, v)]}")
     (qb, hq, _, e), (kb, hk, s, ke), (vb, hv, vs, _) = shapes
-    if not all(_same_dim(qb, x) for x in (kb, vb)):
+    if not all(same_dim(qb, x) for x in (kb, vb)):
         raise b.unsupported("q, k and v must have the same batch size")
-    if not (_same_dim(hk, hv) and _same_dim(s, vs) and _same_dim(e, ke)):
+    if not (same_dim(hk, hv) and same_dim(s, vs) and same_dim(e, ke)):
         raise b.unsupported("k and v must agree on heads and length, q and k on head size")
-    if not _same_dim(hq, hk):
+    if not same_dim(hq, hk):
         if not args["enable_gqa"]:
             raise b.unsupported("different q and k head counts need enable_gqa=True")
         if not (isinstance(hq, int) and isinstance(hk, int) and hk > 0 and hq % hk == 0):
@@ -99,7 +91,7 @@ def _check_kv_update(b: ProgramBuilder, cache: torch.fx.Node, update: torch.fx.N
     if b.dtype_of(cache) != b.dtype_of(update):
         raise b.unsupported(f"update dtype {b.dtype_of(update)} differs from the cache's {b.dtype_of(cache)}")
     axis = custom_ops.SEQ_AXIS
-    if not all(_same_dim(c, u) for i, (c, u) in enumerate(zip(cshape, ushape)) if i != axis):
+    if not all(same_dim(c, u) for i, (c, u) in enumerate(zip(cshape, ushape)) if i != axis):
         raise b.unsupported(f"update {ushape} does not match cache {cshape} outside the sequence axis")
 
 

@@ -30,6 +30,15 @@ def static_int(v: Any) -> int | None:
     return None
 
 
+def same_dim(a: Any, b: Any) -> bool:
+    """Whether two (possibly symbolic) sizes are provably equal, without adding guards."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
+        return a.node.expr == b.node.expr
+    return False
+
+
 def axis(b: ProgramBuilder, dim: Any, rank: int) -> int:
     """`dim` normalised to [0, rank); a 0-d tensor accepts 0 and -1 like torch."""
     if not isinstance(dim, int):
