@@ -72,14 +72,32 @@ void check_input(const Tensor& t, const mlxd::IOSlot* s, const Name& name) {
                                 std::to_string(dim->max()) + "]"
                           : ", expected " + std::to_string(dim->size())));
   }
-  if (!executorch::runtime::is_contiguous_dim_order(t.dim_order().data(), t.dim()))
-    throw std::invalid_argument(name() + ": only contiguous (default dim order) tensors are supported");
+}
+
+bool default_dim_order(const Tensor& t) {
+  return executorch::runtime::is_contiguous_dim_order(t.dim_order().data(), t.dim());
 }
 
 mx::Shape shape_of(const Tensor& t) {
   mx::Shape s;
   for (ssize_t i = 0; i < t.dim(); ++i) s.push_back(static_cast<int>(t.size(i)));
   return s;
+}
+
+// A caller tensor in another dim order (channels-last, say) is read in place: the
+// memory holds the axes in dim-order sequence, and a transpose restores torch's
+// logical order.
+mx::array bind_tensor(const Tensor& t, mx::Dtype dtype) {
+  void* data = const_cast<void*>(t.const_data_ptr());
+  if (default_dim_order(t)) return mx::array(data, shape_of(t), dtype, [](void*) {});
+  mx::Shape physical;
+  std::vector<int> logical(t.dim());
+  for (ssize_t k = 0; k < t.dim(); ++k) {
+    int d = static_cast<int>(t.dim_order()[k]);
+    physical.push_back(static_cast<int>(t.size(d)));
+    logical[d] = static_cast<int>(k);
+  }
+  return mx::transpose(mx::array(data, physical, dtype, [](void*) {}), logical);
 }
 
 // A copy of `a` in memory MLX owns (used when a value would otherwise keep
@@ -286,7 +304,7 @@ void Handle::bind_inputs(Span<EValue*> args) {
         if (ev == nullptr || !ev->isTensor()) throw std::invalid_argument(name() + ": expected a tensor");
         const Tensor& t = ev->toTensor();
         check_input(t, s, name);
-        mx::array a(const_cast<void*>(t.const_data_ptr()), shape_of(t), to_mlx(s->dtype()), [](void*) {});
+        mx::array a = bind_tensor(t, to_mlx(s->dtype()));
         pinned_.push_back(a);
         ctx_.tensors[s->tid()->idx()] = std::move(a);
         break;
@@ -593,7 +611,15 @@ void Handle::finish(Span<EValue*> args, std::vector<mx::array> results, std::vec
     if (out.nbytes() != a.nbytes())
       throw std::runtime_error(name() + ": output holds " + std::to_string(out.nbytes()) + " bytes, result has " +
                                std::to_string(a.nbytes()));
-    copy_result(a, out.mutable_data_ptr());
+    if (default_dim_order(out)) {
+      copy_result(a, out.mutable_data_ptr());
+      continue;
+    }
+    // The output's memory holds its axes in dim-order sequence.
+    std::vector<int> order(out.dim_order().begin(), out.dim_order().end());
+    mx::array physical = mx::transpose(a, order);
+    mx::eval(physical);  // a view of the evaluated result: copy_result reads its strides
+    copy_result(physical, out.mutable_data_ptr());
   }
 }
 

@@ -180,6 +180,11 @@ class ProgramBuilder:
         self.num_values += 1
         return Vid(idx=self._values[n])
 
+    def value_temp(self) -> Any:
+        """A value slot for a scalar a handler computes on the way (no graph node names it)."""
+        self.num_values += 1
+        return Vid(idx=self.num_values - 1)
+
     def emit(self, node: Any) -> None:
         if not self.check_only:
             self.instructions.append(N.Instruction(node=node))

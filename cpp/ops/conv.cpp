@@ -102,10 +102,12 @@ struct Window {
 // must start inside the input or its left padding.
 int pooled_size(int in, int k, int s, int p, int d, bool ceil_mode) {
   // int64: a payload's dilation * kernel may overflow int.
-  int64_t span = int64_t(in) + 2 * int64_t(p) - int64_t(d) * (k - 1) - 1;
-  if (span < 0) throw NodeError("pooling window is larger than the padded input");
-  int64_t out = (span + (ceil_mode ? s - 1 : 0)) / s + 1;
+  int64_t span = int64_t(in) + 2 * int64_t(p) - int64_t(d) * (k - 1) - 1 + (ceil_mode ? s - 1 : 0);
+  // Floor division: in ceil mode a window wider than the input still yields one
+  // output (EfficientNet's AvgPool2d(hidden_dim, ceil_mode=True) over a 1x1 map).
+  int64_t out = (span >= 0 ? span / s : -((-span + s - 1) / s)) + 1;
   if (ceil_mode && (out - 1) * s >= int64_t(in) + p) --out;
+  if (out < 1) throw NodeError("pooling window is larger than the padded input");
   return static_cast<int>(out);
 }
 

@@ -13,19 +13,8 @@ from .shape import same_dim
 aten = torch.ops.aten
 
 
-def _check_layout(b: ProgramBuilder, n: torch.fx.Node) -> None:
-    args = b.args(n)
-    dim_order = args.get("dim_order")
-    if dim_order and list(dim_order) != list(range(len(dim_order))):
-        raise b.unsupported(f"non-contiguous dim_order {list(dim_order)}")
-    fmt = args.get("memory_format")
-    if fmt not in (None, torch.contiguous_format, torch.preserve_format):
-        raise b.unsupported(f"memory_format {fmt}")
-
-
 @register(aten._to_copy.default, exir_ops.edge.dim_order_ops._to_dim_order_copy.default)
 def to_copy(b: ProgramBuilder, n: torch.fx.Node) -> None:
-    _check_layout(b, n)
     x = n.args[0]
     src, dst = b.dtype_of(x), b.dtype_of(n)
     b.ir_dtype(src)
@@ -37,8 +26,9 @@ def to_copy(b: ProgramBuilder, n: torch.fx.Node) -> None:
 @register(aten.clone.default, aten.alias_copy.default, aten.alias.default, aten.lift_fresh_copy.default,
           exir_ops.edge.dim_order_ops._clone_dim_order.default)
 def clone(b: ProgramBuilder, n: torch.fx.Node) -> None:
-    # MLX arrays are immutable, so a copy is the same array under a new slot.
-    _check_layout(b, n)
+    # MLX arrays are immutable, so a copy is the same array under a new slot; a
+    # dim_order or memory_format only changes how the runtime lays out a delegate
+    # output in the caller's tensor, which follows that tensor's own dim order.
     b.emit(N.IdentityNode(x=b.tensor(n.args[0]), out=b.out(n)))
 
 

@@ -30,14 +30,51 @@ def _static_ints(b: ProgramBuilder, values: Sequence[Any], what: str) -> list[in
 
 @register(aten.repeat.default)
 def repeat(b: ProgramBuilder, n: torch.fx.Node) -> None:
-    x, repeats = n.args[0], n.args[1]
+    x, repeats = n.args[0], list(n.args[1])
     b.ir_dtype(b.dtype_of(x))
-    reps = _static_ints(b, repeats, "repeats")
-    if len(reps) < rank_of(b, x) or min(reps, default=0) < 0:
-        raise b.unsupported(f"repeats {reps} for a rank-{rank_of(b, x)} tensor")
-    b.emit(N.TileNode(x=b.tensor(x), reps=reps, out=b.out(n)))
+    rank = rank_of(b, x)
+    reps = [static_int(b.meta(r) if isinstance(r, torch.fx.Node) else r) for r in repeats]
+    if len(reps) < rank or min((r for r in reps if r is not None), default=0) < 0:
+        raise b.unsupported(f"repeats {repeats} for a rank-{rank} tensor")
+    if None not in reps:
+        b.emit(N.TileNode(x=b.tensor(x), reps=reps, out=b.out(n)))
+        return
+    _tile_symbolic(b, n, x, repeats)
 
 
+def _tile_symbolic(b: ProgramBuilder, n: torch.fx.Node, x: Any, repeats: list[Any]) -> None:
+    """Tiling by sizes known only at run time (e.g. `repeat(batch, 1, 1)` of a learned token):
+    interleave a unit axis before each axis, broadcast it to the repeat count, then merge pairs."""
+    lead = len(repeats) - rank_of(b, x)
+    shape = [1] * lead + list(b.shape_of(x))
+    spread = b.temp()
+    axes = sorted([2 * i for i in range(len(repeats))] + [2 * i + 1 for i in range(lead)])
+    b.emit(N.ExpandDimsNode(x=b.tensor(x), axes=axes, out=spread))
+    wide = b.temp()
+    b.emit(N.BroadcastNode(x=spread, shape=[s for r in repeats for s in (b.int_or_vid(r), b.int_or_vid(-1))],
+                           out=wide))
+    sizes = [_product(b, x, r, d, i - lead) for i, (r, d) in enumerate(zip(repeats, shape))]
+    b.emit(N.ReshapeNode(x=wide, shape=sizes, out=b.out(n)))
+
+
+def _product(b: ProgramBuilder, x: Any, rep: Any, dim: Any, axis_of_x: int) -> Any:
+    """rep * dim as an IntOrVid, computing at run time whichever factor is symbolic."""
+    r, d = static_int(b.meta(rep) if isinstance(rep, torch.fx.Node) else rep), static_int(dim)
+    if r is not None and d is not None:
+        return b.int_or_vid(r * d)
+    if d == 1:
+        return b.int_or_vid(rep)
+    if d is None:
+        size = b.value_temp()
+        b.emit(N.SymSizeNode(x=b.tensor(x), dim=axis_of_x, out=size))
+        d_val = N.FloatOrVid(literal=0.0, vid=size.idx)
+    else:
+        d_val = b.float_or_vid(d)
+    if r == 1:
+        return N.IntOrVid(literal=0, vid=d_val.vid)
+    out = b.value_temp()
+    b.emit(N.ScalarOpNode(op=N.ScalarOp.Mul, a=b.float_or_vid(rep), b=d_val, is_int=True, out=out))
+    return N.IntOrVid(literal=0, vid=out.idx)
 @register(aten.roll.default)
 def roll(b: ProgramBuilder, n: torch.fx.Node) -> None:
     args = b.args(n)

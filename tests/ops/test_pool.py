@@ -39,6 +39,7 @@ MAX_POOLS = [
     ("max_pool2d", lambda x: F.max_pool2d(x, 2), (2, 3, 8, 8)),
     ("max_pool2d_k3s2p1", lambda x: F.max_pool2d(x, 3, stride=2, padding=1), (1, 4, 9, 7)),
     ("max_pool2d_ceil", lambda x: F.max_pool2d(x, 3, stride=2, ceil_mode=True), (1, 2, 8, 8)),
+    ("max_pool2d_ceil_wide", lambda x: F.max_pool2d(x, 8, ceil_mode=True), (1, 2, 3, 5)),
     ("max_pool2d_ceil_pad", lambda x: F.max_pool2d(x, 2, stride=2, padding=1, ceil_mode=True), (1, 2, 7, 6)),
     ("max_pool2d_dilation", lambda x: F.max_pool2d(x, (2, 3), stride=1, dilation=(2, 1)), (1, 2, 7, 7)),
     ("max_pool2d_rect", lambda x: F.max_pool2d(x, (3, 1), stride=(1, 2), padding=(1, 0)), (2, 2, 5, 6)),
@@ -74,6 +75,8 @@ AVG_POOLS = [
     ("avg_pool2d_pad_exclude", lambda x: F.avg_pool2d(x, 3, stride=2, padding=1, count_include_pad=False),
      (1, 2, 7, 8)),
     ("avg_pool2d_ceil", lambda x: F.avg_pool2d(x, 3, stride=2, ceil_mode=True), (1, 2, 8, 8)),
+    # A window wider than the map: one output in ceil mode (EfficientNet's head).
+    ("avg_pool2d_ceil_wide", lambda x: F.avg_pool2d(x, 16, ceil_mode=True), (2, 3, 3, 5)),
     ("avg_pool2d_ceil_pad_include", lambda x: F.avg_pool2d(x, 3, stride=2, padding=1, ceil_mode=True), (1, 2, 8, 9)),
     ("avg_pool2d_ceil_pad_exclude", lambda x: F.avg_pool2d(x, 3, stride=2, padding=1, ceil_mode=True,
                                                            count_include_pad=False), (1, 2, 8, 9)),

@@ -89,11 +89,28 @@ def seq2seq(model_cls: str, config_cls: str, **config: Any) -> Callable[[], Case
     return build
 
 
+def _lively(module: nn.Module) -> nn.Module:
+    """torch's default init for convolutions and random batch-norm statistics: the small init
+    some configs use makes a deep random conv stack's output vanish (nothing left to compare)."""
+    g = torch.Generator().manual_seed(0)
+    for m in module.modules():
+        if isinstance(m, nn.modules.conv._ConvNd):
+            m.reset_parameters()
+        elif isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None:
+            with torch.no_grad():
+                m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=g) * 0.1)
+                m.running_var.copy_(torch.rand(m.running_var.shape, generator=g) + 0.5)
+                if m.affine:
+                    m.weight.copy_(torch.rand(m.weight.shape, generator=g) + 0.5)
+                    m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.1)
+    return module
+
+
 def image(model_cls: str, config_cls: str, size: int = 32, channels: int = 3, **config: Any) -> Callable[[], Case]:
     """A vision model over a batch of images."""
 
     def build(dtype: torch.dtype) -> Case:
-        module = _hf(model_cls, config_cls, dtype, **config)
+        module = _lively(_hf(model_cls, config_cls, torch.float32, **config)).to(dtype)
 
         def inputs(batch: int) -> dict[str, Any]:
             return {"pixel_values": torch.randn(batch, channels, size, size, dtype=dtype)}
@@ -301,7 +318,7 @@ MODELS: list[ZooModel] = [
              image("MobileNetV2Model", "MobileNetV2Config", image_size=32, depth_multiplier=0.25)),
     ZooModel("efficientnet", "vision", "transformers EfficientNetModel",
              image("EfficientNetModel", "EfficientNetConfig", image_size=32, width_coefficient=0.1,
-                   depth_coefficient=0.1, hidden_dim=64)),
+                   depth_coefficient=0.1, hidden_dim=128)),
     ZooModel("mobilevit", "vision", "transformers MobileViTModel",
              image("MobileViTModel", "MobileViTConfig", image_size=32, hidden_sizes=[16, 24, 32],
                    neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 64])),
