@@ -115,3 +115,24 @@ def linear_group(x: Tensor, weights: list[Tensor], biases: list[Tensor | None]) 
 @linear_group.register_fake
 def _(x: Tensor, weights: list[Tensor], biases: list[Tensor | None]) -> list[Tensor]:
     return [x.new_empty([*x.shape[:-1], w.shape[0]]) for w in weights]
+
+
+@torch.library.custom_op("mlx_delegate::grouped_mm", mutates_args=())
+def grouped_mm(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
+    """Mixture-of-experts product: x [S, K] (rows sorted by group) by weight [G, K, N]; offsets [G]
+    holds the cumulative row count of each group; rows past the last offset are zero.
+
+    `torch._grouped_mm` (2D x 3D) decomposes to this (passes/decompositions.py): the ATen op is not
+    core and has no decomposition, so ExecuTorch's Edge verifier would reject it as it is.
+    """
+    out = x.new_zeros(x.shape[0], weight.shape[2])
+    start = 0
+    for g, end in enumerate(offsets.tolist()):
+        out[start:end] = x[start:end] @ weight[g]
+        start = end
+    return out
+
+
+@grouped_mm.register_fake
+def _(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], weight.shape[2])

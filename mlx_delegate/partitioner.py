@@ -26,7 +26,7 @@ from . import registry
 from .backend import MLXDelegateBackend
 from .builder import ProgramBuilder
 from .errors import Unsupported
-from .passes import GRAPH_PASSES, RUNTIME_SWITCHES
+from .passes import GRAPH_PASSES, RUNTIME_SWITCHES, decompositions
 from .patterns import ALL_FUSIONS, FUSIONS
 
 log = logging.getLogger(__name__)
@@ -115,6 +115,12 @@ class MLXPartitioner(Partitioner):
         for name, reason in support.rejected.items():
             log.info("mlx_delegate: %s stays on ExecuTorch: %s", name, reason)
         return PartitionResult(tagged_exported_program=exported_program, partition_tags=tags)
+
+    def transform_for_pre_decomposition(self, exported_program: ExportedProgram) -> ExportedProgram:
+        """Decomposes the non-core ops that no default decomposition removes (`histc`): left as
+        they are, ExecuTorch's Edge verifier rejects the whole program before any partitioner
+        sees them."""
+        return decompositions.apply(exported_program)
 
     def ops_to_not_decompose(
         self, ep: ExportedProgram

@@ -28,7 +28,8 @@ def canonical(target: Any) -> Any:
 
 
 def register(*targets: Any) -> Callable[[Handler], Handler]:
-    """Register a handler for one or more targets (ATen ops, operator functions)."""
+    """Register a handler for one or more targets (ATen ops, operator functions). An op of a
+    library that may not be loaded yet is named as a string, `"namespace.op.overload"`."""
 
     def wrap(fn: Handler) -> Handler:
         for t in targets:
@@ -42,7 +43,11 @@ def register(*targets: Any) -> Callable[[Handler], Handler]:
 
 
 def lookup(target: Any) -> Handler | None:
-    return _HANDLERS.get(canonical(target))
+    t = canonical(target)
+    handler = _HANDLERS.get(t)
+    if handler is None and isinstance(t, torch._ops.OpOverload):
+        handler = _HANDLERS.get(target_name(t))
+    return handler
 
 
 def registered_targets() -> list[Any]:
@@ -51,6 +56,8 @@ def registered_targets() -> list[Any]:
 
 def target_name(target: Any) -> str:
     t = canonical(target)
+    if isinstance(t, str):
+        return t
     if isinstance(t, torch._ops.OpOverload):
         return f"{t.namespace}.{t._schema.name.split('::')[-1]}.{t._overloadname}"
     return getattr(t, "__qualname__", None) or getattr(t, "__name__", str(t))
@@ -59,6 +66,8 @@ def target_name(target: Any) -> str:
 def base_name(target: Any) -> str:
     """The op's name without namespace or overload: `aten.add.Tensor` -> `add`."""
     t = canonical(target)
+    if isinstance(t, str):
+        return t.split(".")[1]
     if isinstance(t, torch._ops.OpOverload):
         return t._schema.name.split("::")[-1]
     return getattr(t, "__name__", str(t))

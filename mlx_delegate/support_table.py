@@ -35,7 +35,7 @@ class SupportRow:
 
 def target_label(target: Any) -> str:
     """`aten.add.Tensor` for ATen ops; `module.name` for Python callables (`operator.add`)."""
-    if isinstance(registry.canonical(target), torch._ops.OpOverload):
+    if isinstance(registry.canonical(target), (torch._ops.OpOverload, str)):
         return registry.target_name(target)
     module = (getattr(target, "__module__", None) or "").lstrip("_")
     name = registry.target_name(target)

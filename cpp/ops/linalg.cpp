@@ -41,4 +41,25 @@ void exec_AddmmNode(const mlxd::AddmmNode& n, ExecContext& ctx) {
   }
 }
 
+void exec_GroupedMatmulNode(const mlxd::GroupedMatmulNode& n, ExecContext& ctx) {
+  const auto &x = ctx.in(n.x()), &w = ctx.in(n.weight()), &offs = ctx.in(n.offsets());
+  if (x.ndim() != 2 || w.ndim() != 3 || offs.ndim() != 1 || offs.shape(0) != w.shape(0) || x.shape(1) != w.shape(1))
+    throw NodeError("grouped matmul needs x [S, K], weight [G, K, N] and offsets [G]");
+  int rows = x.shape(0), groups = w.shape(0);
+  // Row i belongs to the first group whose cumulative end exceeds i.
+  auto ends = mx::astype(offs, mx::int32);
+  auto row = mx::expand_dims(mx::arange(rows, mx::int32), 1);
+  auto group = mx::sum(mx::astype(mx::greater_equal(row, mx::expand_dims(ends, 0)), mx::uint32), 1);
+  auto owned = mx::less(group, mx::array(static_cast<uint32_t>(groups)));
+  group = mx::minimum(group, mx::array(static_cast<uint32_t>(groups - 1)));
+  // gather_mm: one [1, K] x [K, N] product per row, the rows already sorted by group.
+  // MLX's CPU gather_mm is float32 only: other types go through float32 there.
+  bool widen = x.dtype() != mx::float32 && mx::default_device() == mx::Device::cpu;
+  auto lhs = widen ? mx::astype(x, mx::float32) : x, rhs = widen ? mx::astype(w, mx::float32) : w;
+  auto y = mx::gather_mm(mx::expand_dims(lhs, 1), rhs, std::nullopt, group, /*sorted_indices=*/true);
+  y = mx::squeeze(y, 1);
+  if (widen) y = mx::astype(y, x.dtype());
+  ctx.set(n.out(), mx::where(mx::expand_dims(owned, 1), y, mx::zeros_like(y)));
+}
+
 }  // namespace mlxd::rt

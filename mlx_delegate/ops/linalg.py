@@ -99,3 +99,17 @@ def scaled_product(b: ProgramBuilder, n: torch.fx.Node) -> None:
     dtype = float_dtype(b, n)
     b.emit(N.AddmmNode(c=b.operand(c, dtype), a=b.operand(x, dtype), b=b.operand(y, dtype), alpha=alpha, beta=beta,
                        out=b.out(n)))
+
+
+@register(torch.ops.mlx_delegate.grouped_mm.default, "transformers.grouped_mm_fallback.default")
+def grouped_mm(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    """Mixture-of-experts product (transformers' default experts path, and torch._grouped_mm):
+    x [S, K] sorted by expert, weights [E, K, N], cumulative row counts [E]."""
+    x, w, offs = n.args[:3]
+    if len(b.shape_of(x)) != 2 or len(b.shape_of(w)) != 3 or len(b.shape_of(offs)) != 1:
+        raise b.unsupported("grouped product other than [S, K] x [E, K, N]")
+    dtype = float_dtype(b, n)
+    if b.dtype_of(offs) not in (torch.int32, torch.int64):
+        raise b.unsupported(f"offsets of dtype {b.dtype_of(offs)}")
+    b.emit(N.GroupedMatmulNode(x=b.operand(x, dtype), weight=b.operand(w, dtype), offsets=b.tensor(offs),
+                               out=b.out(n)))

@@ -279,3 +279,4 @@ def median(b: ProgramBuilder, n: torch.fx.Node) -> None:
     values, indices = b.outs(n, 2)
     b.emit(N.MedianNode(x=src, axis=axis(b, x, args["dim"]), flatten=False, keepdims=bool(args["keepdim"]),
                         out_values=values, out_indices=indices))
+

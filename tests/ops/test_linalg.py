@@ -1,3 +1,5 @@
+from typing import Callable
+
 import pytest
 import torch
 from torch.export import Dim
@@ -68,6 +70,24 @@ CASES = [
            dynamic_shapes=((None, {0: batch}, None),), more_inputs=lambda: [randn((5,), (11, 6), (6, 5))()]),
 ]
 
+# Mixture-of-experts products: rows sorted by expert, offsets the cumulative row counts (an
+# empty group included; rows past the last offset are zero, like transformers' fallback).
+def _grouped(rows: int, offsets: list[int]) -> Callable[[], tuple]:
+    # 8 columns: torch._grouped_mm wants 16-byte strides.
+    return lambda: (torch.randn(rows, 8), torch.randn(4, 8, 8), torch.tensor(offsets, dtype=torch.int32))
+
+
+GROUPED = [
+    # torch._grouped_mm exports in bf16 only (its meta kernel's rule); transformers' fp32
+    # fallback op of the same contract is covered by the zoo's MoE rows.
+    *cases("grouped_mm", lambda x, w, offs: torch._grouped_mm(x, w, offs), _grouped(9, [2, 5, 5, 9]),
+           (torch.bfloat16,), **LOOSE),
+    *cases("grouped_mm_dynamic", lambda x, w, offs: torch._grouped_mm(x, w, offs), _grouped(9, [2, 5, 5, 9]),
+           (torch.bfloat16,), dynamic_shapes=(({0: Dim("s", min=1, max=64)}, None, None),),
+           more_inputs=lambda: [tuple(t.to(torch.bfloat16) if t.is_floating_point() else t for t in make())
+                                for make in (_grouped(1, [0, 1, 1, 1]), _grouped(13, [0, 0, 6, 13]))], **LOOSE),
+]
+
 # Integer products stay on ExecuTorch (MLX matmul is floating-point only): the
 # whole graph is left outside the delegate.
 INT_CASES = [
@@ -76,6 +96,6 @@ INT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES + INT_CASES, ids=str)
+@pytest.mark.parametrize("case", CASES + GROUPED + INT_CASES, ids=str)
 def test_linalg(case):
     lower_and_compare(case)

@@ -227,8 +227,19 @@ REFUSED = [
            allowed_fallback=frozenset({"var"})),
 ]
 
+# Equal-width bins; values outside [min, max] are not counted, max itself is in the last bin.
+HISTC = [
+    *cases("histc_expert_ids", lambda x: torch.histc(x, bins=4, min=0, max=3),
+           lambda: (torch.randint(0, 4, (5, 2)).float(),), FLOATS, exact=True),
+    *cases("histc_clipped_range", lambda x: torch.histc(x, bins=7, min=-1, max=1.5),
+           lambda: (torch.cat([torch.randn(40), torch.tensor([-1.0, 1.5, 3.0])]),), (torch.float32,), exact=True),
+    *cases("histc_dynamic", lambda x: torch.histc(x, bins=3, min=0, max=2), lambda: (torch.randint(0, 3, (6,)).float(),),
+           (torch.float32,), exact=True, dynamic_shapes=(({0: Dim("n", min=1, max=64)},),),
+           more_inputs=lambda: [(torch.randint(0, 3, (1,)).float(),), (torch.randint(0, 3, (50,)).float(),)]),
+]
+
 CASES = [
-    *float_rows(REDUCE_FLOAT), *exact_rows(REDUCE_INT, INTS + (torch.bool,)),
+    *HISTC, *float_rows(REDUCE_FLOAT), *exact_rows(REDUCE_INT, INTS + (torch.bool,)),
     *[c for name, fn, inp in REDUCE_DTYPE for c in cases(name, fn, inp, (None,))],
     *float_rows(ARG_ROWS), *exact_rows(ARG_INT, INTS), *float_rows(VAR_ROWS), *float_rows(SCAN_ROWS),
     *float_rows(SOFTMAX_ROWS), *[c for name, fn, inp in SOFTMAX_DTYPE for c in cases(name, fn, inp, (None,))],

@@ -220,6 +220,8 @@ TINY_MOE = dict(TINY_LM, num_local_experts=4, num_experts_per_tok=2)
 MODELS: list[ZooModel] = [
     # ------------------------------------------------------------ text encoders
     ZooModel("bert", "text encoder", "transformers BertModel", text("BertModel", "BertConfig", **TINY_BERT)),
+    ZooModel("bert-eager", "text encoder", "transformers BertModel, attn_implementation='eager'",
+             text("BertModel", "BertConfig", **TINY_BERT, attn="eager")),
     ZooModel("distilbert", "text encoder", "transformers DistilBertModel",
              text("DistilBertModel", "DistilBertConfig", vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4,
                   hidden_dim=64, max_position_embeddings=64)),
@@ -242,6 +244,8 @@ MODELS: list[ZooModel] = [
     # ------------------------------------------------------------ decoder LMs
     ZooModel("llama", "decoder LM", "transformers LlamaForCausalLM",
              decoder("LlamaForCausalLM", "LlamaConfig", **TINY_LM), dtypes=LM_DTYPES),
+    ZooModel("llama-eager", "decoder LM", "transformers LlamaForCausalLM, attn_implementation='eager'",
+             decoder("LlamaForCausalLM", "LlamaConfig", **TINY_LM, attn="eager"), dtypes=LM_DTYPES),
     ZooModel("qwen2", "decoder LM", "transformers Qwen2ForCausalLM",
              decoder("Qwen2ForCausalLM", "Qwen2Config", **TINY_LM), dtypes=LM_DTYPES),
     ZooModel("qwen3", "decoder LM", "transformers Qwen3ForCausalLM",
@@ -279,10 +283,10 @@ MODELS: list[ZooModel] = [
              strict=True, dtypes=LM_DTYPES),
     # ------------------------------------------------------------ mixture of experts
     ZooModel("mixtral", "MoE LM", "transformers MixtralForCausalLM",
-             decoder("MixtralForCausalLM", "MixtralConfig", **TINY_MOE)),
+             decoder("MixtralForCausalLM", "MixtralConfig", **TINY_MOE), dtypes=LM_DTYPES),
     ZooModel("qwen3-moe", "MoE LM", "transformers Qwen3MoeForCausalLM",
              decoder("Qwen3MoeForCausalLM", "Qwen3MoeConfig", **TINY_LM, head_dim=8, num_experts=4,
-                     num_experts_per_tok=2, moe_intermediate_size=32)),
+                     num_experts_per_tok=2, moe_intermediate_size=32), dtypes=LM_DTYPES),
     # ------------------------------------------------------------ encoder-decoders
     ZooModel("t5", "encoder-decoder", "transformers T5ForConditionalGeneration",
              seq2seq("T5ForConditionalGeneration", "T5Config", d_model=32, d_kv=8, d_ff=64, num_layers=2,
@@ -328,7 +332,8 @@ MODELS: list[ZooModel] = [
                    decoder_hidden_size=16)),
     ZooModel("yolos", "vision (detection)", "transformers YolosForObjectDetection",
              image("YolosForObjectDetection", "YolosConfig", image_size=[32, 32], patch_size=8, hidden_size=32,
-                   num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, num_detection_tokens=4)),
+                   num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, num_detection_tokens=4,
+                   initializer_range=0.5)),  # the default init leaves the heads near zero
     # ------------------------------------------------------------ audio
     ZooModel("wav2vec2", "audio", "transformers Wav2Vec2Model", audio("Wav2Vec2Model", "Wav2Vec2Config", **TINY_W2V)),
     ZooModel("hubert", "audio", "transformers HubertModel", audio("HubertModel", "HubertConfig", **TINY_W2V)),

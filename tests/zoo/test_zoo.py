@@ -11,21 +11,15 @@ import torch
 from .catalog import MODELS, ZooModel
 from .runner import check
 
-# Rows whose standard export does not lower yet, with the issue that tracks them. strict: the
-# day they lower, the test fails until the row is promoted.
-KNOWN_GAPS = {
-    "mixtral": "issue 18: transformers' default grouped_mm experts (histc, grouped_mm_fallback)",
-    "qwen3-moe": "issue 18: transformers' default grouped_mm experts (histc, grouped_mm_fallback)",
-}
-
 
 def _params() -> list:
     out = []
     for model in MODELS:
         for dtype in model.dtypes:
             marks = [pytest.mark.slow]
-            if model.name in KNOWN_GAPS:
-                marks.append(pytest.mark.xfail(reason=KNOWN_GAPS[model.name], strict=True))
+            if model.gap:
+                # strict: the day the row lowers, this fails until the gap is removed from the row.
+                marks.append(pytest.mark.xfail(reason=model.gap, strict=True))
             out.append(pytest.param(model, dtype, id=f"{model.name}-{str(dtype).removeprefix('torch.')}",
                                     marks=marks))
     return out
