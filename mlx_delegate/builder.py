@@ -80,6 +80,7 @@ class ProgramBuilder:
         self.instructions: list[Any] = []
         self.num_tensors = 0
         self.num_values = 0
+        self.lower_bounds: dict[str, int] = {}  # size symbol -> the user's lower bound, where lowering narrowed it
         self._free: list[int] = []
         self._temps: list[int] = []
         self._slots: dict[torch.fx.Node, Any] = {}  # node -> Tid | list[Tid]
@@ -344,24 +345,13 @@ def _dims(builder: ProgramBuilder, ep: ExportedProgram, val: torch.Tensor) -> li
             continue
         vr = ep.range_constraints.get(d.node.expr)
         lo = int(vr.lower) if vr is not None and vr.lower.is_finite else 0
-        if lo == 2 and _narrowed_by_specialization(d):
-            lo = 1  # the user's own range (Dim(min=1)) still holds; see below
+        # Re-tracing while lowering narrows Dim(min=1) to [2, max] (torch's 0/1 specialisation);
+        # the user's own lower bound, recorded by the partitioner, is the contract.
+        lo = min(lo, builder.lower_bounds.get(str(d.node.expr), lo))
         hi = int(vr.upper) if vr is not None and vr.upper.is_finite else MAX_DIM
         hint = d.node.hint if d.node.hint is not None else lo
         dims.append(N.Dim(size=int(hint), min=lo, max=min(hi, MAX_DIM), dynamic=True))
     return dims
-
-
-def _narrowed_by_specialization(d: torch.SymInt) -> bool:
-    """Whether a size's lower bound of 2 comes from torch's 0/1 specialisation, not from the user.
-
-    Re-tracing while lowering narrows `Dim(min=1)` to [2, max] in the edge program;
-    the exported program (the user's contract, which XNNPACK and ExecuTorch honour)
-    keeps [1, max]. The shape environment records why each bound was set.
-    """
-    sloc = getattr(d.node.shape_env, "var_to_range_sloc", {}).get(d.node.expr)
-    lower = getattr(getattr(sloc, "lower", None), "framework_loc", None)
-    return isinstance(lower, str) and "0/1 specialization" in lower
 
 
 def _io_slot(b: ProgramBuilder, ep: ExportedProgram, n: torch.fx.Node, name: str) -> Any:
@@ -387,13 +377,15 @@ def _last_uses(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch.fx.Node]
     return dead
 
 
-def build_program(ep: ExportedProgram, method: str = "", keep_intermediates: bool = False) -> BuiltProgram:
+def build_program(ep: ExportedProgram, method: str = "", keep_intermediates: bool = False,
+                  lower_bounds: dict[str, int] | None = None) -> BuiltProgram:
     """Lower a whole (delegated) exported program into an IR program.
 
     keep_intermediates (debugging) gives every value its own slot and keeps it
     alive until the call ends, instead of releasing it after its last use.
     """
     b = ProgramBuilder(recycle=not keep_intermediates)
+    b.lower_bounds = dict(lower_bounds or {})
     sig = ep.graph_signature
     state = {**ep.state_dict, **ep.constants}
     mutated = {spec.target: spec.arg.name for spec in sig.output_specs if spec.kind == OutputKind.BUFFER_MUTATION}

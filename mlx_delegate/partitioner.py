@@ -47,6 +47,7 @@ def check_node(n: torch.fx.Node) -> str | None:
 class _HandlerSupport(OperatorSupportBase):
     def __init__(self, exclude: frozenset[str]) -> None:
         self.rejected: dict[str, str] = {}
+        self._user_lower: dict[str, int] = {}
         self.exclude = exclude
 
     def is_node_supported(self, submodules: Any, n: torch.fx.Node) -> bool:
@@ -102,13 +103,14 @@ class MLXPartitioner(Partitioner):
         partitioner = CapabilityBasedPartitioner(
             exported_program.graph_module, support, allows_single_node_partition=True)
         tags: dict[str, DelegationSpec] = {}
+        spec = self._spec_with_lower_bounds(exported_program)
         for p in partitioner.propose_partitions():
             if not any(_does_work(n) for n in p.nodes):
                 continue  # a partition of views and getitems alone is not worth a delegate call
             tag = f"mlx_delegate_{p.id}"
             for n in p.nodes:
                 n.meta["delegation_tag"] = tag
-            tags[tag] = self.delegation_spec
+            tags[tag] = spec
         tag_constant_data(exported_program)
         tag_mutated_buffer(exported_program)
         self.rejected = support.rejected
@@ -120,7 +122,19 @@ class MLXPartitioner(Partitioner):
         """Decomposes the non-core ops that no default decomposition removes (`histc`): left as
         they are, ExecuTorch's Edge verifier rejects the whole program before any partitioner
         sees them."""
+        # The user's dynamic ranges, before re-tracing narrows Dim(min=1) to start at 2.
+        self._user_lower = {str(sym): int(vr.lower) for sym, vr in exported_program.range_constraints.items()
+                            if vr.lower.is_finite}
         return decompositions.apply(exported_program)
+
+    def _spec_with_lower_bounds(self, ep: ExportedProgram) -> DelegationSpec:
+        """The delegation spec, plus the user's lower bounds of the sizes lowering narrowed."""
+        narrowed = [f"{sym}={lo}" for sym, vr in ep.range_constraints.items()
+                    if (lo := self._user_lower.get(str(sym))) is not None and vr.lower.is_finite and lo < int(vr.lower)]
+        if not narrowed:
+            return self.delegation_spec
+        specs = [*self.delegation_spec.compile_specs, CompileSpec("lower_bounds", ",".join(narrowed).encode())]
+        return DelegationSpec(self.delegation_spec.backend_id, specs)
 
     def ops_to_not_decompose(
         self, ep: ExportedProgram

@@ -50,8 +50,9 @@ class MLXDelegateBackend(BackendDetails):
         disabled = frozenset(filter(None, specs.get("disable", b"").decode().split(",")))
         apply_fusions(edge_program, disabled)  # before CSE: a match's nodes must have no outside readers
         run_graph_passes(edge_program.graph, disabled - FUSIONS.keys() - {ALL_FUSIONS})
-        built = build_program(edge_program, method=method,
-                              keep_intermediates="early_release" in disabled)
+        bounds = dict(item.split("=") for item in filter(None, specs.get("lower_bounds", b"").decode().split(",")))
+        built = build_program(edge_program, method=method, keep_intermediates="early_release" in disabled,
+                              lower_bounds={sym: int(lo) for sym, lo in bounds.items()})
         store = NamedDataStore()
         seen: set[str] = set()
         for c in built.constants:
