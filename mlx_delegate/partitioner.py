@@ -141,7 +141,7 @@ class MLXPartitioner(Partitioner):
     ) -> tuple[list[torch._ops.OpOverload], Callable[[torch.fx.Node], bool] | None]:
         """Keep ops we lower as a whole (linear, gelu, sdpa, ...) out of the core ATen decompositions.
 
-        An op is kept only when every one of its nodes in `ep` lowers, and no per-node
+        An op is kept only when it is in `ep` and every one of its nodes lowers, and no per-node
         check is returned: ExecuTorch's per-node path (EDGE_DO_NOT_DECOMP) re-traces kept
         ops with other output strides, which breaks the `view`s recorded after them
         (SDPA followed by transformers' or nn.MultiheadAttention's reshape).
@@ -151,8 +151,10 @@ class MLXPartitioner(Partitioner):
             for n in gm.graph.nodes:
                 if n.op == "call_function":
                     nodes.setdefault(n.target, []).append(n)
-        keep = [op for op in _kept_ops() if registry.base_name(op) not in self.exclude
-                and all(check_node(n) is None for n in nodes.get(op, ()))]
+        # Only ops present now: ExecuTorch then requires every node of a kept op to be delegated,
+        # including nodes that appear later (a dim-order copy made from an aten._to_copy we refuse).
+        keep = [op for op in _kept_ops() if op in nodes and registry.base_name(op) not in self.exclude
+                and all(check_node(n) is None for n in nodes[op])]
         return keep, None
 
 

@@ -275,10 +275,10 @@ MODELS: list[ZooModel] = [
     ZooModel("granite", "decoder LM", "transformers GraniteForCausalLM",
              decoder("GraniteForCausalLM", "GraniteConfig", **TINY_LM), dtypes=LM_DTYPES),
     ZooModel("llama-static-cache", "decoder LM (ExecuTorch recipe)",
-             "transformers TorchExportableModuleForDecoderOnlyLM (StaticCache) on LlamaForCausalLM",
+             "transformers TorchExportableModuleWithStaticCache (TorchExportableModuleForDecoderOnlyLM) on LlamaForCausalLM",
              static_cache_lm("LlamaForCausalLM", "LlamaConfig", **TINY_LM), strict=True, dtypes=LM_DTYPES),
     ZooModel("gemma3-hybrid-cache", "decoder LM (ExecuTorch recipe)",
-             "transformers TorchExportableModuleForDecoderOnlyLM (hybrid cache) on Gemma3ForCausalLM",
+             "transformers TorchExportableModuleWithHybridCache (TorchExportableModuleForDecoderOnlyLM) on Gemma3ForCausalLM",
              static_cache_lm("Gemma3ForCausalLM", "Gemma3TextConfig", **TINY_LM, head_dim=8, sliding_window=4),
              strict=True, dtypes=LM_DTYPES),
     # ------------------------------------------------------------ mixture of experts
