@@ -221,7 +221,7 @@ def fuzz(ns: argparse.Namespace) -> int:
 
     totals: collections.Counter[str] = collections.Counter()
     findings: list[dict] = []
-    cases, next_case, workers = 0, 0, 0
+    cases, next_case, workers, reported = 0, 0, 0, time.time()
     while next_case < ns.runs and time.time() < deadline:
         status_file.write_bytes(bytes(8 * N_SLOTS))
         stderr_path = work / "worker.stderr"
@@ -236,6 +236,10 @@ def fuzz(ns: argparse.Namespace) -> int:
             while proc.poll() is None:
                 time.sleep(0.2)
                 now = _read_status(status_file)[:2]
+                if ns.progress_seconds and time.time() - reported > ns.progress_seconds:
+                    reported = time.time()
+                    print(f"fuzz_stock progress: {cases + now[SLOT_DONE]} cases, {len(findings)} crashes/hangs, "
+                          f"{reported - started:.0f} s", flush=True)
                 if now != last:
                     last, last_change = now, time.time()
                 elif time.time() - last_change > ns.hang_seconds:
@@ -321,6 +325,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--runs", type=int, default=10000, help="cases (mutations) to run")
     p.add_argument("--seed", type=int, default=0, help="base seed: case i is a function of (seed, i)")
     p.add_argument("--max-seconds", type=float, default=0, help="stop after this long (0: no limit)")
+    p.add_argument("--progress-seconds", type=float, default=0, help="print a progress line this often")
     p.add_argument("--hang-seconds", type=float, default=60, help="a case this slow counts as a hang")
     p.add_argument("--kinds", default=",".join(DEFAULT_KINDS),
                    help=f"comma-separated mutation kinds, of: {', '.join(PTE_KINDS)}")
