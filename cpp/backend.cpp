@@ -4,6 +4,7 @@
 
 #include <executorch/runtime/backend/interface.h>
 #include <executorch/runtime/platform/log.h>
+#include <executorch/runtime/platform/platform.h>
 
 #include "interpreter.h"
 
@@ -24,7 +25,7 @@ using executorch::runtime::Span;
 thread_local std::string t_last_error;
 
 void report(const char* phase, const std::exception& e) {
-  t_last_error = std::string(phase) + ": " + e.what();
+  t_last_error = printable(std::string(phase) + ": " + e.what());
   ET_LOG(Error, "%s: %s", kBackendId, t_last_error.c_str());
 }
 
@@ -63,9 +64,36 @@ class MLXDelegateBackend final : public executorch::runtime::BackendInterface {
   void destroy(DelegateHandle* handle) const override { delete static_cast<Handle*>(handle); }
 };
 
+// ExecuTorch's own messages quote .pte contents too (an unregistered backend
+// id, a missing method name), and the Python binding's log sink (std::cerr
+// redirected to sys.stderr) aborts the process on a line that is not UTF-8.
+// Every log line therefore passes through printable() on its way to the sink
+// that was in place before ours.
+decltype(executorch::runtime::PalImpl::emit_log_message) g_next_log_sink = nullptr;
+
+void printable_log_sink(et_timestamp_t timestamp, et_pal_log_level_t level, const char* filename,
+                        const char* function, size_t line, const char* message, size_t length) {
+  std::string safe = printable(std::string_view(message ? message : "", message ? length : 0));
+  g_next_log_sink(timestamp, level, filename, function, line, safe.c_str(), safe.size());
+}
+
 }  // namespace
 
+bool install_printable_log_sink() {
+  // The PAL table is a mutable global of libexecutorch; its entry is swapped in
+  // place because register_pal() logs an error line whenever a PAL was
+  // registered before (the Python binding always registers one).
+  auto* pal = const_cast<executorch::runtime::PalImpl*>(executorch::runtime::get_pal_impl());
+  if (pal == nullptr || pal->emit_log_message == nullptr) return false;
+  if (pal->emit_log_message != printable_log_sink) {
+    g_next_log_sink = pal->emit_log_message;
+    pal->emit_log_message = printable_log_sink;
+  }
+  return true;
+}
+
 bool register_backend() {
+  install_printable_log_sink();
   static MLXDelegateBackend backend;
   static const Error status = executorch::runtime::register_backend({kBackendId, &backend});
   if (status != Error::Ok && executorch::runtime::get_backend_class(kBackendId) != &backend) {

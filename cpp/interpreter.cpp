@@ -42,7 +42,7 @@ std::optional<mlxd::DType> from_et(ScalarType t) {
 }
 
 std::string slot_name(const mlxd::IOSlot* s, const char* what, size_t i) {
-  return std::string(what) + " " + std::to_string(i) + (s->name() ? " ('" + s->name()->str() + "')" : "");
+  return std::string(what) + " " + std::to_string(i) + (s->name() ? " ('" + payload_name(s->name()) + "')" : "");
 }
 
 std::string shape_str(const Tensor& t) {

@@ -47,9 +47,9 @@ mx::array load_named(const executorch::runtime::NamedDataMap* map, const flatbuf
   if (numel > std::numeric_limits<size_t>::max() / dtype_size(dtype)) fail(what + ": size overflows");
   size_t expected = numel * dtype_size(dtype);
   auto data = map->get_data(std::string_view(key->c_str(), key->size()));
-  if (!data.ok()) fail(what + ": named data '" + key->str() + "' not found");
+  if (!data.ok()) fail(what + ": named data '" + payload_name(key) + "' not found");
   if (data->size() != expected)
-    fail(what + ": named data '" + key->str() + "' has " + std::to_string(data->size()) + " bytes, expected " +
+    fail(what + ": named data '" + payload_name(key) + "' has " + std::to_string(data->size()) + " bytes, expected " +
          std::to_string(expected));
   auto* owned = new executorch::runtime::FreeableBuffer(std::move(data.get()));
   void* ptr = const_cast<void*>(owned->data());
@@ -97,7 +97,7 @@ void check_io(const flatbuffers::Vector<flatbuffers::Offset<mlxd::IOSlot>>* io, 
               uint32_t nt, uint32_t nv) {
   if (io == nullptr) return;
   for (const auto* s : *io) {
-    std::string name = std::string(what) + " '" + (s->name() ? s->name()->str() : "?") + "'";
+    std::string name = std::string(what) + " '" + payload_name(s->name()) + "'";
     check_dtype(s->dtype(), name);
     if (s->kind() == mlxd::SlotKind::Tensor) {
       if (!s->tid() || s->tid()->idx() >= nt) fail(name + ": tensor id out of range");
@@ -264,7 +264,7 @@ std::shared_ptr<const LoadedProgram> load_program(const void* data, size_t size,
     }
   if (p->constants())
     for (const auto* c : *p->constants()) {
-      std::string what = "constant '" + (c->name() ? c->name()->str() : "?") + "'";
+      std::string what = "constant '" + payload_name(c->name()) + "'";
       if (!c->tid() || c->tid()->idx() >= nt) fail(what + ": tensor id out of range");
       check_dtype(c->dtype(), what);
       lp->constants.push_back({c->tid()->idx(), load_named(named_data, c->key(), c->dtype(), c->shape(), what)});
@@ -272,13 +272,13 @@ std::shared_ptr<const LoadedProgram> load_program(const void* data, size_t size,
     }
   if (p->buffers())
     for (const auto* b : *p->buffers()) {
-      std::string what = "mutable buffer '" + (b->name() ? b->name()->str() : "?") + "'";
+      std::string what = "mutable buffer '" + payload_name(b->name()) + "'";
       if (!b->tid() || b->tid()->idx() >= nt) fail(what + ": tensor id out of range");
       if (b->update() && b->update()->idx() >= nt) fail(what + ": update id out of range");
       check_dtype(b->dtype(), what);
       lp->buffers.push_back({b->tid()->idx(), b->update() ? int64_t(b->update()->idx()) : -1,
                              load_named(named_data, b->key(), b->dtype(), b->shape(), what),
-                             b->name() ? b->name()->str() : ""});
+                             payload_name(b->name())});
       checker.tensor_defined[b->tid()->idx()] = true;
     }
 

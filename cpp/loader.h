@@ -28,7 +28,7 @@ struct BufferSlot {
   uint32_t tid;
   int64_t update_tid;  // -1 when the graph never writes the buffer back
   mx::array initial;
-  std::string name;
+  std::string name;  // printable (payload_name), for messages
 };
 
 struct LoadedProgram {

@@ -70,7 +70,7 @@ void check_payload(nb::bytes payload, nb::dict named_data) {
     auto lp = load_program(payload.c_str(), payload.size(), &map);
     (void)lp;
   } catch (const std::exception& e) {
-    throw nb::value_error(e.what());
+    throw nb::value_error(printable(e.what()).c_str());
   }
 }
 
@@ -202,7 +202,7 @@ std::vector<nb::object> run_payload(nb::bytes payload, nb::dict named_data, nb::
   } catch (const nb::builtin_exception&) {
     throw;
   } catch (const std::exception& e) {
-    throw nb::value_error(e.what());
+    throw nb::value_error(printable(e.what()).c_str());
   }
 }
 
@@ -213,6 +213,11 @@ NB_MODULE(_runtime, m) {
   m.def("register_backend", &register_backend, "Register the backend with ExecuTorch (idempotent).");
   m.def("backend_id", [] { return std::string(kBackendId); });
   m.def("schema_version", [] { return kSchemaVersion; });
+  m.def("install_log_sink", &install_printable_log_sink,
+        "Route ExecuTorch log lines through printable() before the current sink (idempotent).");
+  m.def("printable", [](nb::bytes text, size_t cap) { return printable(std::string_view(text.c_str(), text.size()), cap); },
+        nb::arg("text"), nb::arg("cap") = kMaxMessageChars,
+        "Text as the runtime logs payload strings: printable ASCII, other bytes as \\xNN, at most cap chars.");
   m.def("last_error", [] { return last_error(); }, "Message of this thread's last delegate error.");
   m.def("check_payload", &check_payload, nb::arg("payload"), nb::arg("named_data") = nb::dict(),
         "Verify and load a delegate payload; raises ValueError naming the problem.");

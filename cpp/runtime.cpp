@@ -16,6 +16,35 @@ std::atomic<size_t> g_max_tensor_bytes{physical_memory()};
 
 }  // namespace
 
+std::string printable(std::string_view text, size_t cap) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  auto width = [](unsigned char c) -> size_t { return c >= 0x20 && c < 0x7f ? 1 : 4; };
+  size_t full = 0;
+  for (unsigned char c : text)
+    if ((full += width(c)) > cap) break;
+  // Cut at a whole character or escape, leaving room for the "..." marker.
+  const bool cut = full > cap;
+  const size_t limit = cut ? (cap >= 3 ? cap - 3 : 0) : cap;
+  std::string out;
+  out.reserve(limit + 3);
+  for (unsigned char c : text) {
+    if (out.size() + width(c) > limit) break;
+    if (width(c) == 1) {
+      out += static_cast<char>(c);
+    } else {
+      out += "\\x";
+      out += kHex[c >> 4];
+      out += kHex[c & 15];
+    }
+  }
+  if (cut && cap >= 3) out += "...";
+  return out;
+}
+
+std::string payload_name(const flatbuffers::String* name) {
+  return name ? printable(std::string_view(name->c_str(), name->size()), kMaxNameChars) : "?";
+}
+
 size_t max_tensor_bytes() { return g_max_tensor_bytes.load(std::memory_order_relaxed); }
 void set_max_tensor_bytes(size_t bytes) { g_max_tensor_bytes.store(bytes ? bytes : physical_memory()); }
 

@@ -6,6 +6,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <variant>
 #include <vector>
 
@@ -26,6 +27,17 @@ using Value = std::variant<std::monostate, int64_t, double>;
 struct NodeError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+
+// Text that may hold payload bytes (names, node kinds, error messages), made
+// safe to log or hand to Python: the ExecuTorch Python binding decodes log
+// lines as UTF-8 and aborts the process on a bad byte. Printable ASCII is kept
+// (so the output maps to itself), every other byte becomes \xNN, and text over
+// `cap` characters is cut and ends in "...".
+constexpr size_t kMaxMessageChars = 1024;  // a whole log line or error message
+constexpr size_t kMaxNameChars = 64;       // one payload name inside a message
+std::string printable(std::string_view text, size_t cap = kMaxMessageChars);
+// A payload string field as it appears in messages: printable() and capped, "?" when absent.
+std::string payload_name(const flatbuffers::String* name);
 
 mx::Dtype to_mlx(mlxd::DType dtype);
 const char* dtype_name(mlxd::DType dtype);

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import random
-import struct
 import sys
 import tempfile
 from pathlib import Path
@@ -40,6 +39,7 @@ from mlx_delegate import _runtime  # before mlx: installs the fast BLAS route
 import mlx.core as mx  # noqa: E402
 import torch  # noqa: E402
 
+from mutate import set_byte, set_word  # noqa: E402
 from seeds import Seed, build_seeds, from_arg  # noqa: E402
 
 # Keep every tensor a fuzzed program may build small, so a run is quick and
@@ -65,7 +65,6 @@ def check_seeds() -> None:
 
 
 NAMED_DATA_MODES = 3  # keep, drop one constant, truncate one constant
-BOUNDARY_WORDS = (0, 1, 2, 3, 7, 0xFF, 0xFFFF, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 0xFFFFFFFE, 1 << 16, 1 << 24)
 
 
 def named_data(seed: Seed, mode: int) -> dict[str, bytes]:
@@ -97,18 +96,6 @@ def test_one_input(data: bytes) -> None:
         print(f"fuzz_payload outcomes after {total} runs: {dict(OUTCOMES)}", flush=True)
 
 
-def _set_word(buf: bytearray, rng: random.Random) -> None:
-    at = rng.randrange(0, max(len(buf) - 3, 1)) & ~3
-    if at + 4 <= len(buf):
-        value = rng.choice(BOUNDARY_WORDS) if rng.random() < 0.7 else struct.unpack_from("<I", buf, at)[0] + rng.randint(-3, 3)
-        struct.pack_into("<I", buf, at, value & 0xFFFFFFFF)
-
-
-def _set_byte(buf: bytearray, rng: random.Random) -> None:
-    if buf:
-        buf[rng.randrange(len(buf))] = rng.choice((0, 1, 2, 0x7F, 0x80, 0xFF, rng.randrange(256)))
-
-
 def mutate(data: bytes, max_size: int, seed: int) -> bytes:
     rng = random.Random(seed)
     # Start from a seed unless the current input still looks like a payload.
@@ -119,9 +106,9 @@ def mutate(data: bytes, max_size: int, seed: int) -> bytes:
     for _ in range(rng.randint(1, 4)):
         kind = rng.random()
         if kind < 0.4:
-            _set_word(buf, rng)
+            set_word(buf, rng)
         elif kind < 0.7:
-            _set_byte(buf, rng)
+            set_byte(buf, rng)
         else:
             buf = bytearray(atheris.Mutate(bytes(buf), max(max_size - 1, len(buf))))
     return bytes([selector]) + bytes(buf[: max_size - 1])

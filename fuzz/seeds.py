@@ -27,6 +27,7 @@ class Seed:
     named_data: dict[str, bytes]
     inputs: list[TensorArg]
     expected: list[torch.Tensor]  # eager outputs for `inputs`
+    pte: bytes = b""  # the whole lowered program, as the stock runtime loads it
 
 
 def to_arg(t: torch.Tensor) -> TensorArg:
@@ -109,6 +110,12 @@ def _cases() -> list[tuple[str, Callable[[], torch.nn.Module], tuple, Any]]:
     ]
 
 
+def seed_inputs_by_name() -> dict[str, list[torch.Tensor]]:
+    """Every seed program's example inputs, without lowering (replaying saved mutants needs only these)."""
+    torch.manual_seed(0)
+    return {name: list(inputs) for name, _, inputs, _ in _cases()}
+
+
 def build_seeds() -> list[Seed]:
     """Lower every seed program (one delegate segment each) and record eager outputs."""
     torch.manual_seed(0)
@@ -122,5 +129,5 @@ def build_seeds() -> list[Seed]:
         with torch.no_grad():
             out = eager(*inputs)
         expected = list(out) if isinstance(out, (tuple, list)) else [out]
-        seeds.append(Seed(name, payload, named, [to_arg(x) for x in inputs], expected))
+        seeds.append(Seed(name, payload, named, [to_arg(x) for x in inputs], expected, lowered.buffer))
     return seeds

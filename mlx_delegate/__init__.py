@@ -5,9 +5,18 @@ runtime, so `executorch.runtime.Runtime` can run programs lowered with
 `MLXPartitioner`.
 """
 
+import warnings
+
 from . import _blas
 
 _blas.install()  # must run before libmlx.so is loaded (by _runtime below)
+
+# The executorch Python binding installs its log sink when it loads; _runtime
+# wraps that sink (payload bytes in log lines would abort the binding), so the
+# binding must be loaded first (quietly: its import warns that the API is experimental).
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    import executorch.extension.pybindings.portable_lib  # noqa: E402,F401
 
 from . import _runtime  # noqa: E402,F401  (registers the C++ backend on import)
 from . import compat  # noqa: E402

@@ -69,7 +69,7 @@ void exec_ItemNode(const mlxd::ItemNode& n, ExecContext& ctx) {
 void exec_AssertNode(const mlxd::AssertNode& n, ExecContext& ctx) {
   if (!n.cond()) throw NodeError("assert without a condition");
   if (ctx.int_value(n.cond()->idx()) == 0)
-    throw std::invalid_argument(n.message() ? n.message()->str() : std::string("runtime assertion failed"));
+    throw std::invalid_argument(n.message() ? printable(std::string_view(n.message()->c_str(), n.message()->size())) : std::string("runtime assertion failed"));
 }
 
 }  // namespace mlxd::rt
