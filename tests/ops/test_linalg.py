@@ -4,8 +4,9 @@ from torch.export import Dim
 
 from mlx_delegate.testing import FLOATS, cases, lower_and_compare
 
-# Matrix products accumulate over K: give half types a little more room.
-LOOSE = dict(rtol=3e-2, atol=3e-2)
+# Matrix products accumulate over K: half types get a little more room; float32 keeps its
+# own tolerance (K <= 16 here, below where fp32_tolerance(K) grows).
+LOOSE = dict(tolerance={torch.float16: (3e-2, 3e-2), torch.bfloat16: (3e-2, 3e-2)})
 
 
 def randn(*shapes):
