@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import copy
 import operator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
@@ -63,6 +64,30 @@ def on_cpu_device() -> bool:
     return mx.default_device() == mx.cpu
 
 
+# The runtime paths model tests run on (see the `runtime_path` fixture in tests/conftest.py):
+# the default (compiled graphs, CPU kernels on the CPU), node by node, and MLX's own primitives in
+# place of the CPU kernels (the path Metal and CUDA take, compiled there by default too).
+RUNTIME_PATHS = {"default": {}, "compile-off": {"compile": False}, "kernels-off": {"cpu_kernels": False}}
+
+
+@contextmanager
+def runtime_switches(compile: bool | None = None, cpu_kernels: bool | None = None) -> Iterator[None]:
+    """The runtime's process-wide compile / CPU-kernel switches set for a block (None: left as
+    they are), restored afterwards. Programs loaded inside pick them up on their first calls."""
+    from . import _runtime
+
+    was = _runtime.compile_enabled(), _runtime.cpu_kernels_enabled()
+    try:
+        if compile is not None:
+            _runtime.set_compile(compile)
+        if cpu_kernels is not None:
+            _runtime.set_cpu_kernels(cpu_kernels)
+        yield
+    finally:
+        _runtime.set_compile(was[0])
+        _runtime.set_cpu_kernels(was[1])
+
+
 def cpu_kernels_active() -> bool:
     """Whether the delegate's own CPU kernels serve ops now: switched on (not
     MLX_DELEGATE_CPU_KERNELS=0, not `set_cpu_kernels(False)`) and MLX's default device is the CPU
@@ -101,9 +126,10 @@ class OpCase:
     # The compiled replay equals the node-by-node result bit for bit; False where MLX's
     # compiled (fused) kernels round differently, and then they agree to rtol/atol.
     compiled_exact: bool = True
-    # False where MLX cannot trace the program (a node reads a traced value): the runtime
-    # rejects the method (compile_stats()["rejected"]) and keeps it node by node. The
-    # harness asserts the rejection, so a stale flag fails too.
+    # False where the runtime keeps the method node by node for good: an item() reads a
+    # computed tensor (found at load, e.g. integer division's zero-divisor check), or MLX
+    # refuses the trace (compile_stats()["rejected"]). The harness then asserts that no call
+    # was compiled, so a stale flag fails too.
     compiles: bool = True
     # Half-type configs: (rtol, atol) against the float32 reference (None: the dtype's
     # FP32_REFERENCE_TOLERANCE); fp32_reference=False where the half types legitimately
@@ -255,8 +281,8 @@ def lower_and_compare(case: OpCase, keep_ops: Sequence[Any] = ()) -> Lowered:
     2. compiled: each input signature `CALLS_TO_REPLAY` times, so that it is traced and then
        replayed. Every call matches eager, the replay is counted by `compile_stats()` as a
        compiled call, and it equals the node-by-node result bit for bit (`compiled_exact`,
-       else to the tolerance). A program MLX cannot trace must be declared (`compiles=False`)
-       and is then asserted to be rejected and served node by node;
+       else to the tolerance). A program the runtime keeps node by node must be declared
+       (`compiles=False`) and is then asserted to have no compiled call;
     3. node by node with the CPU kernels off (the path Metal and CUDA take), against eager.
 
     Half-type configs also compare the node-by-node outputs with the module run in float32.
@@ -327,8 +353,8 @@ def lower_and_compare(case: OpCase, keep_ops: Sequence[Any] = ()) -> Lowered:
             assert delta["rejected"] == 0, f"MLX could not trace the program: {delta}"
             assert delta["traces"] >= 1, f"nothing was traced: {delta}"
         else:
-            assert delta["rejected"] >= 1, \
-                f"the row says MLX cannot trace this program, but: {delta}"
+            assert delta["compiled_calls"] == 0, \
+                f"the row says the runtime cannot trace this program (compiles=False), but: {delta}"
 
         # 3. Node by node with the CPU kernels off (MLX's own primitives).
         _runtime.set_compile(False)
@@ -359,6 +385,16 @@ def _check(actual: Sequence[Any], expected: Any, rtol: float, atol: float, exact
         assert_close(actual, expected, rtol, atol, exact)
     except AssertionError as e:
         raise AssertionError(f"{what}: {e}") from None
+
+
+def amend(configs: Iterable[OpCase], rows: dict[str, str], **changes: Any) -> list[OpCase]:
+    """`configs` with `changes` applied to those of the named rows (a config's row is its name
+    without the dtype suffix); `rows` maps each row to the reason, and every row must exist."""
+    configs = list(configs)
+    row = lambda c: c.dtype is None and c.name or c.name.rsplit("-", 1)[0]  # noqa: E731
+    missing = set(rows) - {row(c) for c in configs}
+    assert not missing, f"no such rows: {sorted(missing)}"
+    return [replace(c, **changes) if row(c) in rows else c for c in configs]
 
 
 def with_inputs(case: OpCase, **changes: Any) -> OpCase:

@@ -78,7 +78,7 @@ def test_frame_count_helpers() -> None:
 
 
 @pytest.mark.parametrize("frames", [9, 100, 196, 333, MAX_FRAMES])
-def test_logits_match_eager_at_any_length(lowered, frames: int) -> None:
+def test_logits_match_eager_at_any_length(lowered, frames: int, runtime_path: str) -> None:
     """Any frame count: padded to 8k - 4 and masked by length, equal to eager on the unpadded input."""
     model, low = lowered
     runner = P.ParakeetRunner(low.buffer, None, model.config.pad_token_id)

@@ -92,7 +92,7 @@ def test_encode_matches_eager(tiny, seconds: float) -> None:
     torch.testing.assert_close(runner.encode(feats), expected, **TIGHT)
 
 
-def test_decode_steps_match_eager_forward(tiny) -> None:
+def test_decode_steps_match_eager_forward(tiny, runtime_path: str) -> None:
     """Teacher-forced steps equal the full eager forward, for two windows in a row (stale cache masked)."""
     model, low = tiny
     runner = W.load(model, None, buffer=low.buffer)
@@ -109,7 +109,7 @@ def test_decode_steps_match_eager_forward(tiny) -> None:
 
 
 @pytest.mark.parametrize("language,task", [("en", "transcribe"), ("de", "translate")])
-def test_greedy_matches_generate(tiny, language: str, task: str) -> None:
+def test_greedy_matches_generate(tiny, language: str, task: str, runtime_path: str) -> None:
     model, low = tiny
     runner = W.load(model, None, language=language, task=task, buffer=low.buffer)
     lang, task_id = (259 if language == "en" else 260), (261 if task == "transcribe" else 262)
