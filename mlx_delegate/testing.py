@@ -186,6 +186,12 @@ class Lowered:
     def method(self, name: str = "forward") -> "BoundMethod":
         return BoundMethod(self.program, self.program.load_method(name))
 
+    def fresh_method(self, name: str = "forward") -> "BoundMethod":
+        """The method of a newly loaded copy of the program: its own buffer states and compiled
+        graphs (a Program caches the methods it loads, so `method()` returns the same one)."""
+        program = Runtime.get().load_program(self.buffer)
+        return BoundMethod(program, program.load_method(name))
+
 
 @dataclass
 class BoundMethod:
@@ -205,11 +211,15 @@ def lower(module: torch.nn.Module, inputs: tuple, dynamic_shapes: Any = None,
     `keep_ops`: non-core ATen ops to keep whole in the Edge graph instead of decomposing them.
     """
     ep = torch.export.export(module, inputs, dynamic_shapes=dynamic_shapes, strict=False)
+    # Before lowering rewrites the signature; export's graph may still hold the in-place ops
+    # themselves (mutated buffers are listed only once functionalized).
+    stateful = bool(ep.graph_signature.buffers_to_mutate) or any(
+        n.op == "call_function" and getattr(getattr(n.target, "_schema", None), "is_mutable", False)
+        for n in ep.graph.nodes)
     config = EdgeCompileConfig(_core_aten_ops_exception_list=list(keep_ops)) if keep_ops else None
     edge = to_edge_transform_and_lower(ep, partitioner=[partitioner or MLXPartitioner()], compile_config=config)
     summary = delegate_summary(edge)
     buffer = edge.to_executorch().buffer
-    stateful = bool(ep.graph_signature.buffers_to_mutate)
     return Lowered(edge, buffer, Runtime.get().load_program(buffer), summary, stateful)
 
 
@@ -275,7 +285,7 @@ def lower_and_compare(case: OpCase, keep_ops: Sequence[Any] = ()) -> Lowered:
     """Run one config end to end; raises AssertionError on any mismatch.
 
     The program is lowered once and run on every input tuple along three paths, each a
-    freshly loaded method (its own compiled graphs and buffer states):
+    freshly loaded copy of it (its own compiled graphs and buffer states):
 
     1. node by node (compile off), compared with eager;
     2. compiled: each input signature `CALLS_TO_REPLAY` times, so that it is traced and then
@@ -323,7 +333,7 @@ def lower_and_compare(case: OpCase, keep_ops: Sequence[Any] = ()) -> Lowered:
     try:
         # 1. Node by node.
         _runtime.set_compile(False)
-        method = lowered.method()
+        method = lowered.fresh_method()
         node_outputs = []
         for i, (call, expected) in enumerate(zip(node_calls, node_expected)):
             actual = _execute(method, call)
@@ -332,7 +342,7 @@ def lower_and_compare(case: OpCase, keep_ops: Sequence[Any] = ()) -> Lowered:
 
         # 2. Compiled: traced on a signature's second call, replayed on the third.
         _runtime.set_compile(True)
-        method = lowered.method()
+        method = lowered.fresh_method()
         start = _runtime.compile_stats()
         for i, (call, expected) in enumerate(zip(compiled_calls, compiled_expected)):
             before = _runtime.compile_stats()
@@ -359,7 +369,7 @@ def lower_and_compare(case: OpCase, keep_ops: Sequence[Any] = ()) -> Lowered:
         # 3. Node by node with the CPU kernels off (MLX's own primitives).
         _runtime.set_compile(False)
         _runtime.set_cpu_kernels(False)
-        method = lowered.method()
+        method = lowered.fresh_method()
         for i, (call, expected) in enumerate(zip(node_calls, node_expected)):
             _check(_execute(method, call), expected, rtol, atol, case.exact, f"CPU kernels off, call {i}")
     finally:

@@ -36,7 +36,7 @@ def test_switches_are_restored():
 
 def test_each_dynamic_signature_is_traced_and_replayed():
     (case,) = cases("mul_dynamic", lambda x: x * 2, lambda: (torch.randn(3, 4),),
-                    dynamic_shapes=({0: Dim("n", min=2, max=16)},),
+                    dynamic_shapes=(({0: Dim("n", min=2, max=16)},),),
                     more_inputs=lambda: [(torch.randn(5, 4),), (torch.randn(3, 4),)])
     before = _runtime.compile_stats()
     lower_and_compare(case)
