@@ -94,7 +94,8 @@ class Attention(torch.nn.Module):
         q, k, v = self.qkv(self.norm(x)).split(d, dim=-1)
         q, k, v = (t.reshape(b, s, self.heads, -1).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        # Heads back to [b, s, d] without a transpose+reshape (which currently fails to lower).
+        # Heads back to [b, s, d] by unbind + cat, so the fuzzer mutates that path; the usual
+        # transpose + reshape lowers too (tests/models/test_vision.py, tests/patterns/test_fusions.py).
         return x + self.out(torch.cat(y.unbind(1), dim=-1))
 
 

@@ -14,6 +14,17 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(params=["default", "compile-off", "kernels-off"])
+def runtime_path(request):
+    """Runs a model test on each runtime path (testing.RUNTIME_PATHS): as users run it (compiled
+    graphs, CPU kernels), node by node, and with MLX's own primitives in place of the CPU kernels
+    (what Metal and CUDA run). Load the program inside the test."""
+    from mlx_delegate.testing import RUNTIME_PATHS, runtime_switches
+
+    with runtime_switches(**RUNTIME_PATHS[request.param]):
+        yield request.param
+
+
 @pytest.fixture
 def compile_on():
     """Compiled graphs on for one test, whatever MLX_DELEGATE_COMPILE says."""

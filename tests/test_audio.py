@@ -8,11 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import soundfile as sf  # writes the test files
 import torch
+from scipy import signal
+from transformers.models.whisper import feature_extraction_whisper as fe_mod
 
 from mlx_delegate import audio as A
 
-sf = pytest.importorskip("soundfile", reason="pip install soundfile (writes the test files)")
 DATA = Path(__file__).parent / "data"
 
 
@@ -68,7 +70,6 @@ def test_resample_accuracy_and_anti_aliasing() -> None:
 
 
 def test_resample_close_to_scipy() -> None:
-    signal = pytest.importorskip("scipy.signal")
     rng = np.random.default_rng(0)
     x = signal.lfilter(*signal.butter(8, 0.25), rng.standard_normal(22050)).astype(np.float32)  # < 2.7 kHz
     ours = A.resample(x, 22050, 16000)
@@ -77,7 +78,6 @@ def test_resample_close_to_scipy() -> None:
 
 
 def test_mel_filters_match_transformers() -> None:
-    fe_mod = pytest.importorskip("transformers.models.whisper.feature_extraction_whisper")
     for n in (80, 128):
         ref = fe_mod.WhisperFeatureExtractor(feature_size=n).mel_filters
         np.testing.assert_allclose(A.mel_filters(n).numpy(), ref, rtol=1e-5, atol=1e-8)
@@ -86,7 +86,6 @@ def test_mel_filters_match_transformers() -> None:
 @pytest.mark.parametrize("seconds", [0.01, 1.0, 7.3, 30.0, 41.0])
 @pytest.mark.parametrize("n_mels", [80, 128])
 def test_log_mel_matches_whisper_feature_extractor(seconds: float, n_mels: int) -> None:
-    fe_mod = pytest.importorskip("transformers.models.whisper.feature_extraction_whisper")
     rng = np.random.default_rng(1)
     x = (0.1 * rng.standard_normal(int(16000 * seconds))).astype(np.float32)
     x[: len(x) // 2] *= np.linspace(0, 3, len(x) // 2, dtype=np.float32)  # a dynamic range for the max-8 clamp

@@ -62,7 +62,7 @@ def test_cache_lives_inside_the_delegate(tiny):
     assert all(name.endswith(("k_cache", "v_cache")) for name in caches)
 
 
-def test_greedy_generation_matches_hf(tiny):
+def test_greedy_generation_matches_hf(tiny, runtime_path):
     _, hf, _, pte = tiny
     gen = Generator(pte, eos_token_ids=[])
     ours = list(gen.generate_ids(PROMPT, NEW_TOKENS))
@@ -70,7 +70,7 @@ def test_greedy_generation_matches_hf(tiny):
     assert gen.stats.generated_tokens == NEW_TOKENS and gen.stats.decode_tps > 0
 
 
-def test_step_logits_match_hf(tiny):
+def test_step_logits_match_hf(tiny, runtime_path):
     _, hf, _, pte = tiny
     assert_steps_match_hf(Generator(pte, eos_token_ids=[]), hf, PROMPT, steps=8)
 

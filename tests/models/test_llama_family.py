@@ -32,13 +32,13 @@ def family(request):
 
 
 # Local (not imported from test_llama.py): under --import-mode=importlib test files are not importable.
-def test_greedy_generation_matches_hf(family):
+def test_greedy_generation_matches_hf(family, runtime_path):
     hf, pte = family
     ours = list(Generator(pte, eos_token_ids=[]).generate_ids(PROMPT, NEW_TOKENS))
     assert ours == hf_greedy(hf, PROMPT, NEW_TOKENS)
 
 
-def test_step_logits_match_hf(family):
+def test_step_logits_match_hf(family, runtime_path):
     hf, pte = family
     assert_steps_match_hf(Generator(pte, eos_token_ids=[]), hf, PROMPT, steps=6)
 

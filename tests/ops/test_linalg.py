@@ -4,10 +4,11 @@ import pytest
 import torch
 from torch.export import Dim
 
-from mlx_delegate.testing import FLOATS, cases, lower_and_compare
+from mlx_delegate.testing import FLOATS, amend, cases, lower_and_compare
 
-# Matrix products accumulate over K: give half types a little more room.
-LOOSE = dict(rtol=3e-2, atol=3e-2)
+# Matrix products accumulate over K: half types get a little more room; float32 keeps its
+# own tolerance (K <= 16 here, below where fp32_tolerance(K) grows).
+LOOSE = dict(tolerance={torch.float16: (3e-2, 3e-2), torch.bfloat16: (3e-2, 3e-2)})
 
 
 def randn(*shapes):
@@ -69,6 +70,11 @@ CASES = [
     *cases("addmm_dynamic", torch.addmm, randn((5,), (4, 6), (6, 5)), (torch.float32,),
            dynamic_shapes=((None, {0: batch}, None),), more_inputs=lambda: [randn((5,), (11, 6), (6, 5))()]),
 ]
+# float32 products of a transposed operand: the compiled replay differs from the node-by-node
+# result by about 1 ulp (seen: 9.5e-7 on outputs of ~5; the half types agree bit for bit), so
+# the two paths are compared to the tolerance instead (compiled_exact=False).
+CASES = amend(CASES, dict.fromkeys(["linear_noncontig_input", "mm_transposed_operand"], "operand layout"),
+              compiled_exact=False)
 
 # Mixture-of-experts products: rows sorted by expert, offsets the cumulative row counts (an
 # empty group included; rows past the last offset are zero, like transformers' fallback).

@@ -5,11 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+import atheris  # noqa: F401  (requirements-dev.txt: the fuzzer needs it, a missing one fails here)
 
 from mlx_delegate.memory import rss_mb
-
-pytest.importorskip("atheris")
 
 FUZZER = Path(__file__).resolve().parents[2] / "fuzz" / "fuzz_payload.py"
 FUZZ_SECONDS = 45
