@@ -5,7 +5,11 @@ runtime, so `executorch.runtime.Runtime` can run programs lowered with
 `MLXPartitioner`.
 """
 
-from . import _blas
+from . import _quiet
+
+_quiet.install()  # before anything below imports executorch (and through it torchao)
+
+from . import _blas  # noqa: E402
 
 _blas.install()  # must run before libmlx.so is loaded (by _runtime below)
 
