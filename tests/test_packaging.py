@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -27,37 +26,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SMOKE = textwrap.dedent(
-    """
-    import torch
-    import mlx_delegate
-    from executorch.exir import to_edge_transform_and_lower
-    from executorch.runtime import Runtime
-
-
-    class M(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(16, 8)
-
-        def forward(self, x):
-            return torch.nn.functional.gelu(self.lin(x)) * 2 + x[:, :8]
-
-
-    torch.manual_seed(0)
-    m = M().eval()
-    x = torch.randn(4, 16)
-    ep = torch.export.export(m, (x,))
-    prog = to_edge_transform_and_lower(ep, partitioner=[mlx_delegate.MLXPartitioner()]).to_executorch()
-    delegates = [d.id for d in prog.executorch_program.execution_plan[0].delegates]
-    assert delegates == [mlx_delegate.BACKEND_ID], delegates
-    out = Runtime.get().load_program(prog.buffer).load_method("forward").execute([x])[0]
-    torch.testing.assert_close(out, m(x), rtol=1e-4, atol=1e-4)
-    print("mlx_delegate", mlx_delegate.__file__)
-    print("runtime", mlx_delegate._runtime.__file__)
-    print("ok")
-    """
-)
+SMOKE = ROOT / "tests" / "packaging_smoke.py"
 
 # What `import mlx_delegate` and lowering must not print (mlx_delegate/_quiet.py).
 NOISE = ("Failed to load", "is an Enum subclass", "FutureWarning", "Traceback")
@@ -101,7 +70,7 @@ def test_wheel_runs_a_lowered_model_in_a_fresh_venv(tmp_path: Path) -> None:
 
     work = tmp_path / "elsewhere"
     work.mkdir()
-    (work / "smoke.py").write_text(SMOKE)
+    (work / "smoke.py").write_text(SMOKE.read_text())  # a copy: nothing of the tree on sys.path
     r = _run([str(py), "-I", "smoke.py"], cwd=work, env=env, timeout=600)
     lines = dict(line.split(" ", 1) for line in r.stdout.splitlines() if " " in line)
     assert r.stdout.splitlines()[-1] == "ok"
