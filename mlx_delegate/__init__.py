@@ -7,7 +7,11 @@ runtime, so `executorch.runtime.Runtime` can run programs lowered with
 
 import warnings
 
-from . import _blas
+from . import _quiet
+
+_quiet.install()  # before anything below imports executorch (and through it torchao)
+
+from . import _blas  # noqa: E402
 
 _blas.install()  # must run before libmlx.so is loaded (by _runtime below)
 
@@ -22,6 +26,7 @@ from . import _runtime  # noqa: E402,F401  (registers the C++ backend on import)
 from . import compat  # noqa: E402
 
 compat.apply()
+
 from .backend import BACKEND_ID, MLXDelegateBackend  # noqa: E402
 from .errors import LoweringError, Unsupported  # noqa: E402
 from .partitioner import MLXPartitioner  # noqa: E402

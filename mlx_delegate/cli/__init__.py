@@ -17,6 +17,7 @@ import sys
 import warnings
 from typing import Iterator, Sequence
 
+from .. import _quiet
 from ._common import CLIError
 
 
@@ -61,6 +62,7 @@ def _library_output(verbose: bool) -> Iterator[None]:
         if verbose:
             logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
             root.setLevel(logging.INFO)
+            _quiet.show()  # what `import mlx_delegate` held back, and no filtering from here on
         else:
             warnings.simplefilter("ignore")
             root.setLevel(logging.ERROR)
@@ -68,6 +70,8 @@ def _library_output(verbose: bool) -> Iterator[None]:
             yield
         finally:
             root.setLevel(level)
+            if verbose:
+                _quiet.install()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
