@@ -223,7 +223,7 @@ def fuzz(ns: argparse.Namespace) -> int:
     findings: list[dict] = []
     cases, next_case, workers, reported = 0, 0, 0, time.time()
     while next_case < ns.runs and time.time() < deadline:
-        status_file.write_bytes(bytes(8 * N_SLOTS))
+        status_file.write_bytes(struct.pack("<q", -1) + bytes(8 * (N_SLOTS - 1)))  # -1: no case started yet
         stderr_path = work / "worker.stderr"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--seeds-file", str(seeds_file),
                "--status", str(status_file), "--findings", str(findings_file), "--workdir", str(work),
@@ -258,8 +258,11 @@ def fuzz(ns: argparse.Namespace) -> int:
             continue
         # The worker died (signal, abort, uncaught error) or hung on the case it was on.
         index = st[SLOT_CASE]
-        case = make_case(seeds, layouts, ns.seed, index, ns.kinds)
         tail = stderr_path.read_bytes()[-3000:].decode("utf-8", "replace")
+        if index < 0:  # the harness itself is broken: no case to blame
+            print(f"fuzz_stock: worker failed before its first case (exit {proc.returncode}):\n{tail}", flush=True)
+            return 2
+        case = make_case(seeds, layouts, ns.seed, index, ns.kinds)
         what = "hang" if hung else f"exit {proc.returncode}" + (
             f" ({signal.Signals(-proc.returncode).name})" if proc.returncode < 0 else "")
         name = f"{seeds[case.seed].name}-{case.kind}-{ns.seed}-{index}.bin"
