@@ -28,10 +28,13 @@ def test_every_path_runs_and_is_counted():
 
 def test_switches_are_restored():
     (case,) = cases("add", torch.add, lambda: (torch.randn(3), torch.randn(3)))
-    with runtime_switches(compile=False, cpu_kernels=True):
-        lower_and_compare(case)
-        assert not _runtime.compile_enabled() and _runtime.cpu_kernels_enabled() == cpu_kernels_active()
-    assert _runtime.compile_enabled()  # conftest leaves the default on
+    was = _runtime.compile_enabled(), _runtime.cpu_kernels_enabled()
+    for switches in ({"compile": False, "cpu_kernels": True}, {"compile": True, "cpu_kernels": False}):
+        with runtime_switches(**switches):
+            lower_and_compare(case)
+            assert _runtime.compile_enabled() == switches["compile"]
+            assert not _runtime.cpu_kernels_enabled() or switches["cpu_kernels"]
+    assert (_runtime.compile_enabled(), _runtime.cpu_kernels_enabled()) == was
 
 
 def test_each_dynamic_signature_is_traced_and_replayed():

@@ -141,7 +141,9 @@ def test_rope_kernel_matches_eager_and_mlx(kernels_on, dtype, offset, traditiona
         before = rope_calls()
         got = run(data, named, x, pos)
         assert rope_calls() - before == kernels_on
-        assert_close([got], reference(x, pos, freqs, traditional, dims, scale), *TOLERANCE[dtype])
+        # Where the kernel cannot run, MLX's own rope serves `got`: its tolerance (below).
+        tol = TOLERANCE[dtype] if kernels_on else mlx_tolerance(dtype, pos)
+        assert_close([got], reference(x, pos, freqs, traditional, dims, scale), *tol)
         _runtime.set_cpu_kernels(False)
         try:
             mlx_own = run(data, named, x, pos)
@@ -174,7 +176,7 @@ def test_rope_kernel_handles_a_transposed_input(kernels_on):
     (got,) = method.execute([x, torch.tensor([7])])
     assert rope_calls() - before == kernels_on
     expected = reference(x.transpose(1, 2), 7, reference_freqs(True, HEAD), False, HEAD, 1.0)
-    assert_close([got], expected, *TOLERANCE[torch.float32])
+    assert_close([got], expected, *(TOLERANCE[torch.float32] if kernels_on else mlx_tolerance(torch.float32, 7)))
 
 
 def test_rope_kernel_in_a_compiled_graph(kernels_on, compile_on):
@@ -188,7 +190,8 @@ def test_rope_kernel_in_a_compiled_graph(kernels_on, compile_on):
     for pos in positions:
         x = torch.randn(1, HEADS, 1, HEAD)
         expected = reference(x, pos, reference_freqs(True, HEAD), False, HEAD, 1.0)
-        assert_close(method.execute([x, torch.tensor([pos])]), expected, *TOLERANCE[torch.float32])
+        tol = TOLERANCE[torch.float32] if kernels_on else mlx_tolerance(torch.float32, pos)  # MLX's rope
+        assert_close(method.execute([x, torch.tensor([pos])]), expected, *tol)
     stats = {k: v - stats_before[k] for k, v in _runtime.compile_stats().items()}
     assert stats == {"interpreted_calls": 1, "compiled_calls": 4, "traces": 1, "rejected": 0}
     assert rope_calls() - calls_before == len(positions) * kernels_on

@@ -103,7 +103,8 @@ PATHS = {
     "mlx": {"MLX_DELEGATE_CPU_KERNELS": "0"},
     "portable": {"MLX_DELEGATE_CPU_KERNELS": "portable"},
     "avx2": {"MLX_DELEGATE_CPU_KERNELS": "avx2"},
-    "no-mkl": {"MLX_DELEGATE_BLAS": "reference"},
+    # The kernels on whatever the parent's environment says (only the BLAS route changes).
+    "no-mkl": {"MLX_DELEGATE_BLAS": "reference", "MLX_DELEGATE_CPU_KERNELS": "1"},
 }
 
 
