@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from typing import final
 
 import torch
@@ -13,6 +14,7 @@ from executorch.exir.backend.backend_details import BackendDetails, PreprocessRe
 from executorch.exir.backend.compile_spec_schema import CompileSpec
 from torch.export import ExportedProgram
 
+from .. import progress
 from ..builder import build_program
 from ..passes import run_graph_passes
 from ..patterns import ALL_FUSIONS, FUSIONS, apply_fusions
@@ -51,8 +53,12 @@ class MLXDelegateBackend(BackendDetails):
         apply_fusions(edge_program, disabled)  # before CSE: a match's nodes must have no outside readers
         run_graph_passes(edge_program.graph, disabled - FUSIONS.keys() - {ALL_FUSIONS})
         bounds = dict(item.split("=") for item in filter(None, specs.get("lower_bounds", b"").decode().split(",")))
+        start = time.perf_counter()
         built = build_program(edge_program, method=method, keep_intermediates="early_release" in disabled,
                               lower_bounds={sym: int(lo) for sym, lo in bounds.items()})
+        progress.log.info("delegate segment: %d graph nodes -> %d instructions, %d constants (%.1f s)",
+                          len(edge_program.graph.nodes), len(built.program.instructions or []),
+                          len(built.constants), time.perf_counter() - start)
         store = NamedDataStore()
         seen: set[str] = set()
         for c in built.constants:

@@ -17,7 +17,7 @@ import sys
 import warnings
 from typing import Iterator, Sequence
 
-from .. import _quiet
+from .. import _quiet, progress
 from ._common import CLIError
 
 
@@ -58,6 +58,13 @@ def _library_output(verbose: bool) -> Iterator[None]:
     """
     root = logging.getLogger()
     level = root.level
+    # Stage progress of long lowering work is shown whatever the verbosity.
+    shown = logging.StreamHandler(sys.stderr)
+    shown.setFormatter(logging.Formatter("[mlx-delegate] %(message)s"))
+    stages = progress.log
+    stages.addHandler(shown)
+    stages.setLevel(logging.INFO)
+    stages.propagate = False
     with warnings.catch_warnings():
         if verbose:
             logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
@@ -70,6 +77,9 @@ def _library_output(verbose: bool) -> Iterator[None]:
             yield
         finally:
             root.setLevel(level)
+            stages.removeHandler(shown)
+            stages.setLevel(logging.NOTSET)
+            stages.propagate = True
             if verbose:
                 _quiet.install()
 

@@ -33,6 +33,7 @@ from torch.export import Dim, ExportedProgram
 from ..models.llama import Model
 from .. import quantization
 from ..partitioner import MLXPartitioner
+from ..progress import stage
 from ..patterns import MLXPatternPass
 
 
@@ -119,9 +120,15 @@ def quantize_weights(model: Model, mode: str | None, group_size: int | None = No
 def to_executorch(model: Model, *, full_logits: bool = False, quantize: str | None = None,
                   group_size: int | None = None) -> ExecutorchProgramManager:
     """The program for `model`; `quantize` (int8 / int4) quantizes it first, in place (see `quantize_weights`)."""
-    quantize_weights(model, quantize, group_size)
-    edge = lower(export_model(model, full_logits=full_logits), constant_methods=metadata(model))
-    return edge.to_executorch()
+    if quantize:
+        with stage(f"quantizing weights ({quantize})"):
+            quantize_weights(model, quantize, group_size)
+    with stage("exporting (torch.export)"):
+        ep = export_model(model, full_logits=full_logits)
+    with stage("lowering to the MLX delegate"):
+        edge = lower(ep, constant_methods=metadata(model))
+    with stage("serialising the program"):
+        return edge.to_executorch()
 
 
 def to_pte(model: Model, **options: Any) -> bytes:

@@ -250,7 +250,12 @@ def test_generate_cli_on_a_checkpoint_dir(tmp_path, monkeypatch, capsys):
     args = ["generate", "Hello", "--model", str(tmp_path / "tiny"), "--max-new-tokens", "8",
             "--max-seq-len", "64"]
     assert main([*args, "--json"]) == 0
-    result = json.loads(capsys.readouterr().out)
+    out, err = capsys.readouterr()
+    result = json.loads(out)
+    # Lowering shows its stages (on stderr, so --json output stays parseable).
+    for line in ("[mlx-delegate] exporting (torch.export): ", "[mlx-delegate] lowering to the MLX delegate: ",
+                 "[mlx-delegate] delegate segment: ", "[mlx-delegate] serialising the program: "):
+        assert line in err, err
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], tokenize=False,
                                            add_generation_prompt=True)
     ids = tokenizer.encode(prompt, add_special_tokens=False)
