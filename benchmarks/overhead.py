@@ -6,7 +6,8 @@ evaluation. Besides the usual engines it times `et_floor`: the same graph
 through the stock runtime with ExecuTorch's portable kernels and no delegate,
 i.e. what ExecuTorch's Python `execute` (argument conversion, output tensors)
 costs before any backend runs. Under the table it splits the delegate's call
-into that floor, MLX Python's own evaluation of the graph, and the rest (ours).
+into that floor, MLX Python's own evaluation of the graph, and the rest (ours),
+and (without --quick) the CPU time each call costs at 100 Hz, delegate beside eager.
 
     python benchmarks/overhead.py [--quick] [--json out.json] [--engines ...]
 """
@@ -80,6 +81,32 @@ def breakdown(results: Sequence[Result]) -> list[str]:
     return ["", "Breakdown (medians of this run): call = ExecuTorch floor + MLX Python + ours", table]
 
 
+IDLE_KEYS = ("delegate", "eager")
+IDLE_GAP_S = 0.01  # a call every ~10 ms: an app polling a small model at 100 Hz
+
+
+def idle_cost(w: Workload, calls: int = 200, rounds: int = 3) -> list[str]:
+    """CPU time per call when calls come ~10 ms apart: whatever a runtime burns between calls
+    (threads spinning for work) counts. Blocks of calls per engine, alternated, so both see the
+    same machine; the process's CPU time over each block is charged to its calls."""
+    prepared = {k: common.ENGINES[k][1](w) for k in IDLE_KEYS}
+    cpu = {k: [] for k in IDLE_KEYS}
+    for _ in range(rounds):
+        for k, p in prepared.items():
+            for _ in range(10):
+                p.run()
+            start = time.process_time()
+            for _ in range(calls):
+                p.run()
+                time.sleep(IDLE_GAP_S)
+            cpu[k].append((time.process_time() - start) / calls)
+    best = {k: min(v) for k, v in cpu.items()}
+    rows = [[common.ENGINES[k][0], f"{best[k] * 1e3:.3f} ms", f"{best[k] / best['eager']:.2f}x"] for k in IDLE_KEYS]
+    table = common.format_table(["engine", "CPU per call", "vs eager"], rows, [False, True, True])
+    return ["", f"Idle cost: CPU time per call at one call every {IDLE_GAP_S * 1e3:.0f} ms "
+            f"(best of {rounds} blocks of {calls})", table]
+
+
 def _with_default_engines(argv: list[str]) -> list[str]:
     """common's default engines lack the floor and node-by-node rows this benchmark is about."""
     return argv if any(a.startswith("--engines") for a in argv) else [*argv, "--engines", ",".join(DEFAULT)]
@@ -105,7 +132,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print("  ".join(f"{k}={v}" for k, v in meta.items() if k != "settings"))
     print()
     print(common.results_table(results))
-    for line in breakdown(results) + common.load_note(meta):
+    idle = [] if args.quick else [line for w in workloads(args.quick) for line in idle_cost(w)]
+    for line in breakdown(results) + idle + common.load_note(meta):
         print(line)
     if args.json:
         common.write_json(args.json, meta, results)

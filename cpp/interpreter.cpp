@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -13,7 +12,6 @@
 #include <executorch/runtime/core/exec_aten/util/dim_order_util.h>
 #include <executorch/runtime/core/exec_aten/util/tensor_util.h>
 #include <mlx/primitives.h>
-#include <mlx/scheduler.h>
 
 #include "kernels/cpu_parallel.h"
 
@@ -108,83 +106,6 @@ mx::array owned_copy(const mx::array& a) {
   mx::array out(mx::allocator::malloc(c.nbytes()), c.shape(), c.dtype());
   std::memcpy(out.data<uint8_t>(), c.data<uint8_t>(), c.nbytes());
   return out;
-}
-
-// Small graphs on the CPU: MLX's stream thread sleeps between tasks, each
-// task that eval enqueues wakes it, and eval then sleeps until the last task
-// has run. On a 2-core VM every such hand-off is a futex wake-up and a context
-// switch, most of a tiny call's cost. Instead the stream thread is parked in
-// one task, spinning, while eval enqueues the graph; released, it runs the
-// tasks back to back while the calling thread spins for a marker task behind
-// them, so the final wait in eval finds everything done. Both spins are
-// bounded (kSpinLimit), after which each side sleeps as before, so nothing
-// that waits on the stream thread inside eval (MLX's active-task throttle)
-// can hang on the park.
-constexpr auto kSpinLimit = std::chrono::microseconds(2000);
-
-template <class Ready>
-bool spin_for(Ready ready, std::chrono::microseconds limit) {
-  const auto until = std::chrono::steady_clock::now() + limit;
-  for (int i = 0;; ++i) {
-    if (ready()) return true;
-    if ((i & 63) == 0 && std::chrono::steady_clock::now() > until) return false;
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
-  }
-}
-
-class StreamPark {
- public:
-  explicit StreamPark(mx::Stream stream) : state_(std::make_shared<State>()) {
-    mx::scheduler::enqueue(stream, [state = state_] { state->wait(); });
-  }
-  ~StreamPark() { release(); }
-  void release() {
-    if (state_->open.exchange(true)) return;
-    std::lock_guard<std::mutex> lock(state_->mutex);  // a waiter past its spin sleeps on cv
-    state_->cv.notify_one();
-  }
-
- private:
-  struct State {
-    std::atomic<bool> open{false};
-    std::mutex mutex;
-    std::condition_variable cv;
-    void wait() {
-      if (spin_for([this] { return open.load(std::memory_order_acquire); }, kSpinLimit)) return;
-      std::unique_lock<std::mutex> lock(mutex);
-      cv.wait_for(lock, kSpinLimit, [this] { return open.load(); });
-    }
-  };
-  std::shared_ptr<State> state_;
-};
-
-// Programs up to this many instructions are evaluated with the stream parked;
-// larger ones gain more from the stream thread computing while eval still
-// walks the graph.
-constexpr size_t kParkMaxInstructions = 32;
-
-// The CPU stream the graph of `arrays` runs on, when parking it applies.
-std::optional<mx::Stream> parkable_stream(const std::vector<mx::array>& arrays) {
-  if (!cpu_kernels_active()) return std::nullopt;
-  for (const auto& a : arrays)
-    if (a.status() == mx::array::Status::unscheduled && a.has_primitive()) {
-      auto stream = a.primitive().stream();
-      if (stream.device == mx::Device::cpu) return stream;
-      return std::nullopt;
-    }
-  return std::nullopt;
-}
-
-void eval_parked(std::vector<mx::array>& arrays, mx::Stream stream) {
-  StreamPark park(stream);
-  mx::async_eval(arrays);
-  auto done = std::make_shared<std::atomic<bool>>(false);
-  mx::scheduler::enqueue(stream, [done] { done->store(true, std::memory_order_release); });
-  park.release();
-  spin_for([&] { return done->load(std::memory_order_acquire); }, kSpinLimit);
-  mx::eval(arrays);
 }
 
 // Writes an evaluated result into `dst` in row-major order. Results stay
@@ -568,9 +489,9 @@ void Handle::finish(Span<EValue*> args, std::vector<mx::array> results, std::vec
   for (const auto& b : program_->buffers)
     if (b.update_tid >= 0) buffers_[&b - program_->buffers.data()] = b.initial;
   try {
-    auto stream = program_->nodes.size() <= kParkMaxInstructions ? parkable_stream(all) : std::nullopt;
-    if (stream) eval_parked(all, *stream);
-    else mx::eval(all);
+    // A plain eval: parking MLX's stream thread in a spin across the hand-off (tried for small
+    // graphs) cost 2-4 ms per call after an idle gap of a few ms, and CPU time while waiting.
+    mx::eval(all);
   } catch (...) {
     // The old contents may have been consumed in place: start over from the
     // initial values rather than keep half-written state.
