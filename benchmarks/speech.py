@@ -46,8 +46,9 @@ from transformers import (
 
 from mlx_delegate import audio as A
 from mlx_delegate.memory import peak_rss_mb
-from mlx_delegate.models import parakeet as P
-from mlx_delegate.models import whisper as W
+from mlx_delegate.models import parakeet as PM
+from mlx_delegate.pipelines import parakeet as P
+from mlx_delegate.pipelines import whisper as W
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIP = ROOT / "tests" / "data" / "speech_en_11k.flac"
@@ -211,7 +212,7 @@ class ParakeetBench:
     def lower(self, d: Path, engine: str) -> P.Lowering:
         model = ParakeetForCTC.from_pretrained(d / "hf").eval()
         frames = np.load(d / "features.npy", mmap_mode="r").shape[1]
-        return P.lower(model, P.padded_frames(frames), partitioner(engine), static=engine.endswith("-static"))
+        return P.lower(model, PM.padded_frames(frames), partitioner(engine), static=engine.endswith("-static"))
 
     def load(self, d: Path, engine: str) -> Run:
         features = torch.from_numpy(np.load(d / "features.npy"))

@@ -12,7 +12,6 @@ kernels off (what Metal and CUDA run).
 from __future__ import annotations
 
 import copy
-import operator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -22,7 +21,7 @@ from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 from executorch.runtime import Runtime
 
 from .partitioner import MLXPartitioner
-from .registry import base_name
+from .pipelines.lowering import delegate_summary
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 # (rtol, atol) per dtype the module computes in.
@@ -221,20 +220,6 @@ def lower(module: torch.nn.Module, inputs: tuple, dynamic_shapes: Any = None,
     summary = delegate_summary(edge)
     buffer = edge.to_executorch().buffer
     return Lowered(edge, buffer, Runtime.get().load_program(buffer), summary, stateful)
-
-
-def delegate_summary(edge: Any) -> tuple[int, list[str]]:
-    """(number of delegate calls, names of ops left outside the delegate)."""
-    graph = edge.exported_program().graph
-    segments, leftover = 0, []
-    for n in graph.nodes:
-        if n.op != "call_function":
-            continue
-        if n.target is torch.ops.higher_order.executorch_call_delegate:
-            segments += 1
-        elif n.target is not operator.getitem:
-            leftover.append(base_name(n.target))
-    return segments, leftover
 
 
 def _flatten(x: Any) -> list[Any]:

@@ -18,7 +18,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ._common import CLIError, cache_dir, print_json, progress
+from ..pipelines.cache import cache_dir
+from ._common import CLIError, print_json, progress
 
 
 @dataclass(frozen=True)

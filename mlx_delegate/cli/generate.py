@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..llm import export as llm_export
+    from ..pipelines.cache import CacheKey, cached_pte
     from ..llm.generate import ContextFull, Generator
     from ..llm.sampling import Sampler
     from ..models import loading
@@ -60,9 +61,9 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as e:
         raise CLIError(str(e)) from e
     dtype = getattr(torch, args.dtype)
-    key = llm_export.CacheKey(path.stem, loading.weight_files(path),
-                              (("dtype", args.dtype), ("max_seq_len", args.max_seq_len),
-                               ("quantize", args.quantize), ("group_size", args.group_size)))
+    key = CacheKey(path.stem, loading.weight_files(path),
+                   (("dtype", args.dtype), ("max_seq_len", args.max_seq_len),
+                    ("quantize", args.quantize), ("group_size", args.group_size)))
 
     def build(out: Path) -> None:
         progress(f"loading {path.name} and lowering it (once; cached as {key.path().name})")
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError(str(e)) from e
         llm_export.save_pte(loaded.model, out, quantize=args.quantize, group_size=args.group_size)
 
-    pte, _ = llm_export.cached_pte(key, build, refresh=args.no_cache)
+    pte, _ = cached_pte(key, build, refresh=args.no_cache)
     generator = Generator(pte, loading.load_tokenizer(path))
     pieces = []
     try:

@@ -17,6 +17,7 @@ from mlx_delegate.llm.generate import ContextFull, Generator
 from mlx_delegate.llm.sampling import Sampler, top_p_filter
 from mlx_delegate.models import loading
 from mlx_delegate.models.llama import Model, ModelArgs
+from mlx_delegate.pipelines.cache import CacheKey, cached_pte
 from mlx_delegate.testing import assert_steps_match_hf, delegate_summary, hf_greedy, hf_next_logits
 
 MAX_SEQ_LEN = 64
@@ -221,13 +222,13 @@ def test_smollm2_greedy_matches_hf():
     config, state = loading.read_gguf(path)
     hf = LlamaForCausalLM(config).eval()
     hf.load_state_dict(state, strict=False)
-    key = llm_export.CacheKey("smollm2-test", (path,), (("max_seq_len", 128),))
+    key = CacheKey("smollm2-test", (path,), (("max_seq_len", 128),))
 
     def build(out: Path) -> None:
         model = loading.load_weights(Model(ModelArgs.from_hf(config, 128)), state).eval()
         llm_export.save_pte(model, out)
 
-    pte, _ = llm_export.cached_pte(key, build)
+    pte, _ = cached_pte(key, build)
     tokenizer = loading.load_tokenizer(path)
     gen = Generator(pte, tokenizer, eos_token_ids=[])
     prompt = gen.encode_prompt("Once upon a time")
