@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import common
-from common import THREADS, fmt_time, format_table, graph_note, load_note, machine_meta, one_line
+from common import THREADS, fmt_time, format_table, graph_note, heading, load_note, machine_meta, one_line
 import executorch.runtime  # noqa: F401,I001  (every worker imports the same set, so their baselines agree)
 import mlx_delegate
 import numpy as np
@@ -563,8 +563,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     meta["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     meta["wall_s"] = round(time.perf_counter() - started)
     print()
-    print("  ".join(f"{k}={v}" for k, v in meta.items()))
-    print()
+    print(heading(meta))
     print(table(rows, base_mb))
     print()
     for case in {r.case: None for r in rows}:
