@@ -33,7 +33,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import common
 from common import THREADS, fmt_time, format_table, graph_note, heading, load_note, machine_meta, one_line
 import executorch.runtime  # noqa: F401,I001  (every worker imports the same set, so their baselines agree)
 import mlx_delegate
