@@ -8,6 +8,7 @@
 #include <numeric>
 
 #include "../ops_common.h"
+#include "kernels/conv_cpu.h"
 
 namespace mlxd::rt {
 namespace {
@@ -277,16 +278,23 @@ void exec_ConvNode(const mlxd::ConvNode& n, ExecContext& ctx) {
   auto dilation = per_axis(n.dilation(), nd, 1, "dilation");
   int groups = n.groups();
   if (groups < 1) throw NodeError("groups must be positive");
+  const auto* bias = ctx.maybe_in(n.bias());
+  if (!n.transpose() && conv_cpu_applies(x, w, bias, groups)) {  // channels-first, no transposes
+    std::optional<mx::array> b;
+    if (bias) b = *bias;
+    ctx.set(n.out(), conv_cpu(x, w, b, stride, padding, dilation, groups));
+    return;
+  }
   auto xl = channels_last(x);
   mx::array y = n.transpose()
                     ? conv_transpose(xl, w, stride, padding, dilation,
                                      per_axis(n.output_padding(), nd, 0, "output_padding"), groups)
                     : grouped_conv(xl, channels_last(w), {stride, padding, padding, dilation, {}, groups, false});
   y = channels_first(y);
-  if (auto* b = ctx.maybe_in(n.bias())) {
+  if (bias) {
     mx::Shape bshape(y.ndim() - 1, 1);
     bshape[0] = -1;
-    y = mx::add(y, mx::reshape(*b, bshape));
+    y = mx::add(y, mx::reshape(*bias, bshape));
   }
   ctx.set(n.out(), mx::astype(y, x.dtype()));
 }
