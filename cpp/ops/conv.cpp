@@ -9,6 +9,7 @@
 
 #include "../ops_common.h"
 #include "kernels/conv_cpu.h"
+#include "kernels/pool_cpu.h"
 
 namespace mlxd::rt {
 namespace {
@@ -307,6 +308,11 @@ void exec_PoolNode(const mlxd::PoolNode& n, ExecContext& ctx) {
   Window w{kernel, per_axis(n.stride(), nd, 1, "stride"), per_axis(n.padding(), nd, 0, "padding"),
            per_axis(n.dilation(), nd, 1, "dilation"), n.ceil_mode()};
   if (n.op() == mlxd::PoolOp::Max) {
+    if (n.out_indices() == nullptr && max_pool_cpu_applies(x, nd)) {  // windows read in place
+      mx::Shape spatial(x.shape().end() - nd, x.shape().end());
+      ctx.set(n.out(), max_pool_cpu(x, w.kernel, w.stride, w.padding, w.dilation, pooled_sizes(spatial, w)));
+      return;
+    }
     auto [values, indices] = max_pool(x, w, n.out_indices() != nullptr);
     ctx.set(n.out(), values);
     if (indices) ctx.set(n.out_indices(), *indices);
