@@ -1,6 +1,8 @@
 // Convolution, pooling and resampling on torch's channels-first layout
-// (N, C, *spatial). MLX convolves channels-last, so data and weights are
-// transposed around the call; pooling and resampling are composed from MLX ops.
+// (N, C, *spatial). On the CPU, 1-D / 2-D convolutions and max pooling run the
+// channels-first kernels (kernels/conv_cpu.h, kernels/pool_cpu.h). Otherwise
+// MLX convolves channels-last, so data and weights are transposed around the
+// call; pooling and resampling are composed from MLX ops.
 #include <algorithm>
 #include <array>
 #include <cmath>
