@@ -88,11 +88,12 @@ def vit() -> Iterator[Workload]:
 
 
 def whisper_encoder() -> Iterator[Workload]:
-    from transformers import WhisperConfig, WhisperModel
+    from transformers import WhisperConfig
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
     config = WhisperConfig(d_model=512, encoder_layers=6, encoder_attention_heads=8, encoder_ffn_dim=2048,
-                           decoder_layers=1, num_mel_bins=80, attn_implementation="sdpa")
-    encoder = WhisperModel(config).encoder.eval()
+                           num_mel_bins=80, attn_implementation="sdpa")
+    encoder = WhisperEncoder(config).eval()
     yield Workload("whisper-encoder T=1500", HiddenStates(encoder), (torch.randn(1, 80, 3000),), _no_mlx)
 
 

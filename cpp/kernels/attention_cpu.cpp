@@ -79,6 +79,8 @@ struct VecOps {
   void (*axpy)(float* y, float a, const float* x, int64_t n);  // y += a x
   float (*exp_sum)(float* x, int64_t n, float shift);         // x = exp(x - shift); returns the sum
   float (*max)(const float* x, int64_t n);                     // -inf when n == 0
+  void (*add)(float* y, const float* x, int64_t n);            // y += x (a float mask row)
+  void (*keep)(float* y, const bool* keep, int64_t n);         // y = keep ? y : -inf (a bool mask row)
 };
 
 float dot_portable(const float* a, const float* b, int64_t n) {
@@ -103,7 +105,15 @@ float max_portable(const float* x, int64_t n) {
   return m;
 }
 
-constexpr VecOps kPortable{dot_portable, axpy_portable, exp_sum_portable, max_portable};
+void add_portable(float* y, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += x[i];
+}
+
+void keep_portable(float* y, const bool* keep, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = keep[i] ? y[i] : kNegInf;
+}
+
+constexpr VecOps kPortable{dot_portable, axpy_portable, exp_sum_portable, max_portable, add_portable, keep_portable};
 
 #ifdef MLXD_CPU_X86
 // Two accumulators so consecutive FMAs do not wait on each other.
@@ -157,7 +167,7 @@ MLXD_AVX2 float max_avx2(const float* x, int64_t n) {
   return r;
 }
 
-constexpr VecOps kAvx2{dot_avx2, axpy_avx2, exp_sum_avx2, max_avx2};
+constexpr VecOps kAvx2{dot_avx2, axpy_avx2, exp_sum_avx2, max_avx2, add_portable, keep_portable};
 
 // Softmax's exp and max on sixteen lanes (the blocked path spends a good part
 // of its time there at long S); dot and axpy stay on AVX2.
@@ -179,7 +189,25 @@ MLXD_AVX512 float max_avx512(const float* x, int64_t n) {
   return _mm512_reduce_max_ps(m);
 }
 
-constexpr VecOps kAvx512{dot_avx2, axpy_avx2, exp_sum_avx512, max_avx512};
+MLXD_AVX512 void add_avx512(float* y, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = vmath::first_lanes(n - i);
+    _mm512_mask_storeu_ps(y + i, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, y + i), _mm512_maskz_loadu_ps(m, x + i)));
+  }
+}
+
+// Sixteen bools (one byte each) widened to lanes: -inf where the byte is 0.
+MLXD_AVX512 void keep_avx512(float* y, const bool* keep, int64_t n) {
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i k = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(keep + i)));
+    _mm512_mask_storeu_ps(y + i, _mm512_cmpeq_epi32_mask(k, _mm512_setzero_si512()), neg_inf);
+  }
+  keep_portable(y + i, keep + i, n - i);
+}
+
+constexpr VecOps kAvx512{dot_avx2, axpy_avx2, exp_sum_avx512, max_avx512, add_avx512, keep_avx512};
 #endif
 
 const VecOps& pick_ops() {
@@ -318,6 +346,16 @@ struct BlockScratch {
   HeadRows kr, vr;
 };
 
+// Adds a mask row to the scores r[0, n): contiguous bool and float32 rows are
+// read in place, others widened through `buf`.
+void apply_mask_row(const View4& m, const VecOps& ops, int64_t at, int64_t n, float* r, std::vector<float>& buf) {
+  if (m.stride[3] == 1 && m.dtype == mx::bool_) return ops.keep(r, static_cast<const bool*>(m.data) + at, n);
+  if (m.stride[3] == 1 && m.dtype == mx::float32) return ops.add(r, static_cast<const float*>(m.data) + at, n);
+  buf.resize(n);
+  load_bias(m, at, n, buf.data());
+  ops.add(r, buf.data(), n);
+}
+
 void attend_block(const Problem& p, const VecOps& ops, SerialSgemmFn sgemm, int64_t b, int64_t h, int64_t l0,
                   BlockScratch& s) {
   const int64_t rows = std::min(kBlockRows, p.L - l0), hk = h / p.group;
@@ -338,11 +376,7 @@ void attend_block(const Problem& p, const VecOps& ops, SerialSgemmFn sgemm, int6
   for (int64_t i = 0; i < rows; ++i) {
     float* r = sc + i * n;
     const int64_t keys = p.causal ? std::min(n, l0 + i + 1) : n;
-    if (p.has_mask) {
-      s.bias.resize(n);
-      load_bias(p.mask, p.mask.at(b, h, l0 + i), keys, s.bias.data());
-      for (int64_t j = 0; j < keys; ++j) r[j] += s.bias[j];
-    }
+    if (p.has_mask) apply_mask_row(p.mask, ops, p.mask.at(b, h, l0 + i), keys, r, s.bias);
     const float top = ops.max(r, keys);
     if (top == kNegInf) {  // no visible key: zeros, as torch gives
       std::fill(r, r + n, 0.f);
