@@ -356,11 +356,38 @@ void apply_mask_row(const View4& m, const VecOps& ops, int64_t at, int64_t n, fl
   ops.add(r, buf.data(), n);
 }
 
+// One past the last key of a mask row [0, n) that is visible, looking no
+// lower than `floor`: hidden keys at the end of a row (an LLM's prefill reads
+// its whole fixed-size cache under a position mask) are never computed.
+int64_t visible_end(const View4& m, int64_t at, int64_t n, int64_t floor) {
+  const int64_t st = m.stride[3];
+  int64_t j = n;
+  if (m.dtype == mx::bool_) {
+    const bool* keep = static_cast<const bool*>(m.data) + at;
+    while (j > floor && !keep[(j - 1) * st]) --j;
+  } else if (m.dtype == mx::float32) {
+    const float* bias = static_cast<const float*>(m.data) + at;
+    while (j > floor && bias[(j - 1) * st] == kNegInf) --j;
+  } else {  // bfloat16 / float16: compare with -inf's bit pattern
+    const uint16_t neg_inf = m.dtype == mx::bfloat16 ? 0xFF80 : 0xFC00;
+    const uint16_t* bias = static_cast<const uint16_t*>(m.data) + at;
+    while (j > floor && bias[(j - 1) * st] == neg_inf) --j;
+  }
+  return j;
+}
+
 void attend_block(const Problem& p, const VecOps& ops, SerialSgemmFn sgemm, int64_t b, int64_t h, int64_t l0,
                   BlockScratch& s) {
   const int64_t rows = std::min(kBlockRows, p.L - l0), hk = h / p.group;
-  // Causal rows of this block see keys [0, l0 + rows) at most.
-  const int64_t n = p.causal ? std::min(p.S, l0 + rows) : p.S;
+  // Causal rows of this block see keys [0, l0 + rows) at most; masked rows
+  // up to their last visible key (at least one column, so the products are
+  // never empty: a row that sees nothing gives zeros below).
+  int64_t n = p.causal ? std::min(p.S, l0 + rows) : p.S;
+  if (p.has_mask) {
+    int64_t end = 1;
+    for (int64_t i = 0; i < rows; ++i) end = visible_end(p.mask, p.mask.at(b, h, l0 + i), n, end);
+    n = end;
+  }
   if (s.kv_b != b || s.kv_h != hk) {
     s.kr = head_rows(p.k, b, hk, p.S, p.D, s.k);
     s.vr = head_rows(p.v, b, hk, p.S, p.Dv, s.v);

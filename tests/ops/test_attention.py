@@ -235,6 +235,24 @@ def test_sdpa_fused_cpu_switch(max_l, monkeypatch):
     assert fused_calls() - before == configs * CALLS_WITH_KERNELS * cpu_kernels_active()
 
 
+def trailing_inf_mask(lq, lk, visible):
+    """A float mask whose keys from `visible` on are -inf for every query."""
+    def make():
+        m = torch.randn(lq, lk)
+        m[:, visible:] = float("-inf")
+        return m
+    return make
+
+
+def hidden_rows_mask(lq, lk, first_hidden):
+    """A bool mask that hides every key from query `first_hidden` on (a whole block of rows)."""
+    def make():
+        m = bool_mask(lq, lk)()
+        m[first_hidden:] = False
+        return m
+    return make
+
+
 # The blocked kernel (cpp/kernels/attention_cpu, long queries: blocks of 64 query rows on the BLAS).
 # L and S are not multiples of the block; head dims 64 and 80; masks, causal alignments, strided views.
 BLOCKED = [
@@ -248,6 +266,13 @@ BLOCKED = [
            with_mask(qkv(hq=2, hk=2, lq=70, lk=37, e=64), bool_mask(70, 37, empty_row=65)), FLOATS),
     *cases("blocked_float_mask_per_head", sdpa(enable_gqa=True),
            with_mask(qkv(b=2, hq=4, hk=2, lq=66, lk=45, e=80), float_mask((2, 4, 66, 45), empty_row=3)), FLOATS),
+    # Trailing hidden keys (a prefill over a fixed-size cache) are skipped: same result.
+    *cases("blocked_prefill_cache", sdpa(enable_gqa=True),
+           with_mask(qkv(hq=6, hk=2, lq=40, lk=200, e=64), position_mask(40, 200, 10)), FLOATS),
+    *cases("blocked_float_mask_trailing_inf", sdpa(),
+           with_mask(qkv(hq=2, hk=2, lq=33, lk=90, e=80), trailing_inf_mask(33, 90, 50)), FLOATS),
+    *cases("blocked_hidden_block", sdpa(),
+           with_mask(qkv(hq=2, hk=2, lq=70, lk=37, e=64), hidden_rows_mask(70, 37, 64)), FLOATS),
     *cases("blocked_value_dim", sdpa(scale=0.3), qkv(hq=2, hk=2, lq=9, lk=20, e=40, ev=24), (torch.float32,)),
     *cases("blocked_transposed_k", transposed_kv,
            lambda: (torch.randn(1, 2, 70, 64), torch.randn(1, 2, 64, 90), torch.randn(1, 2, 90, 64)), FLOATS),
