@@ -10,12 +10,17 @@ Cases (batch 1, float32, random weights):
   1500 positions out), from `WhisperConfig` with random weights (`benchmarks/speech.py` times whole
   transcriptions with the real weights)
 - `demo-block`: the `mlx-delegate demo` transformer block (d 256, 4 heads, T 128)
+- `attention`: `F.scaled_dot_product_attention` alone: 8 heads of 64 at L = S = 512 and 1500 (no mask),
+  causal with heads of 80 at 512, and a prefill over a KV cache (9 query / 3 key heads of 64, 34 queries over
+  a 2048-entry cache under a position mask, the layout `mlx_delegate.models.llama` exports)
 - `llama-prefill`: a SmolLM2-135M-shaped `LlamaModel` (4 of its 30 layers) over a 64-token prompt, causal,
   no cache: the compute of a prefill (the LLM export adds the KV-cache writes; `benchmarks/llm.py`
   measures those through `generate`)
 
 Engines: `mlx_delegate` (stock `executorch.runtime`, compiled graphs as by default), `eager torch`
-(2 threads, `torch.no_grad()`), `ET XNNPACK` (its own export and lowering). Each is checked against
+(2 threads, `torch.no_grad()`), `ET XNNPACK` (its own export and lowering), and, when asked for,
+`composed` (the delegate with its blocked attention kernel off, `MLX_DELEGATE_SDPA_BLOCKED=0` while its
+graphs are built: the composed matmul + softmax path it replaced). Each is checked against
 eager torch, then the engines take turns call by call (interleaved rounds, the order rotating). Every
 row shows wall time and process CPU time per call (all threads, so 2 busy cores give CPU = 2 x wall).
 
@@ -32,19 +37,47 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import common
 from common import ENGINES, Workload, fmt_time, format_table, load_note, machine_meta, max_abs_err, one_line, to_numpy
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-ENGINE_KEYS = ("delegate", "eager", "xnnpack")
-CASES = ("torch-layer", "bert", "vit", "whisper-encoder", "demo-block", "llama-prefill")
+ENGINE_KEYS = ("delegate", "composed", "eager", "xnnpack")
+DEFAULT_ENGINES = ("delegate", "eager", "xnnpack")
+CASES = ("torch-layer", "bert", "vit", "whisper-encoder", "demo-block", "attention", "llama-prefill")
 LENGTHS = (128, 512, 1500)
 QUICK_LENGTHS = (128,)
+
+
+def _composed(w: Workload) -> common.Prepared:
+    """The delegate with the blocked attention kernel off while its graphs are built and run."""
+    def scoped(fn: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            was = os.environ.get("MLX_DELEGATE_SDPA_BLOCKED")
+            os.environ["MLX_DELEGATE_SDPA_BLOCKED"] = "0"
+            try:
+                return fn()
+            finally:
+                if was is None:
+                    del os.environ["MLX_DELEGATE_SDPA_BLOCKED"]
+                else:
+                    os.environ["MLX_DELEGATE_SDPA_BLOCKED"] = was
+        return run
+
+    p = ENGINES["delegate"][1](w)
+    return replace(p, run=scoped(p.run))
+
+
+LOCAL_ENGINES = {"composed": ("mlx_delegate, attention composed", _composed)}
+
+
+def engine(key: str) -> tuple[str, Any]:
+    return LOCAL_ENGINES[key] if key in LOCAL_ENGINES else ENGINES[key]
 
 
 def _no_mlx() -> Any:
@@ -104,6 +137,29 @@ def demo_block() -> Iterator[Workload]:
     yield Workload(f"demo-block T={cfg.seq}", DemoBlock(cfg).eval(), (torch.randn(1, cfg.seq, cfg.dim),), _no_mlx)
 
 
+class Attention(nn.Module):
+    def __init__(self, causal: bool) -> None:
+        super().__init__()
+        self.causal = causal
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *mask: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, *mask, is_causal=self.causal, enable_gqa=True)
+
+
+def attention(quick: bool) -> Iterator[Workload]:
+    def qkv(hq: int, hk: int, lq: int, s: int, d: int) -> tuple[torch.Tensor, ...]:
+        return torch.randn(1, hq, lq, d), torch.randn(1, hk, s, d), torch.randn(1, hk, s, d)
+
+    rows = [("L=512 D=64", False, qkv(8, 8, 512, 512, 64)), ("L=512 D=80 causal", True, qkv(8, 8, 512, 512, 80))]
+    if not quick:
+        rows.append(("L=1500 D=64", False, qkv(8, 8, 1500, 1500, 64)))
+    cache = 2048
+    position_mask = torch.arange(cache)[None, :] <= torch.arange(34)[:, None]
+    rows.append(("prefill 34 of 2048 GQA", False, (*qkv(9, 3, 34, cache, 64), position_mask)))
+    for name, causal, inputs in rows:
+        yield Workload(f"sdpa {name}", Attention(causal), inputs, _no_mlx)
+
+
 def llama_prefill(tokens: int) -> Iterator[Workload]:
     from transformers import LlamaConfig, LlamaModel
 
@@ -132,6 +188,7 @@ def workloads(cases: Sequence[str], quick: bool) -> Iterator[Workload]:
         "vit": vit,
         "whisper-encoder": whisper_encoder,
         "demo-block": demo_block,
+        "attention": lambda: attention(quick),
         "llama-prefill": lambda: llama_prefill(16 if quick else 64),
     }
     for case in cases:
@@ -180,15 +237,15 @@ def time_rounds(runs: dict[str, Callable[[], Any]], budget_s: float, min_rounds:
 def run_case(w: Workload, engines: Sequence[str], budget_s: float, min_rounds: int) -> list[Row]:
     with torch.no_grad():
         reference = to_numpy(w.module.eval()(*w.inputs))
-    rows = {k: Row(w.case, ENGINES[k][0], tokens=w.tokens) for k in engines}
+    rows = {k: Row(w.case, engine(k)[0], tokens=w.tokens) for k in engines}
     ready: dict[str, Any] = {}
     estimate: dict[str, float] = {}
     for k in engines:
-        print(f"  {w.case}: preparing {ENGINES[k][0]} ...", file=sys.stderr, flush=True)
+        print(f"  {w.case}: preparing {engine(k)[0]} ...", file=sys.stderr, flush=True)
         row = rows[k]
         try:
             t0 = time.perf_counter()
-            prepared = ENGINES[k][1](w)
+            prepared = engine(k)[1](w)
             row.load_s, row.note = time.perf_counter() - t0, prepared.note
             row.max_abs_err = max_abs_err(prepared.run(), reference)
             t0 = time.perf_counter()
@@ -238,7 +295,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="T = 128 only, a 16-token prefill, fewer rounds")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
-    p.add_argument("--engines", default=",".join(ENGINE_KEYS), help=f"comma-separated subset of {','.join(ENGINE_KEYS)}")
+    p.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
+                   help=f"comma-separated subset of {','.join(ENGINE_KEYS)} (default: {','.join(DEFAULT_ENGINES)})")
     p.add_argument("--budget", type=float, help="timed seconds per case (default 10, quick 2)")
     p.add_argument("--json", metavar="PATH", help="also write meta and rows as JSON")
     args = p.parse_args(argv)
