@@ -2,6 +2,10 @@
 
     forward(tokens [1, L] int64, input_pos [1] int64) -> logits [1, 1, vocab] (last position)
 
+or, with `sample=True`, the sampler of `llm.sampling` inside the method, which returns the token:
+
+    forward(tokens, input_pos, temperature [1], top_k [1] int64, top_p [1], u [1]) -> token id [1] int64
+
 L runs from 1 (decode) to the cache length (prefill); the KV cache lives in the
 delegate between calls. The position is a tensor the graph never reads on the
 host (see `models.llama`), so the program's shapes depend on L only: every
@@ -31,6 +35,7 @@ from executorch.exir.pass_base import ExportedProgramPassBase, ExportedProgramPa
 from torch.export import Dim, ExportedProgram
 
 from ..models.llama import Model
+from .sampling import sample_next
 from .. import quantization
 from ..partitioner import MLXPartitioner
 from ..progress import stage
@@ -91,16 +96,41 @@ class LastLogits(torch.nn.Module):
         return self.model(tokens, input_pos, last_only=True)
 
 
-def export_model(model: Model, *, full_logits: bool = False, max_len: int | None = None) -> ExportedProgram:
-    """torch.export with a dynamic token count in [1, max_len] (default: the cache length)."""
+class SampledToken(torch.nn.Module):
+    """The exported entry point with the sampler inside: the next token id leaves the delegate.
+    The sampling settings and the uniform draw are inputs, so one program serves every setting."""
+
+    def __init__(self, model: Model) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, temperature: torch.Tensor,
+                top_k: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        logits = self.model(tokens, input_pos, last_only=True)[:, -1]
+        return sample_next(logits, temperature, top_k, top_p, u)
+
+
+# The sampler's inputs after (tokens, input_pos) in a `sample=True` program.
+SAMPLER_INPUTS = 4
+
+
+def export_model(model: Model, *, full_logits: bool = False, max_len: int | None = None,
+                 sample: bool = False) -> ExportedProgram:
+    """torch.export with a dynamic token count in [1, max_len] (default: the cache length);
+    `sample` puts the sampler in the method (see `SampledToken`)."""
+    if sample and full_logits:
+        raise ValueError("sample=True returns the next token, not logits: it excludes full_logits")
     max_len = max_len or model.args.max_seq_len
-    module = model if full_logits else LastLogits(model)
+    module = SampledToken(model) if sample else model if full_logits else LastLogits(model)
     # Two example tokens: a length of 1 would be specialised.
-    example = (torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    example: tuple[torch.Tensor, ...] = (torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    if sample:
+        example += (torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1), torch.zeros(1))
     seq = Dim("seq_len", min=1, max=max_len)
+    dynamic = ({1: seq},) + (None,) * (len(example) - 1)
     # Non-strict: strict (dynamo) tracing holds a transient copy of every parameter (~1.4x the weights).
     with torch.no_grad(), size_oblivious():
-        return torch.export.export(module.eval(), example, dynamic_shapes=({1: seq}, None), strict=False)
+        return torch.export.export(module.eval(), example, dynamic_shapes=dynamic, strict=False)
 
 
 def metadata(model: Model) -> dict[str, Any]:
@@ -118,13 +148,14 @@ def quantize_weights(model: Model, mode: str | None, group_size: int | None = No
 
 
 def to_executorch(model: Model, *, full_logits: bool = False, quantize: str | None = None,
-                  group_size: int | None = None) -> ExecutorchProgramManager:
-    """The program for `model`; `quantize` (int8 / int4) quantizes it first, in place (see `quantize_weights`)."""
+                  group_size: int | None = None, sample: bool = False) -> ExecutorchProgramManager:
+    """The program for `model`; `quantize` (int8 / int4) quantizes it first, in place (see `quantize_weights`);
+    `sample` returns the next token instead of logits (see `SampledToken`)."""
     if quantize:
         with stage(f"quantizing weights ({quantize})"):
             quantize_weights(model, quantize, group_size)
     with stage("exporting (torch.export)"):
-        ep = export_model(model, full_logits=full_logits)
+        ep = export_model(model, full_logits=full_logits, sample=sample)
     with stage("lowering to the MLX delegate"):
         edge = lower(ep, constant_methods=metadata(model))
     with stage("serialising the program"):
