@@ -9,8 +9,9 @@ The prompt goes through the tokenizer's chat template when it has one
 quantizes the linear layers and the embedding weight-only before export; they
 run on MLX's quantized kernels. The lowered program is cached, keyed by the
 weights' files, the export options and this package's code. The next token is
-drawn inside the program (greedy by default; `--temperature`, `--top-k`,
-`--top-p`, `--seed` for sampling), so one cached program serves every setting.
+chosen inside the program: the argmax by default, or with `--temperature` > 0
+(and `--top-k`, `--top-p`, `--seed`) drawn by the sampler in the program, one
+cached program serving every sampling setting.
 """
 
 from __future__ import annotations
@@ -64,10 +65,11 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as e:
         raise CLIError(str(e)) from e
     dtype = getattr(torch, args.dtype)
+    sampler_kind = "greedy" if sampler.greedy else "sample"  # greedy skips the sampler's sort
     key = llm_export.CacheKey(path.stem, loading.weight_files(path),
                               (("dtype", args.dtype), ("max_seq_len", args.max_seq_len),
                                ("quantize", args.quantize), ("group_size", args.group_size),
-                               ("sample", True)))
+                               ("sampler", sampler_kind)))
 
     def build(out: Path) -> None:
         progress(f"loading {path.name} and lowering it (once; cached as {key.path().name})")
@@ -76,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise CLIError(str(e)) from e
         llm_export.save_pte(loaded.model, out, quantize=args.quantize, group_size=args.group_size,
-                             sample=True)
+                             sampler=sampler_kind)
 
     pte, _ = llm_export.cached_pte(key, build, refresh=args.no_cache)
     generator = Generator(pte, loading.load_tokenizer(path))

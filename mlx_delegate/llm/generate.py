@@ -7,9 +7,9 @@ checks that the tokens fit the cache before each call, so a full context is a
 `ContextFull` here rather than the delegate's error for an out-of-range position.
 Single-token steps all have one input signature, so after the first the
 delegate serves them with one compiled graph;
-a program exported with `sample=True` draws the token inside the method
-(`next_token` feeds it the sampler's settings and one uniform draw), one
-exported with logits is sampled here on the host;
+a program exported with a sampler returns the token: "greedy" the argmax,
+"sample" the token its sampler draws (`next_token` feeds it the settings and
+one uniform draw); one exported with logits is sampled here on the host;
 `reset()` reloads the program, whose delegate starts from an empty cache
 (executorch.runtime caches loaded methods, so reloading only the method would
 hand back the same one).
@@ -30,6 +30,7 @@ from ..memory import peak_rss_mb
 from .sampling import Sampler
 
 SAMPLER_INPUTS = 4  # llm.export.SAMPLER_INPUTS (not imported: export pulls in the lowering stack)
+INT64 = 4  # ExecuTorch's ScalarType::Long, as the method metadata reports dtypes
 
 META_MAX_SEQ_LEN = "get_max_seq_len"
 
@@ -73,8 +74,10 @@ class Generator:
         eos = eos_token_ids if eos_token_ids is not None else [getattr(tokenizer, "eos_token_id", None)]
         self.eos_token_ids = {int(t) for t in eos if t is not None}
         self.method = self.program.load_method("forward")
-        # A program exported with sample=True takes the sampler's inputs and returns the token.
-        self.samples_on_device = self.method.metadata.num_inputs() == 2 + SAMPLER_INPUTS
+        # What the program returns: logits, or the token chosen in it (see llm.export.SAMPLERS).
+        meta = self.method.metadata
+        self.samples_on_device = meta.num_inputs() == 2 + SAMPLER_INPUTS
+        self.greedy_on_device = not self.samples_on_device and meta.output_tensor_meta(0).dtype() == INT64
         self.pos = 0
         self.stats = Stats()
 
@@ -88,14 +91,19 @@ class Generator:
     def step(self, tokens: list[int]) -> torch.Tensor:
         """Feed `tokens` at the current position; the next-token logits [vocab] (a program
         that samples on device returns tokens: use `next_token`)."""
-        if self.samples_on_device:
-            raise ValueError("this program samples on device and returns token ids; use next_token()")
+        if self.samples_on_device or self.greedy_on_device:
+            raise ValueError("this program chooses the token on device and returns its id; use next_token()")
         return self._run(tokens, [])[0, -1]
 
     def next_token(self, tokens: list[int], sampler: Sampler) -> int:
         """Feed `tokens` at the current position; the next token, drawn by `sampler`."""
         if self.samples_on_device:
             return int(self._run(tokens, sampler.device_inputs())[0])
+        if self.greedy_on_device:
+            if not sampler.greedy:
+                raise ValueError("this program returns the argmax token (exported with sampler='greedy'); "
+                                 "sampling needs a sampler='sample' or logits program")
+            return int(self._run(tokens, [])[0])
         return sampler(self._run(tokens, [])[0, -1])
 
     def _run(self, tokens: list[int], extra: list[torch.Tensor]) -> torch.Tensor:

@@ -28,8 +28,10 @@ def sample_next(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tenso
     u: [B] uniform draws in [0, 1).
 
     Inverse-CDF draw over the probabilities sorted in descending order: the kept
-    tokens are then a prefix, and the draw is the number of cumulative masses <= u
-    times the kept mass (capped to the kept count against rounding).
+    tokens are then a prefix, on which the cumulative sum is the same with or
+    without the nucleus cut, so one cumsum serves both. The draw is the number of
+    cumulative masses <= u times the kept mass (capped to the kept count against
+    rounding).
     """
     logits = logits.float()
     greedy = logits.argmax(-1)
@@ -44,10 +46,9 @@ def sample_next(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tenso
     cum = probs.cumsum(-1)
     # Nucleus over the top-k mass: keep a token while the mass ranked above it is < top_p.
     keep = in_top_k & (cum - probs < top_p * cum[:, -1:])
-    probs = torch.where(keep, probs, torch.zeros_like(probs))
-    cum = probs.cumsum(-1)
-    drawn = (cum <= u[:, None] * cum[:, -1:]).sum(-1, keepdim=True)
-    drawn = torch.minimum(drawn, keep.sum(-1, keepdim=True) - 1)
+    kept = keep.sum(-1, keepdim=True)
+    kept_mass = torch.where(keep, probs, torch.zeros_like(probs)).sum(-1, keepdim=True)
+    drawn = torch.minimum((cum <= u[:, None] * kept_mass).sum(-1, keepdim=True), kept - 1)
     token = order.gather(-1, drawn).squeeze(-1)
     return torch.where(sampling, token, greedy)
 

@@ -38,7 +38,7 @@ def moe(request, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(loading, "load_tokenizer", lambda path: None)  # weights only: no tokenizer saved
         model = loading.from_hf_dir(path, max_seq_len=MAX_SEQ_LEN).model
-    edge = llm_export.lower(llm_export.export_model(model, sample=True),
+    edge = llm_export.lower(llm_export.export_model(model, sampler="sample"),
                             constant_methods=llm_export.metadata(model))
     assert delegate_summary(edge) == (1, [])
     return hf, model, edge.to_executorch().buffer

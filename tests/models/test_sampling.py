@@ -82,15 +82,15 @@ PROMPT = [5, 17, 99, 3, 42, 7]
 
 @pytest.fixture(scope="module")
 def llama_programs():
-    """(HF model, logits program, sampling program) for one tiny random Llama."""
+    """(HF model, logits, greedy and sampling programs) for one tiny random Llama."""
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=128, max_position_embeddings=MAX_SEQ_LEN)
     model = loading.from_config(config, max_seq_len=MAX_SEQ_LEN, seed=0).model
     torch.manual_seed(0)
     hf = loading.hf_class(config)(config).eval()
     programs = []
-    for sample in (False, True):
-        edge = llm_export.lower(llm_export.export_model(model, sample=sample),
+    for sampler in (None, "greedy", "sample"):
+        edge = llm_export.lower(llm_export.export_model(model, sampler=sampler),
                                 constant_methods=llm_export.metadata(model))
         assert delegate_summary(edge) == (1, [])
         programs.append(edge.to_executorch().buffer)
@@ -98,17 +98,25 @@ def llama_programs():
 
 
 def test_greedy_on_device_equals_host_argmax(llama_programs, runtime_path):
-    hf, logits_pte, sample_pte = llama_programs
+    hf, logits_pte, greedy_pte, sample_pte = llama_programs
     host = list(Generator(logits_pte, eos_token_ids=[]).generate_ids(PROMPT, 32))
-    gen = Generator(sample_pte, eos_token_ids=[])
-    assert gen.samples_on_device
-    assert list(gen.generate_ids(PROMPT, 32)) == host == hf_greedy(hf, PROMPT, 32)
-    with pytest.raises(ValueError, match="samples on device"):
-        gen.step([1])
+    assert host == hf_greedy(hf, PROMPT, 32)
+    for pte in (greedy_pte, sample_pte):  # temperature 0 through the full sampler too
+        gen = Generator(pte, eos_token_ids=[])
+        assert gen.greedy_on_device != gen.samples_on_device
+        assert list(gen.generate_ids(PROMPT, 32)) == host
+        with pytest.raises(ValueError, match="chooses the token on device"):
+            gen.step([1])
+
+
+def test_greedy_program_refuses_sampling(llama_programs):
+    gen = Generator(llama_programs[2], eos_token_ids=[])
+    with pytest.raises(ValueError, match="returns the argmax token"):
+        next(gen.generate_ids(PROMPT, 4, Sampler(temperature=1.0)))
 
 
 def test_sampling_in_the_program_is_seeded(llama_programs):
-    _, _, sample_pte = llama_programs
+    sample_pte = llama_programs[3]
     gen = Generator(sample_pte, eos_token_ids=[])
 
     def run(seed: int, **kw) -> list[int]:
