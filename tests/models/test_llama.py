@@ -265,6 +265,15 @@ def test_generate_cli_on_a_checkpoint_dir(tmp_path, monkeypatch, capsys):
     assert result["text"] == tokenizer.decode(expected[:eos], skip_special_tokens=True)
     assert result["generated_tokens"] == eos and result["decode_tok_s"] > 0
     assert len(list((tmp_path / "cache").glob("*.pte"))) == 1
+    # Sampling: a second program (the sampler inside), seeded, one for every setting.
+    sampled = []
+    for setting in (["--temperature", "1.5", "--seed", "3"], ["--temperature", "1.5", "--seed", "3"],
+                    ["--temperature", "0.7", "--top-k", "5", "--top-p", "0.9", "--seed", "4"]):
+        assert main([*args, "--no-chat", "--json", *setting]) == 0
+        sampled.append(json.loads(capsys.readouterr()[0])["text"])
+    assert sampled[0] == sampled[1]
+    assert len(list((tmp_path / "cache").glob("*.pte"))) == 2
+    assert main([*args, "--top-k", "-1"]) == 2 and "top_k >= 0" in capsys.readouterr().err
     # A prompt longer than the cache: a one-line error, no traceback.
     long_prompt = ["generate", "Hello there, how are you doing today?", "--model", str(tmp_path / "tiny"),
                    "--max-seq-len", "4", "--no-chat"]
