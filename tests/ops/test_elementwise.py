@@ -9,7 +9,9 @@ from mlx_delegate import testing
 from mlx_delegate.testing import FLOATS, amend, cases, lower_and_compare
 
 aten = torch.ops.aten
-INTS = (torch.int32, torch.int64)
+# int8 and int16 too: the narrow types wrap on overflow and promote differently in torch
+# (sums and products to int64) than MLX does by itself.
+INTS = (torch.int8, torch.int16, torch.int32, torch.int64)
 NAN, INF = float("nan"), float("inf")
 
 
@@ -36,6 +38,12 @@ def ints(dtype, *shape, lo=-9, hi=10):
 
 def two_ints(dtype, *shapes, lo=-9, hi=10):
     return lambda: tuple(torch.randint(lo, hi, s, dtype=dtype) for s in shapes)
+
+
+def full_range_ints(dtype, *shapes):
+    """Integers over the dtype's whole range: sums and products overflow and must wrap as torch's do."""
+    info = torch.iinfo(dtype)
+    return lambda: tuple(torch.randint(info.min, info.max, s, dtype=dtype) for s in shapes)
 
 
 def values(*vals, dtype=torch.float32):
@@ -159,6 +167,7 @@ ARITH_INT = [
     ("bitwise_and", torch.bitwise_and, two_ints), ("bitwise_or", torch.bitwise_or, two_ints),
     ("bitwise_xor", torch.bitwise_xor, two_ints), ("and_scalar", lambda x, y: x & 6, two_ints),
     ("or_scalar", lambda x, y: x | 8, two_ints), ("xor_scalar", lambda x, y: x ^ 5, two_ints),
+    ("add_wraps", torch.add, full_range_ints), ("mul_wraps", torch.mul, full_range_ints),
 ]
 
 

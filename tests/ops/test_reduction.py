@@ -10,7 +10,9 @@ from mlx_delegate import testing
 from mlx_delegate.testing import FLOATS, lower_and_compare
 
 aten = torch.ops.aten
-INTS = (torch.int32, torch.int64)
+# int8 and int16 too: the narrow types wrap on overflow and promote differently in torch
+# (sums and products to int64) than MLX does by itself.
+INTS = (torch.int8, torch.int16, torch.int32, torch.int64)
 NAN = float("nan")
 
 
@@ -28,6 +30,13 @@ def randn(*shape):
 
 def ints(dtype, *shape, lo=-5, hi=6):
     return lambda: (torch.randint(lo, hi, shape, dtype=dtype),)
+
+
+def full_range(dtype, *shape):
+    """Integers over the dtype's whole range: a narrow type's sum or product overflows unless it is
+    promoted to int64 as torch does (and wraps the same way where int64 itself overflows)."""
+    info = torch.iinfo(dtype)
+    return lambda: (torch.randint(info.min, info.max, shape, dtype=dtype),)
 
 
 def bools(*shape):
@@ -98,6 +107,11 @@ REDUCE_INT = [
     ("amax", lambda x: x.amax(0), None), ("max", torch.max, None), ("min_all", torch.min, None),
     ("any_dim", lambda x: x.any(1), None), ("all", torch.all, None), ("all_dims", lambda x: torch.all(x, (0, 1)), None),
     ("sum_dtype_float", lambda x: x.sum(0, dtype=torch.float32), None), ("cumsum", lambda x: x.cumsum(1), None),
+]
+REDUCE_FULL_RANGE = [
+    ("sum_full_range", lambda x: x.sum(1), lambda dt: full_range(dt, 3, 4)),
+    ("cumsum_full_range", lambda x: x.cumsum(1), lambda dt: full_range(dt, 3, 4)),
+    ("prod_full_range", lambda x: x.prod(1), lambda dt: full_range(dt, 3, 4)),
 ]
 REDUCE_DTYPE = [
     ("sum_dtype_f32", lambda x: x.half().sum(1, dtype=torch.float32), randn(3, 4)),
@@ -240,6 +254,7 @@ HISTC = [
 
 CASES = [
     *HISTC, *float_rows(REDUCE_FLOAT), *exact_rows(REDUCE_INT, INTS + (torch.bool,)),
+    *exact_rows(REDUCE_FULL_RANGE, INTS),
     *[c for name, fn, inp in REDUCE_DTYPE for c in cases(name, fn, inp, (None,))],
     *float_rows(ARG_ROWS), *exact_rows(ARG_INT, INTS), *float_rows(VAR_ROWS), *float_rows(SCAN_ROWS),
     *float_rows(SOFTMAX_ROWS), *[c for name, fn, inp in SOFTMAX_DTYPE for c in cases(name, fn, inp, (None,))],
