@@ -281,8 +281,11 @@ def _stats_delta(before: dict[str, int]) -> dict[str, int]:
     return {k: v - before[k] for k, v in _runtime.compile_stats().items()}
 
 
-def lower_and_compare(case: OpCase, keep_ops: Sequence[Any] = ()) -> Lowered:
+def lower_and_compare(case: OpCase, keep_ops: Sequence[Any] = (),
+                      partitioner: MLXPartitioner | None = None) -> Lowered:
     """Run one config end to end; raises AssertionError on any mismatch.
+
+    `keep_ops` and `partitioner` are passed to `lower`.
 
     The program is lowered once and run on every input tuple along three paths, each a
     freshly loaded copy of it (its own compiled graphs and buffer states):
@@ -302,7 +305,7 @@ def lower_and_compare(case: OpCase, keep_ops: Sequence[Any] = ()) -> Lowered:
 
     module = case.module().eval()
     inputs = case.inputs()
-    lowered = lower(module, inputs, case.dynamic_shapes, keep_ops=keep_ops)
+    lowered = lower(module, inputs, case.dynamic_shapes, partitioner=partitioner, keep_ops=keep_ops)
     segments, leftover = lowered.summary
     unexpected = [op for op in leftover if op not in case.allowed_fallback]
     assert not unexpected, f"ops left outside the delegate: {unexpected}"

@@ -7,7 +7,7 @@ from torch.export import Dim
 
 from mlx_delegate.ir import nodes as N
 from mlx_delegate.partitioner import MLXPartitioner
-from mlx_delegate.testing import FLOATS, TOLERANCE, assert_close, cases, lower, lower_and_compare
+from mlx_delegate.testing import FLOATS, cases, lower_and_compare
 
 aten = torch.ops.aten
 # Export specialises sizes 0 and 1, so dynamic ranges start at 2.
@@ -146,12 +146,7 @@ def test_norm(case):
 
 @pytest.mark.parametrize("case", VECTOR_NORM_CASES, ids=str)
 def test_vector_norm_kept_whole(case):
-    module, inputs = case.module().eval(), case.inputs()
-    lowered = lower(module, inputs, partitioner=KeepVectorNorm())
-    assert lowered.summary == (1, []), lowered.summary
+    lowered = lower_and_compare(case, partitioner=KeepVectorNorm())
     payload = next(m.processed_bytes for _, m in lowered.edge.exported_program().graph_module.named_children()
                    if hasattr(m, "processed_bytes"))
     assert "VectorNormNode" in {type(i.node).__name__ for i in N.deserialize(payload).instructions}
-    rtol, atol = TOLERANCE[case.dtype]
-    with torch.no_grad():
-        assert_close(lowered.method().execute(list(inputs)), module(*inputs), rtol, atol)
