@@ -157,8 +157,10 @@ def cases(name: str, fn: Callable[..., Any] | Callable[[], torch.nn.Module],
     `fn` is a function of the inputs (or, with is_module=True, a module factory);
     floating-point inputs (and module parameters) are cast to each dtype.
     `tolerance`: (rtol, atol) per dtype, for the dtypes it names (others keep TOLERANCE's).
+    `more_inputs` (a callable giving a list of input tuples) is cast like `inputs`.
     """
     make_inputs = inputs if callable(inputs) else (lambda: inputs)
+    more_inputs = kw.pop("more_inputs", None)
     out = []
     for dt in dtypes:
         def module(dt: Any = dt) -> torch.nn.Module:
@@ -169,9 +171,14 @@ def cases(name: str, fn: Callable[..., Any] | Callable[[], torch.nn.Module],
             torch.manual_seed(0)
             return tuple(_cast(x, dt) for x in make_inputs())
 
+        def more(dt: Any = dt) -> list[tuple]:
+            torch.manual_seed(1)
+            return [tuple(_cast(x, dt) for x in run) for run in more_inputs()]
+
         suffix = "" if dt is None else "-" + str(dt).removeprefix("torch.")
         tol = dict(zip(("rtol", "atol"), tolerance[dt])) if tolerance and dt in tolerance else {}
-        out.append(OpCase(f"{name}{suffix}", module, gen, dtype=dt, **tol, **kw))
+        out.append(OpCase(f"{name}{suffix}", module, gen, dtype=dt, more_inputs=more if more_inputs else None,
+                          **tol, **kw))
     return out
 
 

@@ -309,19 +309,20 @@ rows, cols = Dim("rows", min=1, max=64), Dim("cols", min=1, max=64)
 
 
 def _dyn(name, fn, shapes, specs, more_shapes):
-    """One fp32 row exported with dynamic dims, then run at other sizes."""
-    return cases(name, fn, lambda: tuple(torch.randn(*s) for s in shapes), (torch.float32,),
+    """A row exported with dynamic dims in each float dtype (the half types' programs lowered once
+    too), then run at other sizes, a dynamic dim of 1 among them."""
+    return cases(name, fn, lambda: tuple(torch.randn(*s) for s in shapes), FLOATS,
                  dynamic_shapes=(specs,),
                  more_inputs=lambda: [tuple(torch.randn(*s) for s in ss) for ss in more_shapes])
 
 
 DYNAMIC = [
-    *_dyn("dyn_exp", torch.exp, [(3, 4)], ({0: rows, 1: cols},), [[(7, 2)], [(2, 9)]]),
-    *_dyn("dyn_add_bcast", torch.add, [(3, 4), (4,)], ({0: rows, 1: cols}, {0: cols}), [[(5, 6), (6,)]]),
+    *_dyn("dyn_exp", torch.exp, [(3, 4)], ({0: rows, 1: cols},), [[(7, 2)], [(1, 9)], [(5, 1)]]),
+    *_dyn("dyn_add_bcast", torch.add, [(3, 4), (4,)], ({0: rows, 1: cols}, {0: cols}), [[(5, 6), (6,)], [(1, 1), (1,)]]),
     *_dyn("dyn_where", lambda x, y: torch.where(x > y, x, 0.0), [(3, 4), (3, 4)],
-          ({0: rows}, {0: rows}), [[(8, 4), (8, 4)]]),
-    *_dyn("dyn_clamp", lambda x: torch.clamp(x, -0.3, 0.3) * 2, [(3, 4)], ({1: cols},), [[(3, 11)]]),
-    *_dyn("dyn_floordiv", lambda x, y: x // y, [(3, 4), (4,)], ({0: rows}, None), [[(6, 4), (4,)]]),
+          ({0: rows}, {0: rows}), [[(8, 4), (8, 4)], [(1, 4), (1, 4)]]),
+    *_dyn("dyn_clamp", lambda x: torch.clamp(x, -0.3, 0.3) * 2, [(3, 4)], ({1: cols},), [[(3, 11)], [(3, 1)]]),
+    *_dyn("dyn_floordiv", lambda x, y: x // y, [(3, 4), (4,)], ({0: rows}, None), [[(6, 4), (4,)], [(1, 4), (4,)]]),
 ]
 
 

@@ -218,18 +218,19 @@ cols_dim = Dim("cols", min=2, max=64)
 
 
 def _dyn(name, fn, shape, spec, more):
+    """A row exported with a dynamic dim in each float dtype, run at other sizes (1 where the dim allows)."""
     # A `Lambda` takes its inputs as one *args tuple, hence the extra nesting.
-    return cases(name, fn, lambda: (torch.randn(*shape),), (torch.float32,), dynamic_shapes=((spec,),),
+    return cases(name, fn, lambda: (torch.randn(*shape),), FLOATS, dynamic_shapes=((spec,),),
                  more_inputs=lambda: [(torch.randn(*s),) for s in more])
 
 
 DYNAMIC = [
-    *_dyn("dyn_sum", lambda x: x.sum(1), (3, 4), {0: rows_dim, 1: cols_dim}, [(7, 9), (2, 2)]),
+    *_dyn("dyn_sum", lambda x: x.sum(1), (3, 4), {0: rows_dim, 1: cols_dim}, [(7, 9), (1, 2)]),
     *_dyn("dyn_mean_keep", lambda x: x.mean(-1, keepdim=True), (3, 4), {1: cols_dim}, [(3, 17)]),
-    *_dyn("dyn_softmax", lambda x: x.softmax(-1), (3, 4), {0: rows_dim, 1: cols_dim}, [(5, 33)]),
+    *_dyn("dyn_softmax", lambda x: x.softmax(-1), (3, 4), {0: rows_dim, 1: cols_dim}, [(5, 33), (1, 6)]),
     *_dyn("dyn_var", lambda x: x.var(1), (3, 4), {1: cols_dim}, [(3, 10)]),
     *_dyn("dyn_argmax", lambda x: x.argmax(-1), (3, 4), {1: cols_dim}, [(3, 12)]),
-    *_dyn("dyn_max_dim", lambda x: x.max(0), (3, 4), {0: rows_dim}, [(9, 4)]),
+    *_dyn("dyn_max_dim", lambda x: x.max(0), (3, 4), {0: rows_dim}, [(9, 4), (1, 4)]),
     *_dyn("dyn_cumsum", lambda x: x.cumsum(1), (3, 4), {1: cols_dim}, [(3, 20)]),
     *_dyn("dyn_sort", lambda x: x.sort(-1, descending=True), (3, 4), {1: cols_dim}, [(3, 11)]),
     *_dyn("dyn_topk", lambda x: x.topk(2, -1), (3, 4), {1: cols_dim}, [(3, 13)]),
