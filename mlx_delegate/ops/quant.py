@@ -73,8 +73,9 @@ def _scaled(b: ProgramBuilder, y: Any, global_scale: float, dtype: torch.dtype) 
 
 @register(mlxd.quantized_linear.default)
 def quantized_linear(b: ProgramBuilder, n: torch.fx.Node) -> None:
-    """mx::quantized_matmul (* global scale) (+ bias); affine in groups of 32/64/128 at 2/4/8 bits with
-    scales in the input's dtype, or the nvfp4 / mxfp8 / mxfp4 modes."""
+    """mx::quantized_matmul (* global scale) (+ bias); affine (groups 32/64/128, 2/4/8 bits) or nvfp4 / mxfp8 / mxfp4.
+
+    Affine scales / biases are in the input's dtype; the other modes have uint8 scales and no biases."""
     a = b.args(n)
     x, bias, mode, global_scale = a["x"], a["bias"], a["mode"], float(a["global_scale"])
     dtype = b.dtype_of(x)
@@ -122,8 +123,10 @@ def quantized_linear_group(b: ProgramBuilder, n: torch.fx.Node) -> None:
 
 @register(mlxd.quantized_embedding.default)
 def quantized_embedding(b: ProgramBuilder, n: torch.fx.Node) -> None:
-    """Gathers packed rows (and their scales), then mx::dequantize: affine groups of 32/64/128 at 2/4/8 bits
-    (one node), or the nvfp4 / mxfp8 / mxfp4 modes (takes + DequantizeNode, * global scale)."""
+    """Gathers packed rows, then mx::dequantize; affine (groups 32/64/128, 2/4/8 bits) or nvfp4 / mxfp8 / mxfp4.
+
+    Affine is one QuantizedEmbeddingNode; the other modes take rows of w and scales, then DequantizeNode
+    (* global scale)."""
     a = b.args(n)
     w, scales, biases, indices, mode = a["w"], a["scales"], a["biases"], a["indices"], a["mode"]
     if mode == "affine":
@@ -150,8 +153,7 @@ def quantized_embedding(b: ProgramBuilder, n: torch.fx.Node) -> None:
 
 @register(mlxd.dequantize.default)
 def dequantize(b: ProgramBuilder, n: torch.fx.Node) -> None:
-    """A packed weight back to floating point (mx::dequantize, * global scale), read by other ops than a
-    linear / embedding."""
+    """mx::dequantize (* global scale) of a whole packed weight that feeds other ops than a linear / embedding."""
     a = b.args(n)
     mode, dtype = a["mode"], a["dtype"]
     if dtype not in FLOAT_DTYPES:

@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from .. import quantization
 from ..builder import ProgramBuilder
 from ..ops.quant import _TARGET as DEQUANTIZE
+from ..registry import canonical
 from .common import aten, constant_value, dtype, is_op, replace
 
 QUANTIZED_LINEAR = exir_ops.edge.mlx_delegate.quantized_linear.default
@@ -43,6 +44,8 @@ DEQUANTIZE_MLX = exir_ops.edge.mlx_delegate.dequantize.default
 _mlxd = torch.ops.mlx_delegate
 ATEN_OPS = (_mlxd.quantized_linear.default, _mlxd.quantized_embedding.default, _mlxd.dequantize.default)
 EDGE_OPS = (QUANTIZED_LINEAR, QUANTIZED_EMBEDDING, DEQUANTIZE_MLX)
+FORMAT_LAYOUTS = ("int4: groups a multiple of 32; NVFP4: blocks of 16; MX: float8_e4m3fn elements in blocks "
+                  "of 32, MLX has no e5m2")
 
 
 def repack(ep: ExportedProgram, dq: torch.fx.Node) -> quantization.MLXQuantized | None:
@@ -186,6 +189,9 @@ def _rewrite(ep: ExportedProgram, dq: torch.fx.Node, standalone: bool,
     graph, count = ep.graph, 0
     roles = {u: _role(u, dq) for u in dq.users}
     packed = repack_fn(ep, dq) if standalone or any(roles.values()) else None
+    if packed is None and standalone:  # ExecuTorch has no kernel for these either: say why here
+        raise ValueError(f"{canonical(dq.target)} ({dq.name}): not a layout MLX takes ({FORMAT_LAYOUTS}), "
+                         "or its tensors are not constants")
     if packed is None:
         return 0
     consts = _constants(ep, dq, packed)

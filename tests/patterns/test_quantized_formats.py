@@ -49,18 +49,18 @@ FORMATS = {
 
 
 class Layers(torch.nn.Module):
-    """Linears with and without bias (48 and an odd 80 outputs... NVFP4 needs multiples of 16), an embedding,
-    and the weight read by another op too (a dequantize outside the linear / embedding pattern)."""
+    """Linears with and without bias (48 and, where the format allows, an odd 37 outputs: NVFP4 needs
+    multiples of 16), an embedding, and a dequantize read by another op (outside the linear / embedding
+    pattern)."""
 
-    def __init__(self, k: int = 64) -> None:
+    def __init__(self, k: int = 64, odd: bool = True) -> None:
         super().__init__()
         self.biased = torch.nn.Linear(k, 48)
-        self.plain = torch.nn.Linear(k, 80, bias=False)
+        self.plain = torch.nn.Linear(k, 37 if odd else 80, bias=False)
         self.emb = torch.nn.Embedding(32, k)
         self.tail = torch.nn.Linear(k, 16, bias=False)
 
     def forward(self, x, tokens):
-        # tail's weight also feeds a sum: the dequantize has a reader besides the linear
         return self.biased(x), self.plain(x), self.emb(tokens), self.tail(x), self.tail.weight.dequantize().sum(0)
 
 
@@ -87,7 +87,7 @@ def sample(dtype, length=3, k=64):
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_format_lowers_and_matches_eager(fmt, dtype):
     torch.manual_seed(0)
-    module = Layers().to(dtype).eval()
+    module = Layers(odd=not fmt.startswith("nvfp4")).to(dtype).eval()
     FORMATS[fmt](module)
     # 3 and 9 rows: MLX's quantized matmul, and (CPU) the dequantize + matmul path from 8 rows.
     summary, nodes = lower(module, sample(dtype), [sample(dtype, length=9)])
@@ -123,11 +123,15 @@ def test_repacks_are_exact():
 
 
 def test_unsupported_layouts_are_refused():
-    """MLX has no e5m2 elements and no affine groups of 16: the repack says so (None), never a wrong layout."""
+    """MLX has no e5m2 elements and no affine groups of 16: the repack says so (None), never a wrong layout,
+    and lowering stops with an error naming the op and the layouts MLX takes."""
     linear = torch.nn.Linear(64, 32).eval()
     quantize_(linear, ExportableMXConfig(elem_dtype=torch.float8_e5m2))
     w = linear.weight
     assert Q.mx_to_mlx(w.qdata, w.scale, w.elem_dtype, w.block_size) is None
+    ep = torch.export.export(linear, (torch.randn(2, 64),), strict=True)
+    with pytest.raises(ValueError, match=r"dequantize_mx.*no e5m2"):
+        llm_export.lower(ep)
     linear = torch.nn.Linear(64, 32).eval()
     int4_tensor(linear, group_size=16)
     w = linear.weight
