@@ -27,7 +27,7 @@ from .backend import MLXDelegateBackend
 from .builder import ProgramBuilder
 from .errors import Unsupported
 from .passes import GRAPH_PASSES, RUNTIME_SWITCHES, decompositions
-from .patterns import ALL_FUSIONS, FUSIONS
+from .patterns import ALL_FUSIONS, FUSIONS, quantized_linear
 
 log = logging.getLogger(__name__)
 
@@ -119,13 +119,14 @@ class MLXPartitioner(Partitioner):
         return PartitionResult(tagged_exported_program=exported_program, partition_tags=tags)
 
     def transform_for_pre_decomposition(self, exported_program: ExportedProgram) -> ExportedProgram:
-        """Decomposes the non-core ops that no default decomposition removes (`histc`): left as
-        they are, ExecuTorch's Edge verifier rejects the whole program before any partitioner
+        """Decomposes the non-core ops that no default decomposition removes (`histc`) and repacks
+        ExecuTorch's exportable torchao weight formats (int4 / NVFP4 / MX, `quantized_linear.apply_formats`):
+        left as they are, ExecuTorch's Edge verifier rejects the whole program before any partitioner
         sees them."""
         # The user's dynamic ranges, before re-tracing narrows Dim(min=1) to start at 2.
         self._user_lower = {str(sym): int(vr.lower) for sym, vr in exported_program.range_constraints.items()
                             if vr.lower.is_finite}
-        return decompositions.apply(exported_program)
+        return quantized_linear.apply_formats(decompositions.apply(exported_program))
 
     def _spec_with_lower_bounds(self, ep: ExportedProgram) -> DelegationSpec:
         """The delegation spec, plus the user's lower bounds of the sizes lowering narrowed."""

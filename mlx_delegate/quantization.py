@@ -26,15 +26,23 @@ MODES = {"int8": 8, "int4": 4}
 DEFAULT_GROUP_SIZE = {"int8": None, "int4": 64}  # None: one group per output channel
 
 
+# MLX's microscaling modes: (group size, bits) of each; their scales are uint8 codes and they have no biases.
+MICROSCALED = {"nvfp4": (16, 4), "mxfp8": (32, 8), "mxfp4": (32, 4)}
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes of the 3 low bits; bit 3 is the sign
+
+
 @dataclass
 class MLXQuantized:
-    """One weight in MLX's affine format: w [N, K * bits / 32] int32 words, scales and biases [N, K / group_size]."""
+    """One weight in an MLX quantization mode: w [N, K * bits / 32] int32 words, scales (and for affine
+    biases) [N, K / group_size]; `global_scale` multiplies the product (nvfp4's per-tensor scale)."""
 
     w: Tensor
     scales: Tensor
-    biases: Tensor
+    biases: Tensor | None
     group_size: int
     bits: int
+    mode: str = "affine"
+    global_scale: float = 1.0
 
 
 def bits_for_range(qmin: int, qmax: int) -> int | None:
@@ -89,12 +97,70 @@ def to_mlx(q: Tensor, scale: Tensor, zero_point: Tensor | None, group_size: int,
     return MLXQuantized(pack_words(q32 - qmin, bits), scales.to(dtype), biases.to(dtype), g, bits)
 
 
-def dequantize_mlx(w: Tensor, scales: Tensor, biases: Tensor, group_size: int, bits: int) -> Tensor:
-    """Reference for MLX's `dequantize`: [N, K] in the scales' dtype."""
+def int4_tensor_to_mlx(qdata: Tensor, scale: Tensor, zero_point: Tensor, group_size: int,
+                       dtype: torch.dtype) -> MLXQuantized | None:
+    """Repack torchao's `Int4Tensor` layout (`dequantize_int4_tensor`): qdata [N, K / 2] uint8, two unsigned
+    nibbles a byte (even index low), scale / zero_point [K / group_size, N], w = (q - zero_point) * scale.
+    Affine with bias = -scale * zero_point (the zero point may be fractional); None when MLX cannot take it."""
+    if qdata.dim() != 2 or scale.dim() != 2 or zero_point.shape != scale.shape or qdata.dtype not in (
+            torch.uint8, torch.int8):
+        return None
+    p = qdata.view(torch.uint8).to(torch.int32)
+    q = torch.stack([p & 0x0F, p >> 4], dim=-1).reshape(p.shape[0], -1)
+    return to_mlx(q, scale.t(), zero_point.t(), group_size, 0, 15, dtype)
+
+
+def nvfp4_to_mlx(qdata: Tensor, scale: Tensor, per_tensor_scale: Tensor, block_size: int) -> MLXQuantized | None:
+    """torchao's NVFP4 (`dequantize_nvfp4`: qdata [N, K / 8] words of e2m1 nibbles, value i at bits 4i; e4m3
+    block scales [N, K / 16] as bytes; a float per-tensor scale) is MLX's nvfp4 bit for bit: a view."""
+    if block_size != MICROSCALED["nvfp4"][0] or qdata.dim() != 2 or per_tensor_scale.numel() != 1 \
+            or qdata.element_size() * qdata.shape[1] * 2 != scale.shape[-1] * block_size:
+        return None
+    w = qdata.contiguous().view(torch.uint8).view(torch.int32)
+    return MLXQuantized(w, scale.contiguous().view(torch.uint8), None, block_size, 4, "nvfp4",
+                        float(per_tensor_scale.detach()))
+
+
+def mx_to_mlx(qdata: Tensor, scale: Tensor, elem_dtype: torch.dtype, block_size: int) -> MLXQuantized | None:
+    """torchao's MX (`dequantize_mx`: qdata [N, K] in `elem_dtype`, e8m0 scales [N, K / block]) as MLX's mxfp8
+    (e4m3 bytes packed four a word, byte i at bits 8i): exact. MLX has no e5m2 elements, hence None for those."""
+    if elem_dtype != torch.float8_e4m3fn or block_size != MICROSCALED["mxfp8"][0] or qdata.dim() != 2 \
+            or qdata.shape[1] % block_size or scale.numel() != qdata.numel() // block_size:
+        return None
+    u = qdata.contiguous().view(torch.uint8)
+    return MLXQuantized(pack_words(u, 8), scale.contiguous().view(torch.uint8).reshape(qdata.shape[0], -1),
+                        None, block_size, 8, "mxfp8")
+
+
+def _microscaled_values(u: Tensor, mode: str) -> Tensor:
+    """Element codes -> fp32 values (e2m1 for the fp4 modes, e4m3 for mxfp8)."""
+    if mode == "mxfp8":
+        return u.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    mag = torch.tensor(FP4_E2M1)[u & 7]
+    return torch.where(u & 8 != 0, -mag, mag)
+
+
+def _microscaled_scales(scales: Tensor, mode: str) -> Tensor:
+    """Scale codes -> fp32: e4m3 for nvfp4, e8m0 (2^(e - 127)) for the mx modes."""
+    if mode == "nvfp4":
+        return scales.view(torch.float8_e4m3fn).float()
+    return scales.view(torch.float8_e8m0fnu).float()
+
+
+def dequantize_mlx(w: Tensor, scales: Tensor, biases: Tensor | None, group_size: int, bits: int,
+                   mode: str = "affine", dtype: torch.dtype | None = None) -> Tensor:
+    """Reference for MLX's `dequantize`: [N, K] in `dtype` (default: the scales' dtype for affine, fp32 else)."""
     u = unpack_words(w, bits)
     n, k = u.shape
-    u = u.reshape(n, k // group_size, group_size).to(scales.dtype)
-    return (scales[..., None] * u + biases[..., None]).reshape(n, k)
+    u = u.reshape(n, k // group_size, group_size)
+    if mode == "affine":
+        u = u.to(scales.dtype)
+        out = (scales[..., None] * u + biases[..., None]).reshape(n, k)
+    elif mode in MICROSCALED:
+        out = (_microscaled_values(u, mode) * _microscaled_scales(scales, mode)[..., None]).reshape(n, k)
+    else:
+        raise ValueError(f"unknown MLX quantization mode {mode!r}")
+    return out if dtype is None else out.to(dtype)
 
 
 # ------------------------------------------------------------ fused custom ops
@@ -102,16 +168,32 @@ def dequantize_mlx(w: Tensor, scales: Tensor, biases: Tensor, group_size: int, b
 # `quantized_linear` pattern emits; the delegate lowers them to MLX.
 
 @torch.library.custom_op("mlx_delegate::quantized_linear", mutates_args=())
-def quantized_linear(x: Tensor, w: Tensor, scales: Tensor, biases: Tensor, bias: Tensor | None,
-                     group_size: int, bits: int) -> Tensor:
-    """x @ W.T (+ bias), W the dequantized [N, K] weight."""
-    return torch.nn.functional.linear(x, dequantize_mlx(w, scales, biases, group_size, bits).to(x.dtype), bias)
+def quantized_linear(x: Tensor, w: Tensor, scales: Tensor, biases: Tensor | None, bias: Tensor | None,
+                     group_size: int, bits: int, mode: str = "affine", global_scale: float = 1.0) -> Tensor:
+    """(x @ W.T) * global_scale (+ bias), W the dequantized [N, K] weight."""
+    weight = dequantize_mlx(w, scales, biases, group_size, bits, mode)
+    y = torch.nn.functional.linear(x, weight.to(x.dtype))
+    y = y * global_scale if global_scale != 1.0 else y
+    return y + bias if bias is not None else y
 
 
 @quantized_linear.register_fake
-def _(x: Tensor, w: Tensor, scales: Tensor, biases: Tensor, bias: Tensor | None, group_size: int,
-      bits: int) -> Tensor:
+def _(x: Tensor, w: Tensor, scales: Tensor, biases: Tensor | None, bias: Tensor | None, group_size: int,
+      bits: int, mode: str = "affine", global_scale: float = 1.0) -> Tensor:
     return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+@torch.library.custom_op("mlx_delegate::dequantize", mutates_args=())
+def dequantize(w: Tensor, scales: Tensor, biases: Tensor | None, group_size: int, bits: int, mode: str,
+               global_scale: float, dtype: torch.dtype) -> Tensor:
+    """The [N, K] weight in `dtype` (times global_scale): a dequantize that feeds no linear / embedding."""
+    return (dequantize_mlx(w, scales, biases, group_size, bits, mode, torch.float32) * global_scale).to(dtype)
+
+
+@dequantize.register_fake
+def _(w: Tensor, scales: Tensor, biases: Tensor | None, group_size: int, bits: int, mode: str,
+      global_scale: float, dtype: torch.dtype) -> Tensor:
+    return w.new_empty((w.shape[0], w.shape[1] * 32 // bits), dtype=dtype)
 
 
 @torch.library.custom_op("mlx_delegate::quantized_linear_group", mutates_args=())
@@ -129,15 +211,19 @@ def _(x: Tensor, ws: list[Tensor], scales: list[Tensor], biases: list[Tensor], b
 
 
 @torch.library.custom_op("mlx_delegate::quantized_embedding", mutates_args=())
-def quantized_embedding(w: Tensor, scales: Tensor, biases: Tensor, indices: Tensor, group_size: int,
-                        bits: int) -> Tensor:
-    """Rows `indices` of the dequantized [N, K] table."""
-    return dequantize_mlx(w, scales, biases, group_size, bits)[indices]
+def quantized_embedding(w: Tensor, scales: Tensor, biases: Tensor | None, indices: Tensor, group_size: int,
+                        bits: int, mode: str = "affine", global_scale: float = 1.0,
+                        dtype: torch.dtype | None = None) -> Tensor:
+    """Rows `indices` of the dequantized [N, K] table (times global_scale), in `dtype` (affine: the scales')."""
+    if mode == "affine":
+        return dequantize_mlx(w, scales, biases, group_size, bits)[indices]
+    return dequantize(w, scales, biases, group_size, bits, mode, global_scale, dtype)[indices]
 
 
 @quantized_embedding.register_fake
-def _(w: Tensor, scales: Tensor, biases: Tensor, indices: Tensor, group_size: int, bits: int) -> Tensor:
-    return scales.new_empty((*indices.shape, w.shape[1] * 32 // bits))
+def _(w: Tensor, scales: Tensor, biases: Tensor | None, indices: Tensor, group_size: int, bits: int,
+      mode: str = "affine", global_scale: float = 1.0, dtype: torch.dtype | None = None) -> Tensor:
+    return scales.new_empty((*indices.shape, w.shape[1] * 32 // bits), dtype=dtype or scales.dtype)
 
 
 # ------------------------------------------------------------ model quantization

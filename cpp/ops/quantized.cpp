@@ -4,6 +4,9 @@
 #include "../ops_common.h"
 #include "kernels/qgemv_cpu.h"
 
+#include <array>
+#include <string>
+
 namespace mlxd::rt {
 namespace {
 
@@ -37,11 +40,39 @@ mx::array cpu_product(const mx::array& x, const mx::array& w, const mx::array& s
   return mx::astype(y, x.dtype());
 }
 
+// QuantMode -> MLX's mode name (schema order).
+constexpr std::array<const char*, 4> kModes = {"affine", "mxfp4", "nvfp4", "mxfp8"};
+
+std::string mode_name(mlxd::QuantMode m) { return table_at(kModes, m, "quantization mode"); }
+
+// The microscaling modes: uint8 scales, no biases. MLX's CPU quantized matmul for them is a
+// plain loop, so from kCpuDequantizeRows rows the CPU dequantizes and runs the BLAS matmul.
+mx::array microscaled_product(const mx::array& x, const mx::array& w, const mx::array& scales, int group_size,
+                              int bits, const std::string& mode) {
+  if (scales.dtype() != mx::uint8) throw NodeError(mode + " scales must be uint8");
+  if (mx::default_device() != mx::Device::cpu)
+    return mx::quantized_matmul(x, w, scales, std::nullopt, true, group_size, bits, mode);
+  auto xf = mx::astype(x, mx::float32);
+  int64_t k = x.ndim() ? x.shape(-1) : 0;
+  int64_t rows = k ? static_cast<int64_t>(x.size()) / k : 0;
+  auto y = rows >= kCpuDequantizeRows
+               ? mx::matmul(xf, mx::transpose(mx::dequantize(w, scales, std::nullopt, group_size, bits, mode,
+                                                             std::nullopt, mx::float32)))
+               : mx::quantized_matmul(xf, w, scales, std::nullopt, true, group_size, bits, mode);
+  return mx::astype(y, x.dtype());
+}
+
 }  // namespace
 
 void exec_QuantizedLinearNode(const mlxd::QuantizedLinearNode& n, ExecContext& ctx) {
   const auto& x = ctx.in(n.x());
   auto w = packed_words(ctx.in(n.w()));
+  if (n.mode() != mlxd::QuantMode::Affine) {
+    auto y = microscaled_product(x, w, ctx.in(n.scales()), n.group_size(), n.bits(), mode_name(n.mode()));
+    if (auto* b = ctx.maybe_in(n.bias())) y = mx::add(y, *b);
+    ctx.set(n.out(), y);
+    return;
+  }
   const auto &scales = ctx.in(n.scales()), &biases = ctx.in(n.biases());
   auto y = mx::default_device() == mx::Device::cpu
                ? cpu_product(x, w, scales, biases, n.group_size(), n.bits())
@@ -61,6 +92,14 @@ void exec_QuantizedEmbeddingNode(const mlxd::QuantizedEmbeddingNode& n, ExecCont
   auto shape = idx.shape();
   shape.push_back(y.shape(-1));
   ctx.set(n.out(), mx::reshape(y, shape));
+}
+
+// A whole packed weight (or gathered rows of one) back to floating point; biases only for affine.
+void exec_DequantizeNode(const mlxd::DequantizeNode& n, ExecContext& ctx) {
+  std::optional<mx::array> biases;
+  if (auto* b = ctx.maybe_in(n.biases())) biases = *b;
+  ctx.set(n.out(), mx::dequantize(packed_words(ctx.in(n.w())), ctx.in(n.scales()), biases, n.group_size(),
+                                  n.bits(), mode_name(n.mode()), std::nullopt, to_mlx(n.dtype())));
 }
 
 }  // namespace mlxd::rt

@@ -34,36 +34,68 @@ def _static(b: ProgramBuilder, dims: list[Any], what: str) -> list[int]:
     return [int(d) for d in dims]
 
 
+QUANT_MODES = {"affine": N.QuantMode.Affine, "mxfp4": N.QuantMode.Mxfp4, "nvfp4": N.QuantMode.Nvfp4,
+               "mxfp8": N.QuantMode.Mxfp8}
+
+
 def _packed(b: ProgramBuilder, w: Any, scales: Any, biases: Any, group_size: int, bits: int,
-            dtype: torch.dtype) -> int:
-    """Validate a packed weight and its scales / biases; returns the unpacked row length K."""
-    if group_size not in q.MLX_GROUP_SIZES or bits not in q.PACKABLE_BITS:
-        raise b.unsupported(f"group size {group_size} / {bits} bits is not an MLX affine layout")
+            dtype: torch.dtype, mode: str = "affine") -> int:
+    """Validate a packed weight and its scales / biases; returns the unpacked row length K.
+    `dtype` is the float dtype affine scales / biases must have (the activations')."""
+    if mode not in QUANT_MODES:
+        raise b.unsupported(f"quantization mode {mode!r} is not one of {', '.join(QUANT_MODES)}")
+    if mode == "affine":
+        if group_size not in q.MLX_GROUP_SIZES or bits not in q.PACKABLE_BITS:
+            raise b.unsupported(f"group size {group_size} / {bits} bits is not an MLX affine layout")
+        if dtype not in FLOAT_DTYPES or biases is None or b.dtype_of(scales) != dtype \
+                or b.dtype_of(biases) != dtype:
+            raise b.unsupported(f"scales / biases must be in the activations' float dtype {dtype}")
+    else:
+        if (group_size, bits) != q.MICROSCALED[mode]:
+            raise b.unsupported(f"{mode} takes groups of {q.MICROSCALED[mode][0]} at {q.MICROSCALED[mode][1]} bits, "
+                                f"got {group_size} / {bits}")
+        if biases is not None or b.dtype_of(scales) != torch.uint8:
+            raise b.unsupported(f"{mode} takes uint8 scales and no biases")
     if b.dtype_of(w) != torch.int32:
         raise b.unsupported(f"packed weights must be int32 words, got {b.dtype_of(w)}")
-    if dtype not in FLOAT_DTYPES or b.dtype_of(scales) != dtype or b.dtype_of(biases) != dtype:
-        raise b.unsupported(f"scales / biases must be in the activations' float dtype {dtype}")
     rows, words = _static(b, b.shape_of(w), "packed weight")
     k = words * 32 // bits
     if k % group_size or _static(b, b.shape_of(scales), "scales") != [rows, k // group_size] \
-            or b.shape_of(biases) != b.shape_of(scales):
+            or (biases is not None and b.shape_of(biases) != b.shape_of(scales)):
         raise b.unsupported(f"scales {b.shape_of(scales)} do not fit a [{rows}, {k}] weight in groups of {group_size}")
     return k
 
 
+def _scaled(b: ProgramBuilder, y: Any, global_scale: float, dtype: torch.dtype) -> Any:
+    """y * global_scale (nvfp4's per-tensor scale), or y when it is 1."""
+    return y if global_scale == 1.0 else _binary(b, N.BinaryOp.Mul, y, b.full(global_scale, dtype))
+
+
 @register(mlxd.quantized_linear.default)
 def quantized_linear(b: ProgramBuilder, n: torch.fx.Node) -> None:
-    """mx::quantized_matmul (+ bias); groups of 32/64/128, 2/4/8 bits, scales in the input's dtype."""
-    x, w, scales, biases, bias, group_size, bits = n.args
+    """mx::quantized_matmul (* global scale) (+ bias); affine (groups 32/64/128, 2/4/8 bits) or nvfp4 / mxfp8 / mxfp4.
+
+    Affine scales / biases are in the input's dtype; the other modes have uint8 scales and no biases."""
+    a = b.args(n)
+    x, bias, mode, global_scale = a["x"], a["bias"], a["mode"], float(a["global_scale"])
     dtype = b.dtype_of(x)
-    k = _packed(b, w, scales, biases, group_size, bits, dtype)
+    if dtype not in FLOAT_DTYPES:
+        raise b.unsupported(f"input dtype {dtype}")
+    k = _packed(b, a["w"], a["scales"], a["biases"], a["group_size"], a["bits"], dtype, mode)
     if not b.shape_of(x) or b.shape_of(x)[-1] != k:
         raise b.unsupported(f"input {b.shape_of(x)} does not end in the weight's {k} columns")
     if bias is not None and (b.dtype_of(bias) != dtype or len(b.shape_of(bias)) != 1):
         raise b.unsupported("bias must be 1-D in the input's dtype")
-    b.emit(N.QuantizedLinearNode(x=b.tensor(x), w=b.tensor(w), scales=b.tensor(scales), biases=b.tensor(biases),
-                                 bias=b.tensor(bias) if bias is not None else None, group_size=group_size,
-                                 bits=bits, out=b.out(n)))
+    scaled = global_scale != 1.0
+    out = b.temp() if scaled else b.out(n)
+    b.emit(N.QuantizedLinearNode(x=b.tensor(x), w=b.tensor(a["w"]), scales=b.tensor(a["scales"]),
+                                 biases=b.tensor(a["biases"]) if a["biases"] is not None else None,
+                                 bias=b.tensor(bias) if bias is not None and not scaled else None,
+                                 group_size=a["group_size"], bits=a["bits"], out=out, mode=QUANT_MODES[mode]))
+    if scaled:  # the bias is added after the per-tensor scale
+        y = _scaled(b, out, global_scale, dtype)
+        b.emit(N.BinaryNode(op=N.BinaryOp.Add, a=y, b=b.tensor(bias), out=b.out(n)) if bias is not None
+               else N.IdentityNode(x=y, out=b.out(n)))
 
 
 @register(mlxd.quantized_linear_group.default)
@@ -91,12 +123,51 @@ def quantized_linear_group(b: ProgramBuilder, n: torch.fx.Node) -> None:
 
 @register(mlxd.quantized_embedding.default)
 def quantized_embedding(b: ProgramBuilder, n: torch.fx.Node) -> None:
-    """Gathers packed rows, then mx::dequantize; groups of 32/64/128, 2/4/8 bits."""
-    w, scales, biases, indices, group_size, bits = n.args
-    _packed(b, w, scales, biases, group_size, bits, b.dtype_of(scales))
-    b.emit(N.QuantizedEmbeddingNode(w=b.tensor(w), scales=b.tensor(scales), biases=b.tensor(biases),
-                                    indices=index_tensor(b, indices), group_size=group_size, bits=bits,
-                                    out=b.out(n)))
+    """Gathers packed rows, then mx::dequantize; affine (groups 32/64/128, 2/4/8 bits) or nvfp4 / mxfp8 / mxfp4.
+
+    Affine is one QuantizedEmbeddingNode; the other modes take rows of w and scales, then DequantizeNode
+    (* global scale)."""
+    a = b.args(n)
+    w, scales, biases, indices, mode = a["w"], a["scales"], a["biases"], a["indices"], a["mode"]
+    if mode == "affine":
+        _packed(b, w, scales, biases, a["group_size"], a["bits"], b.dtype_of(scales))
+        b.emit(N.QuantizedEmbeddingNode(w=b.tensor(w), scales=b.tensor(scales), biases=b.tensor(biases),
+                                        indices=index_tensor(b, indices), group_size=a["group_size"],
+                                        bits=a["bits"], out=b.out(n)))
+        return
+    dtype = a["dtype"]
+    if dtype not in FLOAT_DTYPES:
+        raise b.unsupported(f"{mode} embedding needs a float output dtype, got {dtype}")
+    k = _packed(b, w, scales, biases, a["group_size"], a["bits"], dtype, mode)
+    flat = _reshape(b, index_tensor(b, indices), [-1])
+    rows = []
+    for t in (w, scales):
+        rows.append(b.temp())
+        b.emit(N.TakeNode(x=b.tensor(t), indices=flat, axis=0, out=rows[-1]))
+    y = b.temp()
+    b.emit(N.DequantizeNode(w=rows[0], scales=rows[1], biases=None, group_size=a["group_size"], bits=a["bits"],
+                            mode=QUANT_MODES[mode], dtype=b.ir_dtype(dtype), out=y))
+    y = _scaled(b, y, float(a["global_scale"]), dtype)
+    b.emit(N.ReshapeNode(x=y, shape=[b.int_or_vid(d) for d in [*b.shape_of(indices), k]], out=b.out(n)))
+
+
+@register(mlxd.dequantize.default)
+def dequantize(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    """mx::dequantize (* global scale) of a whole packed weight that feeds other ops than a linear / embedding."""
+    a = b.args(n)
+    mode, dtype = a["mode"], a["dtype"]
+    if dtype not in FLOAT_DTYPES:
+        raise b.unsupported(f"dequantize to {dtype}")
+    # affine scales / biases are in their own float dtype; mx::dequantize then casts to `dtype`
+    _packed(b, a["w"], a["scales"], a["biases"], a["group_size"], a["bits"], b.dtype_of(a["scales"]), mode)
+    scaled = float(a["global_scale"]) != 1.0
+    out = b.temp() if scaled else b.out(n)
+    b.emit(N.DequantizeNode(w=b.tensor(a["w"]), scales=b.tensor(a["scales"]),
+                            biases=b.tensor(a["biases"]) if a["biases"] is not None else None,
+                            group_size=a["group_size"], bits=a["bits"], mode=QUANT_MODES[mode],
+                            dtype=b.ir_dtype(dtype), out=out))
+    if scaled:
+        b.emit(N.IdentityNode(x=_scaled(b, out, float(a["global_scale"]), dtype), out=b.out(n)))
 
 
 # ----------------------------------------------------------- unfused dequantize

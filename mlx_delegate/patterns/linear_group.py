@@ -51,7 +51,9 @@ def _group_key(n: torch.fx.Node, constants: set[str]) -> tuple | None:
     """What linears must share to be fused (input, dtype, K; for quantized ones the layout),
     or None if `n` cannot be."""
     if is_op(n, QLINEAR) and n.users:
-        x, w, scales, biases, bias, group_size, bits = n.args
+        x, w, scales, biases, bias, group_size, bits, *mode = n.args
+        if mode:  # the grouped op is affine only; other modes carry their mode arguments
+            return None
         if not all(_is_constant(t, constants, n) for t in (w, scales, biases)) or \
                 (bias is not None and not _is_constant(bias, constants, n)):
             return None
