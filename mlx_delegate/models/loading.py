@@ -97,21 +97,26 @@ def read_gguf(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
     return config, {k: torch.as_tensor(v).float() for k, v in tensors.items()}
 
 
-def from_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32, max_seq_len: int | None = None,
-              dequantize: bool = False) -> LoadedModel:
-    """A GGUF file (needs the `gguf` package). Q4_0 / Q4_1 / Q8_0 / Q4_K weights keep the file's own
-    quantization (repacked into MLX's affine format, see `models.gguf`); other types are dequantized.
-    `dequantize` dequantizes every weight instead (a float model of the same values)."""
+def model_from_gguf(path: str | Path, *, max_seq_len: int | None = None, dequantize: bool = False) -> Model:
+    """The model of a GGUF file, float32 activations (needs the `gguf` package). Q4_0 / Q4_1 / Q8_0 / Q4_K
+    weights keep the file's own quantization (repacked into MLX's affine format, see `models.gguf`);
+    other types are dequantized. `dequantize` dequantizes every weight (a float model of the same values)."""
     from ..quantization import install_packed
     from .gguf import read
 
-    path = Path(path)
     config, state, packed = read(path, dequantize=dequantize)
     model = install_packed(Model(ModelArgs.from_hf(config, max_seq_len)), packed)
     for name, q in packed.items():  # load_weights then checks every key, packed ones included
         stem = name.rpartition(".")[0]
         state.update({f"{stem}.w": q.w, f"{stem}.scales": q.scales, f"{stem}.biases": q.biases})
-    model = load_weights(model, state)
+    return load_weights(model, state)
+
+
+def from_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32, max_seq_len: int | None = None,
+              dequantize: bool = False) -> LoadedModel:
+    """A GGUF file with its tokenizer (see `model_from_gguf`)."""
+    path = Path(path)
+    model = model_from_gguf(path, max_seq_len=max_seq_len, dequantize=dequantize)
     return LoadedModel(_finish(model, dtype), load_tokenizer(path), path.stem, (path,))
 
 
