@@ -84,6 +84,10 @@ def run(args: argparse.Namespace) -> int:
     generator = Generator(pte, loading.load_tokenizer(path))
     pieces = []
     try:
+        # The first call of each shape compiles: warm up so the printed tok/s is the steady-state figure.
+        warm = generator.warm_up(len(generator.encode_prompt(args.prompt, chat=not args.no_chat)))
+        if warm:
+            progress(f"warm-up (loading and compiling the prefill and decode graphs): {warm:.1f} s")
         for piece in generator.generate(args.prompt, args.max_new_tokens, sampler, chat=not args.no_chat):
             pieces.append(piece)
             if not args.json:

@@ -117,6 +117,21 @@ class Generator:
         self.pos += len(tokens)
         return out
 
+    def warm_up(self, prompt_tokens: int, decode_steps: int = 2) -> float:
+        """Run a prefill of `prompt_tokens` and `decode_steps` single-token steps, then rewind to
+        position 0; returns the seconds taken. The first call of each shape compiles its MLX graph,
+        so timings taken afterwards are steady-state ones. Rewinding is enough: attention masks
+        every cache entry past the current position, and a real step rewrites an entry before
+        any query reads it. Does nothing when the steps would not fit the cache."""
+        if prompt_tokens < 1 or prompt_tokens + decode_steps > self.max_seq_len - self.pos:
+            return 0.0
+        start, saved = time.perf_counter(), self.pos
+        self.step([0] * prompt_tokens)
+        for _ in range(decode_steps):
+            self.step([0])
+        self.pos = saved
+        return time.perf_counter() - start
+
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler | None = None,
                      ) -> Iterator[int]:
         """Prefill `prompt_ids`, then yield up to `max_new_tokens` ids (stopping after an EOS id)."""

@@ -292,7 +292,8 @@ class Model(nn.Module):
         if last_only:
             h = h[:, -1:]
         if self.args.tie_word_embeddings:
-            return F.linear(h, self.model.embed_tokens.weight)
+            embed = self.model.embed_tokens
+            return embed.attend(h) if hasattr(embed, "attend") else F.linear(h, embed.weight)
         return self.lm_head(h)
 
     def to_dtype(self, dtype: torch.dtype) -> "Model":
