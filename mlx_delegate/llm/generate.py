@@ -125,10 +125,13 @@ class Generator:
         any query reads it. Does nothing when the steps would not fit the cache."""
         if prompt_tokens < 1 or prompt_tokens + decode_steps > self.max_seq_len - self.pos:
             return 0.0
+        # The program's own kind of step, with throwaway sampler settings: the caller's sampler
+        # keeps its random stream, so a seeded run draws the same tokens with or without warm-up.
+        extra = Sampler(temperature=1.0, seed=0).device_inputs() if self.samples_on_device else []
         start, saved = time.perf_counter(), self.pos
-        self.step([0] * prompt_tokens)
+        self._run([0] * prompt_tokens, extra)
         for _ in range(decode_steps):
-            self.step([0])
+            self._run([0], extra)
         self.pos = saved
         return time.perf_counter() - start
 
