@@ -100,9 +100,9 @@ def test_repacks_are_exact():
     affine's scale * q + bias there, torchao's (q - zero_point) * scale), the microscaled modes bit for bit
     (NVFP4's per-tensor scale multiplies after the block scale, not into it: one rounding apart)."""
     torch.manual_seed(0)
-    for fmt in FORMATS:
+    for fmt, quantize in FORMATS.items():
         linear = torch.nn.Linear(64, 32).eval()
-        FORMATS[fmt](linear)
+        quantize(linear)
         w = linear.weight
         expected = w.dequantize(torch.float32)
         if fmt == "int4":
