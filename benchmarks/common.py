@@ -353,13 +353,29 @@ def machine_meta(bandwidth: bool = True) -> dict[str, Any]:
 # ---------------------------------------------------------------- output
 
 def format_table(headers: Sequence[str], rows: Iterable[Sequence[str]], right: Sequence[bool]) -> str:
-    rows = [list(r) for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    """A Markdown table in docs/performance.md's format, padded so it reads as plain text too."""
+    rows = [[c.replace("|", "\\|") for c in r] for r in rows]
+    widths = [max(len(h), 3, *(len(r[i]) for r in rows)) if rows else max(len(h), 3) for i, h in enumerate(headers)]
 
     def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right)).rstrip()
+        return "| " + " | ".join(c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right)) + " |"
 
-    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
+    rule = "|" + "|".join("-" * (w + 1) + ":" if r else "-" * (w + 2) for w, r in zip(widths, right)) + "|"
+    return "\n".join([line(headers), rule] + [line(r) for r in rows])
+
+
+def heading(meta: dict[str, Any]) -> str:
+    """The lines above a table in docs/performance.md: the date and the command that produced it,
+    then the run's metadata."""
+    script = Path(sys.argv[0])
+    try:
+        script = script.resolve().relative_to(Path(__file__).resolve().parent.parent)
+    except ValueError:
+        pass
+    command = " ".join(["python", str(script), *sys.argv[1:]])
+    date = str(meta.get("time", datetime.datetime.now().isoformat()))[:10]
+    info = ", ".join(f"{k}={v}" for k, v in meta.items() if k not in ("time", "settings"))
+    return f"### {date}: `{command}`\n\n{info}\n"
 
 
 def fmt_time(s: float | None) -> str:
@@ -458,8 +474,7 @@ def main(description: str, sources: Sequence[WorkloadSource], argv: Sequence[str
     meta |= {"loadavg_end": [round(x, 2) for x in os.getloadavg()], "peak_rss_mb": round(peak_rss_mb()),
              "wall_s": round(time.perf_counter() - started, 1)}
     print()
-    print("  ".join(f"{k}={v}" for k, v in meta.items() if k != "settings"))
-    print()
+    print(heading(meta))
     print(results_table(results))
     for line in notes + load_note(meta):
         print(line)

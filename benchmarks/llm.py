@@ -14,6 +14,14 @@ Each engine runs the same `mlx_delegate.models.llama.Model` (weights shared):
   with `XnnpackPartitioner` (what XNNPACK does not take runs on ExecuTorch's portable kernels).
 - `MLX Python`: the model written directly in MLX (mlx-lm style: `mx.fast` RMSNorm, RoPE and SDPA,
   preallocated KV cache), weights copied from torch.
+- `ET Llama XNNPACK`: ExecuTorch's own Llama export from the executorch wheel (`benchmarks/et_llama.py`:
+  `examples/models/llama` with its KV cache and custom SDPA / update-cache ops, XNNPACK), on the same
+  weights; fp32, and 8da4w (int8 dynamic activations, int4 weights in groups of 32) in the `gguf` rows.
+- `gguf` rows (SmolLM2): the file's own quantization (Q4_1 linears, Q8_0 embedding / tied head). The
+  delegate runs the GGUF blocks as they are (`mlx_delegate.models.gguf`); `llama.cpp` is
+  llama-cpp-python on the same file, same threads (an optional dependency: the row says "not
+  installed" without it). Their max|err| is against eager torch on the dequantized weights (fp32 rows
+  run those dequantized weights).
 
 Every engine but MLX Python runs the fixed-shape model (RoPE and the cache write at a tensor position,
 attention over the whole cache of `--prompt + --decode + 8` positions under a position mask); the MLX
@@ -63,9 +71,11 @@ from mlx_delegate.models.llama import Model, ModelArgs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MX_DTYPES = {torch.float32: mx.float32, torch.bfloat16: mx.bfloat16}
-QUANTIZED = ("int8", "int4")  # delegate rows, when llm.export.to_pte has quantize=
+QUANTIZED = ("int8", "int4", "gguf")  # delegate rows, when llm.export.to_pte has quantize=; gguf: see below
 ENGINE_KEYS = {"mlx_delegate": "delegate", "mlx_delegate, nodes": "nodes", "MLX Python": "mlx",
-               "eager torch": "eager", "ET XNNPACK": "xnnpack"}
+               "eager torch": "eager", "ET XNNPACK": "xnnpack", "ET Llama XNNPACK": "et-llama",
+               "llama.cpp": "llama.cpp"}
+GGUF = "gguf"  # the dtype label of the rows running a GGUF file's own quantization
 
 
 # ---------------------------------------------------------------- models
@@ -77,10 +87,12 @@ class ModelSpec:
     # Engines loaded together and taking turns each round (True: all); the others run one after another.
     interleave: bool | frozenset[str]
     quantized: bool = True  # int8/int4 rows (one more export each)
+    gguf: Callable[[], Path] | None = None  # the GGUF file whose own quantization the `gguf` rows run
 
 
 def smollm2(max_seq_len: int) -> Model:
-    return loading.load("smollm2", max_seq_len=max_seq_len).model
+    """The fp32 rows: the GGUF's weights dequantized (the `gguf` rows keep its quantization)."""
+    return loading.load("smollm2", max_seq_len=max_seq_len, dequantize=True).model
 
 
 def random_llama(max_seq_len: int, **shape: Any) -> Model:
@@ -97,7 +109,7 @@ TINY = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key
             intermediate_size=256, vocab_size=1024, tie_word_embeddings=True)
 
 MODELS = {
-    "smollm2": ModelSpec("SmolLM2-135M", smollm2, interleave=True),
+    "smollm2": ModelSpec("SmolLM2-135M", smollm2, interleave=True, gguf=loading.smollm2_path),
     "1.2b": ModelSpec("Llama-1.2B (random)", lambda n: random_llama(n, **LLAMA_1B),
                       interleave=frozenset({"eager torch", "mlx_delegate"})),
     "tiny": ModelSpec("tiny Llama (random)", lambda n: random_llama(n, **TINY), interleave=True),
@@ -212,6 +224,48 @@ def xnnpack(model: Model) -> Runner:
     gc.collect()
     model.reset_cache()
     return MethodRunner(pte)
+
+
+class LogitsRunner(MethodRunner):
+    """A program returning [1, vocab] or [1, L, vocab] logits (ExecuTorch's Llama export)."""
+
+    def step(self, tokens: list[int], pos: int) -> np.ndarray:
+        out = self.method.execute(_inputs(tokens, pos))[0]
+        return out.reshape(-1, out.shape[-1])[-1].float().numpy()
+
+
+def et_llama(model: Model, qmode: str | None = None) -> Runner:
+    import et_llama as et
+    import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (registers the custom ops)
+
+    pte = et.export(model, Path(tempfile.mkdtemp(dir=PTE_DIR)), qmode=qmode, group_size=32)
+    gc.collect()
+    return LogitsRunner(pte)
+
+
+class LlamaCppRunner(Runner):
+    """llama.cpp (llama-cpp-python) on a GGUF file; pos 0 starts over with an empty KV cache."""
+
+    def __init__(self, path: Path, n_ctx: int) -> None:
+        try:
+            from llama_cpp import Llama
+        except ImportError as e:
+            raise RuntimeError("not installed (pip install llama-cpp-python)") from e
+        threads = torch.get_num_threads()
+        self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads,
+                         n_threads_batch=threads, verbose=False)
+        self.program_bytes = path.stat().st_size
+
+    def step(self, tokens: list[int], pos: int) -> np.ndarray:
+        if pos == 0:
+            self.llm.reset()
+            ctx = self.llm._ctx
+            clear = getattr(ctx, "memory_clear", None) or getattr(ctx, "kv_cache_clear")
+            clear(True) if clear.__name__ == "memory_clear" else clear()
+        if self.llm.n_tokens != pos:
+            raise RuntimeError(f"llama.cpp is at position {self.llm.n_tokens}, not {pos}")
+        self.llm.eval(tokens)
+        return np.array(self.llm.scores[self.llm.n_tokens - 1], dtype=np.float32)
 
 
 # ---------------------------------------------------------------- MLX Python mirror
@@ -348,6 +402,22 @@ class Job:
     warm_rounds: int = 0  # full untimed rounds after the warm-up call (so the prefill length is compiled)
 
 
+def gguf_jobs(path: Path, fp32: Model, engines: Sequence[str]) -> tuple[Callable[[], Model], Callable[[Model], list[Job]]]:
+    """The `gguf` rows: the delegate on the file's own blocks, llama.cpp on the file, ExecuTorch's
+    Llama export in 8da4w from the same (dequantized) weights."""
+    def typed() -> Model:
+        return loading.load(path, max_seq_len=fp32.args.max_seq_len).model.eval()
+
+    def jobs(m: Model) -> list[Job]:
+        out = [Job("mlx_delegate", GGUF, lambda: MethodRunner(SharedPte(m).take()), "GGUF blocks as they are",
+                   warm_rounds=1),
+               Job("llama.cpp", GGUF, lambda: LlamaCppRunner(path, fp32.args.max_seq_len), "same GGUF file"),
+               Job("ET Llama XNNPACK", GGUF, lambda: et_llama(fp32, "8da4w"), "8da4w, group 32")]
+        return [j for j in out if ENGINE_KEYS[j.engine] in engines]
+
+    return typed, jobs
+
+
 def jobs_for(model: Model, dtypes: Sequence[str], quantized: Sequence[str], engines: Sequence[str]) -> Iterator[tuple[str, Callable[[], Model], list[Job]]]:
     """(dtype label, model in that dtype, engine jobs) per dtype; quantized rows after fp32."""
     for label in dtypes:
@@ -362,12 +432,13 @@ def jobs_for(model: Model, dtypes: Sequence[str], quantized: Sequence[str], engi
                    Job("MLX Python", label, lambda: MlxRunner(m, DTYPES[label])),
                    Job("eager torch", label, lambda: EagerRunner(m))]
             if label == "fp32":
-                out.append(Job("ET XNNPACK", label, lambda: xnnpack(m)))
+                out.append(Job("ET XNNPACK", label, lambda: xnnpack(m), "our model, index_copy cache"))
+                out.append(Job("ET Llama XNNPACK", label, lambda: et_llama(m), "examples/models/llama, custom SDPA"))
             return [j for j in out if ENGINE_KEYS[j.engine] in engines]
 
         yield label, typed, jobs
         if label == "fp32":
-            for q in quantized:
+            for q in (q for q in quantized if q != GGUF):
                 def quantized_jobs(m: Model, q: str = q) -> list[Job]:
                     return [Job("mlx_delegate", q, lambda: MethodRunner(SharedPte(m, q).take()), "compiled graphs",
                                 warm_rounds=1)]
@@ -524,8 +595,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         base = spec.build(max_seq_len).eval()
         reference: dict[str, np.ndarray] = {}
         quantized = args.quantize if spec.quantized and not args.quick else []
-        for label, typed, jobs in jobs_for(base, args.dtypes, quantized, args.engines):
+        groups = list(jobs_for(base, args.dtypes, quantized, args.engines))
+        if spec.gguf is not None and GGUF in args.quantize and not args.quick:
+            groups.append((GGUF, *gguf_jobs(spec.gguf(), base, args.engines)))
+        for label, typed, jobs in groups:
             m = typed()
+            if label == GGUF and "fp32" in reference:  # the dequantized weights' eager logits
+                reference[GGUF] = reference["fp32"]
             got = measure(spec, label, m, jobs(m), args, reference)
             for r in got:
                 if bw and r.decode_tok_s:

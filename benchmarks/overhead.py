@@ -129,8 +129,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     meta |= {"loadavg_end": [round(x, 2) for x in os.getloadavg()], "peak_rss_mb": round(common.peak_rss_mb()),
              "wall_s": round(time.perf_counter() - started, 1)}
     print()
-    print("  ".join(f"{k}={v}" for k, v in meta.items() if k != "settings"))
-    print()
+    print(common.heading(meta))
     print(common.results_table(results))
     idle = [] if args.quick else [line for w in workloads(args.quick) for line in idle_cost(w)]
     for line in breakdown(results) + idle + common.load_note(meta):

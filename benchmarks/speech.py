@@ -33,8 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import common
-from common import THREADS, fmt_time, format_table, graph_note, load_note, machine_meta, one_line
+from common import THREADS, fmt_time, format_table, graph_note, heading, load_note, machine_meta, one_line
 import executorch.runtime  # noqa: F401,I001  (every worker imports the same set, so their baselines agree)
 import mlx_delegate
 import numpy as np
@@ -46,8 +45,9 @@ from transformers import (
 
 from mlx_delegate import audio as A
 from mlx_delegate.memory import peak_rss_mb
-from mlx_delegate.models import parakeet as P
-from mlx_delegate.models import whisper as W
+from mlx_delegate.models import parakeet as PM
+from mlx_delegate.pipelines import parakeet as P
+from mlx_delegate.pipelines import whisper as W
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIP = ROOT / "tests" / "data" / "speech_en_11k.flac"
@@ -211,7 +211,7 @@ class ParakeetBench:
     def lower(self, d: Path, engine: str) -> P.Lowering:
         model = ParakeetForCTC.from_pretrained(d / "hf").eval()
         frames = np.load(d / "features.npy", mmap_mode="r").shape[1]
-        return P.lower(model, P.padded_frames(frames), partitioner(engine), static=engine.endswith("-static"))
+        return P.lower(model, PM.padded_frames(frames), partitioner(engine), static=engine.endswith("-static"))
 
     def load(self, d: Path, engine: str) -> Run:
         features = torch.from_numpy(np.load(d / "features.npy"))
@@ -562,8 +562,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     meta["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     meta["wall_s"] = round(time.perf_counter() - started)
     print()
-    print("  ".join(f"{k}={v}" for k, v in meta.items()))
-    print()
+    print(heading(meta))
     print(table(rows, base_mb))
     print()
     for case in {r.case: None for r in rows}:

@@ -85,6 +85,9 @@ __attribute__((visibility("default"))) int mlxd_gemm_lowp(int dtype, int trans_a
   return 1;
 }
 
+// Whether mlxd_sgemm_serial is served (torch's sgemm_ was found).
+__attribute__((visibility("default"))) int mlxd_sgemm_ready() { return g_sgemm.load() != nullptr; }
+
 }  // extern "C"
 
 static char trans_char(int t) { return t == CblasNoTrans ? 'N' : 'T'; }
@@ -124,6 +127,33 @@ __attribute__((visibility("default"))) void cblas_sgemm(int order, int ta, int t
   } else if (auto r = g_ref_sgemm.load()) {
     r(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
+}
+
+// Row-major c = alpha op(a) op(b) + beta c in fp32 on the calling thread
+// only (MKL's thread-local count set to 1 for the call): for kernels that
+// split their own work across the cores and call this from each part, where
+// MKL's OpenMP team would oversubscribe them. Returns 0 (and does nothing)
+// when no fast sgemm is loaded.
+__attribute__((visibility("default"))) int mlxd_sgemm_serial(int trans_a, int trans_b, int m, int n, int k,
+                                                             float alpha, const float* a, int lda, const float* b,
+                                                             int ldb, float beta, float* c, int ldc) {
+  auto f = g_sgemm.load();
+  if (f == nullptr) return 0;
+  g_fast_calls.fetch_add(1, std::memory_order_relaxed);
+  auto call = [&] {
+    gemm(f, CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, m, n, k, alpha,
+         a, lda, b, ldb, beta, c, ldc);
+  };
+  auto set_local = g_set_threads_local.load();
+  if (set_local == nullptr) {
+    call();
+    return 1;
+  }
+  const int one = 1;
+  const int previous = set_local(&one);
+  call();
+  set_local(&previous);
+  return 1;
 }
 
 __attribute__((visibility("default"))) void cblas_dgemm(int order, int ta, int tb, int m, int n, int k, double alpha,

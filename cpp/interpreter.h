@@ -88,6 +88,7 @@ class Handle {
   void exec_node(size_t i, ExecContext& ctx) const;
   void run_nodes();
   void run_nodes_profiled();
+  void note_interpreted_call();  // counts it; gives up compiling when this call's trace failed
   void write_outputs(executorch::runtime::Span<executorch::runtime::EValue*> args);
   void finish(executorch::runtime::Span<executorch::runtime::EValue*> args, std::vector<mx::array> results,
               std::vector<mx::array> updates, const std::vector<int64_t>& value_outputs);

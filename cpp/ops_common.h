@@ -1,6 +1,8 @@
 // Helpers shared by the exec_<Node> functions in cpp/ops/. No op bodies here.
 #pragma once
 
+#include <array>
+#include <cstddef>
 #include <string>
 
 #include "ops_generated.h"
@@ -8,13 +10,35 @@
 
 namespace mlxd::rt {
 
-// Looks up the row for enum value `e` in an op table, rejecting values the
-// payload may carry but this runtime does not know.
-template <typename Table, typename Enum>
-const typename Table::value_type& table_at(const Table& table, Enum e, const char* what) {
-  auto i = static_cast<size_t>(e);
-  if (i >= table.size()) throw NodeError(std::string("unknown ") + what + " " + std::to_string(i));
-  return table[i];
+// Op tables are keyed by the schema's enums: each row names the value it
+// serves, and `static_assert(rows_follow_enum(table))` fails the build when a
+// row is missing, extra or out of the schema's order.
+template <typename Enum, typename Fn>
+struct OpRow {
+  Enum op;
+  Fn fn;
+};
+
+template <typename Enum>
+constexpr std::size_t enum_size() {
+  return static_cast<std::size_t>(Enum::MAX) + 1;
+}
+
+template <typename Enum, typename Fn, std::size_t N>
+constexpr bool rows_follow_enum(const std::array<OpRow<Enum, Fn>, N>& rows) {
+  if (N != enum_size<Enum>()) return false;
+  for (std::size_t i = 0; i < N; ++i)
+    if (static_cast<std::size_t>(rows[i].op) != i || rows[i].fn == nullptr) return false;
+  return true;
+}
+
+// The function for enum value `e`, rejecting values the payload may carry but
+// this runtime does not know.
+template <typename Enum, typename Fn, std::size_t N>
+const Fn& table_at(const std::array<OpRow<Enum, Fn>, N>& table, Enum e, const char* what) {
+  auto i = static_cast<std::size_t>(e);
+  if (i >= N) throw NodeError(std::string("unknown ") + what + " " + std::to_string(i));
+  return table[i].fn;
 }
 
 }  // namespace mlxd::rt

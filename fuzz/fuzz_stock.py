@@ -13,6 +13,12 @@ Cases run in a child process, one after the other; the parent watches it through
 status file (the case it is on, counters), so a case that aborts, segfaults or hangs is counted,
 saved to the artifact directory and skipped, and a fresh child carries on with the next case.
 Every rejection must be a Python exception with a message, and every log line printable ASCII.
+A mutant that runs is checked against the unmutated program's outputs for the same (valid) inputs
+and call number (`check_result`): the same number of outputs and dtypes, and the same shapes where
+the seed's outputs are static; and, where the bytes the program hands to the delegate (delegate blob,
+named data, delegate entry: `reads`) are those of the seed, the same values bit for bit. A mutant
+that changed what the delegate reads may compute anything of the right form (a mutated constant is
+a different program), so its values are only counted as changed or unchanged.
 Case `i` of a run is a pure function of (--seed, i): any finding can be rebuilt.
 
     python fuzz/fuzz_stock.py --runs 10000 --seed 1                  # exits 1 on any finding
@@ -49,7 +55,12 @@ from pte import Layout, layout  # noqa: E402
 OUTCOMES = ("rejected at load_program", "rejected at load_method", "failed at execute", "ran")
 # Findings a worker reports without dying; aborts, signals and hangs are seen by the parent.
 SILENT_ERROR, UNPRINTABLE_LOG = "error without a message", "log line not printable ASCII"
-COUNTERS = OUTCOMES + ("executions", "log lines", SILENT_ERROR, UNPRINTABLE_LOG)
+WRONG_RESULT = "ran with the seed's delegate bytes but gave a different result"
+MALFORMED = "ran but returned outputs of the wrong number, dtype or shape"
+# How the mutants that ran compare with the seed (see check_result).
+RESULTS = ("result unchanged", "result changed", "reads the seed's bytes", "file unchanged")
+COUNTERS = OUTCOMES + ("executions", "log lines", SILENT_ERROR, UNPRINTABLE_LOG, WRONG_RESULT, MALFORMED) + RESULTS
+STATIC_SEEDS = ("elementwise", "matmul", "conv", "buffer", "attention")  # no dynamic output dim
 SLOT_CASE, SLOT_DONE = 0, 1  # status file: int64 slots, then one per COUNTERS entry
 N_SLOTS = 2 + len(COUNTERS)
 MAX_TENSOR_BYTES = 16 << 20  # an absurd shape is a clean error, not an out-of-memory kill
@@ -81,8 +92,38 @@ def make_case(seeds: list[StockSeed], layouts: list[Layout], base_seed: int, ind
     return Case(index, s, data, kind, rng.random() < 0.25, 2 if rng.random() < 0.25 else 1)
 
 
-def run_case(runtime: Any, source: bytes | str, inputs: list, runs: int = 1) -> tuple[str, int, str]:
-    """(outcome, execute() calls made, error message) of loading and running one program."""
+def reads(pte: bytes) -> tuple | None:
+    """What a program hands to the delegate: the delegate blob's and named data's bytes (as the
+    segment table and header resolve them), the delegate entry and named-data table fields. None
+    where the file cannot be walked."""
+    try:
+        lay = layout(pte)
+        regions = tuple(bytes(pte[a:b]) for g in ("blob", "named_data", "delegate") for a, b in lay.regions.get(g, []))
+        fields = tuple(bytes(pte[f.offset:f.offset + f.width]) for g in ("delegate", "named_data")
+                       for f in lay.fields.get(g, []))
+        return regions, fields
+    except Exception:  # a mutant the walker cannot follow: treated as changed
+        return None
+
+
+def check_result(outputs: list, reference: list, same_reads: bool, static: bool) -> tuple[str | None, bool]:
+    """(finding or None, whether the values equal the reference bit for bit) for the outputs of a
+    mutant that ran, against the unmutated program's outputs for the same inputs and call number."""
+    import torch
+
+    if len(outputs) != len(reference) or any(
+            not isinstance(o, torch.Tensor) or o.dtype != r.dtype or (static and o.shape != r.shape)
+            for o, r in zip(outputs, reference)):
+        return MALFORMED, False
+    bits = lambda t: t.contiguous().reshape(-1).view(torch.uint8)  # noqa: E731  (NaNs and -0.0 compare by bits)
+    same = all(o.shape == r.shape and torch.equal(bits(o), bits(r)) for o, r in zip(outputs, reference))
+    return (WRONG_RESULT if same_reads and not same else None), same
+
+
+def run_case(runtime: Any, source: bytes | str, inputs: list, runs: int = 1,
+             outputs: list | None = None) -> tuple[str, int, str]:
+    """(outcome, execute() calls made, error message) of loading and running one program; the last
+    call's outputs (copied) go into `outputs` when given."""
     stage, executions = OUTCOMES[0], 0
     try:
         program = runtime.load_program(source)
@@ -93,7 +134,9 @@ def run_case(runtime: Any, source: bytes | str, inputs: list, runs: int = 1) -> 
         stage = OUTCOMES[2]
         for _ in range(runs):
             executions += 1
-            method.execute(inputs)
+            result = method.execute(inputs)
+        if outputs is not None:
+            outputs[:] = [o.clone() if hasattr(o, "clone") else o for o in result]
         return OUTCOMES[3], executions, ""
     except Exception as e:  # every rejection must be an exception that says what is wrong
         message = f"{type(e).__name__}: {e}"
@@ -165,6 +208,18 @@ def worker(ns: argparse.Namespace) -> None:
 
     sys.stderr = LogSink(lambda: bump("log lines"), unprintable)
     runtime = Runtime.get()
+    # The unmutated programs' outputs per call number (a stateful seed changes with each call).
+    references = []
+    for seed, args in zip(seeds, inputs):
+        method = runtime.load_program(seed.pte).load_method("forward")
+        references.append([[o.clone() for o in method.execute(args)] for _ in range(2)])
+    seed_reads = [reads(seed.pte) for seed in seeds]
+
+    def report(finding: str, case: Case, detail: str) -> None:
+        findings.write(json.dumps({"case": case.index, "finding": finding, "seed": seeds[case.seed].name,
+                                   "kind": case.kind, "detail": detail}) + "\n")
+        findings.flush()
+
     path = Path(ns.workdir) / "case.pte"
     for i in range(ns.start, ns.stop):
         if time.time() > ns.deadline:
@@ -176,13 +231,25 @@ def worker(ns: argparse.Namespace) -> None:
         if case.from_file:
             path.write_bytes(case.data)
             source = str(path)
-        outcome, executions, message = run_case(runtime, source, inputs[case.seed], case.runs)
+        outputs: list = []
+        outcome, executions, message = run_case(runtime, source, inputs[case.seed], case.runs, outputs)
         bump(outcome)
         bump("executions", executions)
         if outcome == SILENT_ERROR:
-            findings.write(json.dumps({"case": i, "finding": SILENT_ERROR, "seed": seeds[case.seed].name,
-                                       "kind": case.kind, "detail": message}) + "\n")
-            findings.flush()
+            report(SILENT_ERROR, case, message)
+        elif outcome == OUTCOMES[3]:
+            # The ExecuTorch program table is mutated only by the opt-in "flatbuffer" kind, which
+            # `reads` does not cover.
+            same_reads = "flatbuffer" not in case.kind and reads(case.data) == seed_reads[case.seed]
+            finding, same = check_result(outputs, references[case.seed][case.runs - 1], same_reads,
+                                         seeds[case.seed].name in STATIC_SEEDS)
+            bump(RESULTS[0] if same else RESULTS[1])
+            bump(RESULTS[2], same_reads)
+            bump(RESULTS[3], case.data == seeds[case.seed].pte)
+            if finding:
+                bump(finding)
+                report(finding, case, repr([(tuple(o.shape), str(o.dtype)) if hasattr(o, "shape") else o
+                                            for o in outputs])[:300])
         struct.pack_into("<q", status, 8 * SLOT_DONE, i + 1 - ns.start)
     status.flush()
 
@@ -282,6 +349,7 @@ def fuzz(ns: argparse.Namespace) -> int:
         "seed": ns.seed, "kinds": list(ns.kinds), "mutations": cases, "executions": totals["executions"], "crashes": crashes,
         "findings": len(findings), "seconds": round(elapsed, 1), "workers": workers,
         "outcomes": {k: totals[k] for k in OUTCOMES}, "log_lines": totals["log lines"],
+        "results": {k: totals[k] for k in RESULTS},
     }
     print("fuzz_stock summary: " + json.dumps(summary), flush=True)
     for f in findings:

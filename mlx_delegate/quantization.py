@@ -226,6 +226,58 @@ def _(w: Tensor, scales: Tensor, biases: Tensor | None, indices: Tensor, group_s
     return scales.new_empty((*indices.shape, w.shape[1] * 32 // bits), dtype=dtype or scales.dtype)
 
 
+# ------------------------------------------------------------ modules on packed weights
+class QuantizedLinear(torch.nn.Module):
+    """A linear layer on a weight already in MLX's affine format (e.g. a GGUF file's own blocks):
+    calls `mlx_delegate::quantized_linear`, which the delegate runs on MLX's quantized kernels."""
+
+    def __init__(self, packed: MLXQuantized, bias: Tensor | None = None) -> None:
+        super().__init__()
+        self.register_buffer("w", packed.w)
+        self.register_buffer("scales", packed.scales)
+        self.register_buffer("biases", packed.biases)
+        self.bias = torch.nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.group_size, self.bits = packed.group_size, packed.bits
+
+    def forward(self, x: Tensor) -> Tensor:
+        return quantized_linear(x, self.w, self.scales, self.biases, self.bias, self.group_size, self.bits)
+
+
+class QuantizedEmbedding(torch.nn.Module):
+    """An embedding table in MLX's affine format; `attend` is the tied output projection on the same table."""
+
+    def __init__(self, packed: MLXQuantized) -> None:
+        super().__init__()
+        self.register_buffer("w", packed.w)
+        self.register_buffer("scales", packed.scales)
+        self.register_buffer("biases", packed.biases)
+        self.group_size, self.bits = packed.group_size, packed.bits
+
+    def forward(self, indices: Tensor) -> Tensor:
+        return quantized_embedding(self.w, self.scales, self.biases, indices, self.group_size, self.bits)
+
+    def attend(self, x: Tensor) -> Tensor:
+        return quantized_linear(x, self.w, self.scales, self.biases, None, self.group_size, self.bits)
+
+
+def install_packed(model: torch.nn.Module, weights: dict[str, MLXQuantized]) -> torch.nn.Module:
+    """Replace the nn.Linear / nn.Embedding whose weight `weights` names ("a.b.weight") by
+    `QuantizedLinear` / `QuantizedEmbedding` on the packed form (a linear keeps its bias); returns `model`."""
+    for key, packed in weights.items():
+        path, _, leaf = key.rpartition(".")
+        module = model.get_submodule(path) if leaf == "weight" else None
+        rows, cols = packed.scales.shape[0], packed.w.shape[1] * 32 // packed.bits
+        if isinstance(module, torch.nn.Linear) and (module.out_features, module.in_features) == (rows, cols):
+            new: torch.nn.Module = QuantizedLinear(packed, module.bias.data if module.bias is not None else None)
+        elif isinstance(module, torch.nn.Embedding) and tuple(module.weight.shape) == (rows, cols):
+            new = QuantizedEmbedding(packed)
+        else:
+            raise ValueError(f"{key}: a packed [{rows}, {cols}] weight fits no Linear / Embedding of that shape")
+        parent, _, attr = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, new)
+    return model
+
+
 # ------------------------------------------------------------ model quantization
 def torchao_config(mode: str, group_size: int | None = None) -> object:
     """torchao's weight-only config for `mode` (int8 / int4); group_size None is per output channel."""

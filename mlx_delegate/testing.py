@@ -12,7 +12,6 @@ kernels off (what Metal and CUDA run).
 from __future__ import annotations
 
 import copy
-import operator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -22,7 +21,7 @@ from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 from executorch.runtime import Runtime
 
 from .partitioner import MLXPartitioner
-from .registry import base_name
+from .pipelines.lowering import delegate_summary
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 # (rtol, atol) per dtype the module computes in.
@@ -157,8 +156,10 @@ def cases(name: str, fn: Callable[..., Any] | Callable[[], torch.nn.Module],
     `fn` is a function of the inputs (or, with is_module=True, a module factory);
     floating-point inputs (and module parameters) are cast to each dtype.
     `tolerance`: (rtol, atol) per dtype, for the dtypes it names (others keep TOLERANCE's).
+    `more_inputs` (a callable giving a list of input tuples) is cast like `inputs`.
     """
     make_inputs = inputs if callable(inputs) else (lambda: inputs)
+    more_inputs = kw.pop("more_inputs", None)
     out = []
     for dt in dtypes:
         def module(dt: Any = dt) -> torch.nn.Module:
@@ -169,9 +170,14 @@ def cases(name: str, fn: Callable[..., Any] | Callable[[], torch.nn.Module],
             torch.manual_seed(0)
             return tuple(_cast(x, dt) for x in make_inputs())
 
+        def more(dt: Any = dt) -> list[tuple]:
+            torch.manual_seed(1)
+            return [tuple(_cast(x, dt) for x in run) for run in more_inputs()]
+
         suffix = "" if dt is None else "-" + str(dt).removeprefix("torch.")
         tol = dict(zip(("rtol", "atol"), tolerance[dt])) if tolerance and dt in tolerance else {}
-        out.append(OpCase(f"{name}{suffix}", module, gen, dtype=dt, **tol, **kw))
+        out.append(OpCase(f"{name}{suffix}", module, gen, dtype=dt, more_inputs=more if more_inputs else None,
+                          **tol, **kw))
     return out
 
 
@@ -223,20 +229,6 @@ def lower(module: torch.nn.Module, inputs: tuple, dynamic_shapes: Any = None,
     return Lowered(edge, buffer, Runtime.get().load_program(buffer), summary, stateful)
 
 
-def delegate_summary(edge: Any) -> tuple[int, list[str]]:
-    """(number of delegate calls, names of ops left outside the delegate)."""
-    graph = edge.exported_program().graph
-    segments, leftover = 0, []
-    for n in graph.nodes:
-        if n.op != "call_function":
-            continue
-        if n.target is torch.ops.higher_order.executorch_call_delegate:
-            segments += 1
-        elif n.target is not operator.getitem:
-            leftover.append(base_name(n.target))
-    return segments, leftover
-
-
 def _flatten(x: Any) -> list[Any]:
     if isinstance(x, (list, tuple)):
         return [y for e in x for y in _flatten(e)]
@@ -281,8 +273,11 @@ def _stats_delta(before: dict[str, int]) -> dict[str, int]:
     return {k: v - before[k] for k, v in _runtime.compile_stats().items()}
 
 
-def lower_and_compare(case: OpCase, keep_ops: Sequence[Any] = ()) -> Lowered:
+def lower_and_compare(case: OpCase, keep_ops: Sequence[Any] = (),
+                      partitioner: MLXPartitioner | None = None) -> Lowered:
     """Run one config end to end; raises AssertionError on any mismatch.
+
+    `keep_ops` and `partitioner` are passed to `lower`.
 
     The program is lowered once and run on every input tuple along three paths, each a
     freshly loaded copy of it (its own compiled graphs and buffer states):
@@ -302,7 +297,7 @@ def lower_and_compare(case: OpCase, keep_ops: Sequence[Any] = ()) -> Lowered:
 
     module = case.module().eval()
     inputs = case.inputs()
-    lowered = lower(module, inputs, case.dynamic_shapes, keep_ops=keep_ops)
+    lowered = lower(module, inputs, case.dynamic_shapes, partitioner=partitioner, keep_ops=keep_ops)
     segments, leftover = lowered.summary
     unexpected = [op for op in leftover if op not in case.allowed_fallback]
     assert not unexpected, f"ops left outside the delegate: {unexpected}"

@@ -108,7 +108,7 @@ def test_demo_quick(tmp_path, monkeypatch, capsys):
     rc, out, err = run_cli(capsys, "demo", "--quick")
     assert rc == 0, out + err
     assert "parity: max abs error" in out and "(ok," in out
-    assert "latency (median of 3)" in out and "MLX:" in out
+    assert "latency (median of 3, interleaved)" in out and "MLX:" in out
     assert "lowering with MLXPartitioner" in err  # progress goes to stderr
     assert list(tmp_path.glob("demo-*.pte"))
 

@@ -5,11 +5,14 @@
 // through their strides, widening half types one row at a time.
 #include "kernels/attention_cpu.h"
 
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
 #include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -75,6 +78,9 @@ struct VecOps {
   float (*dot)(const float* a, const float* b, int64_t n);
   void (*axpy)(float* y, float a, const float* x, int64_t n);  // y += a x
   float (*exp_sum)(float* x, int64_t n, float shift);         // x = exp(x - shift); returns the sum
+  float (*max)(const float* x, int64_t n);                     // -inf when n == 0
+  void (*add)(float* y, const float* x, int64_t n);            // y += x (a float mask row)
+  void (*keep)(float* y, const bool* keep, int64_t n);         // y = keep ? y : -inf (a bool mask row)
 };
 
 float dot_portable(const float* a, const float* b, int64_t n) {
@@ -93,7 +99,21 @@ float exp_sum_portable(float* x, int64_t n, float shift) {
   return s;
 }
 
-constexpr VecOps kPortable{dot_portable, axpy_portable, exp_sum_portable};
+float max_portable(const float* x, int64_t n) {
+  float m = kNegInf;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+void add_portable(float* y, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += x[i];
+}
+
+void keep_portable(float* y, const bool* keep, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = keep[i] ? y[i] : kNegInf;
+}
+
+constexpr VecOps kPortable{dot_portable, axpy_portable, exp_sum_portable, max_portable, add_portable, keep_portable};
 
 #ifdef MLXD_CPU_X86
 // Two accumulators so consecutive FMAs do not wait on each other.
@@ -138,11 +158,61 @@ MLXD_AVX2 float exp_sum_avx2(float* x, int64_t n, float shift) {
   return vmath::hsum8(acc);
 }
 
-constexpr VecOps kAvx2{dot_avx2, axpy_avx2, exp_sum_avx2};
+MLXD_AVX2 float max_avx2(const float* x, int64_t n) {
+  __m256 m = vmath::set1(kNegInf);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+  float r = vmath::hmax8(m);
+  for (; i < n; ++i) r = std::max(r, x[i]);
+  return r;
+}
+
+constexpr VecOps kAvx2{dot_avx2, axpy_avx2, exp_sum_avx2, max_avx2, add_portable, keep_portable};
+
+// Softmax's exp and max on sixteen lanes (the blocked path spends a good part
+// of its time there at long S); dot and axpy stay on AVX2.
+MLXD_AVX512 float exp_sum_avx512(float* x, int64_t n, float shift) {
+  const __m512 sv = _mm512_set1_ps(shift);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = vmath::first_lanes(n - i);
+    __m512 e = vmath::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), sv));
+    acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(m, e));
+    _mm512_mask_storeu_ps(x + i, m, e);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+MLXD_AVX512 float max_avx512(const float* x, int64_t n) {
+  __m512 m = _mm512_set1_ps(kNegInf);
+  for (int64_t i = 0; i < n; i += 16) m = _mm512_mask_max_ps(m, vmath::first_lanes(n - i), m, _mm512_maskz_loadu_ps(vmath::first_lanes(n - i), x + i));
+  return _mm512_reduce_max_ps(m);
+}
+
+MLXD_AVX512 void add_avx512(float* y, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = vmath::first_lanes(n - i);
+    _mm512_mask_storeu_ps(y + i, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, y + i), _mm512_maskz_loadu_ps(m, x + i)));
+  }
+}
+
+// Sixteen bools (one byte each) widened to lanes: -inf where the byte is 0.
+MLXD_AVX512 void keep_avx512(float* y, const bool* keep, int64_t n) {
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i k = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(keep + i)));
+    _mm512_mask_storeu_ps(y + i, _mm512_cmpeq_epi32_mask(k, _mm512_setzero_si512()), neg_inf);
+  }
+  keep_portable(y + i, keep + i, n - i);
+}
+
+constexpr VecOps kAvx512{dot_avx2, axpy_avx2, exp_sum_avx512, max_avx512, add_avx512, keep_avx512};
 #endif
 
 const VecOps& pick_ops() {
 #ifdef MLXD_CPU_X86
+  if (cpu_use_avx512()) return kAvx512;
   if (cpu_use_avx2()) return kAvx2;
 #endif
   return kPortable;
@@ -225,10 +295,153 @@ void run_attention(const Problem& p, int64_t rows) {
   });
 }
 
+// ---- Long queries (prefill, encoders): blocks of query rows on the BLAS ------
+//
+// One task is a block of up to kBlockRows query rows of one head: scores =
+// scale * Q_blk K^T with one serial sgemm (the block's scores, kBlockRows x S
+// floats, stay in the core's cache instead of a [B, H, L, S] array going
+// through memory), then the mask, a max-shifted softmax in place, P V with a
+// second sgemm and the 1 / sum per row on the way out. The tasks are split
+// across the cores; each calls a single-threaded sgemm (mlxd_sgemm_serial).
+// Half types are widened to float32 per head (S x D once per task, next to
+// kBlockRows x S x D multiply-adds).
+
+constexpr int64_t kBlockRows = 64;
+
+// Row-major c = alpha op(a) op(b) + beta c on the calling thread; 0 when not served.
+using SerialSgemmFn = int (*)(int trans_a, int trans_b, int m, int n, int k, float alpha, const float* a, int lda,
+                              const float* b, int ldb, float beta, float* c, int ldc);
+
+SerialSgemmFn serial_sgemm() {
+  static const SerialSgemmFn f = [] {
+    auto ready = reinterpret_cast<int (*)()>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_ready"));
+    auto fn = reinterpret_cast<SerialSgemmFn>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_serial"));
+    return ready && fn && ready() == 1 ? fn : nullptr;
+  }();
+  return f;
+}
+
+// Rows [0, n) of a head's keys or values as row-major float32 with leading
+// dimension ld: in place for float32 rows that are contiguous and do not
+// overlap, else widened into `buf`.
+struct HeadRows {
+  const float* data = nullptr;
+  int64_t ld = 0;
+};
+
+HeadRows head_rows(const View4& t, int64_t b, int64_t h, int64_t n, int64_t width, std::vector<float>& buf) {
+  const int64_t at = t.at(b, h, 0);
+  if (t.dtype == mx::float32 && t.stride[3] == 1 && t.stride[2] >= width)
+    return {static_cast<const float*>(t.data) + at, t.stride[2]};
+  buf.resize(n * width);
+  for (int64_t j = 0; j < n; ++j) load_f32(t, at + j * t.stride[2], width, buf.data() + j * width);
+  return {buf.data(), width};
+}
+
+// Per-thread buffers of the blocked path; the widened keys / values of the
+// last head a thread saw are kept for its next block of the same head.
+struct BlockScratch {
+  std::vector<float> q, scores, out, inv_sum, bias, k, v;
+  int64_t kv_b = -1, kv_h = -1;
+  HeadRows kr, vr;
+};
+
+// Adds a mask row to the scores r[0, n): contiguous bool and float32 rows are
+// read in place, others widened through `buf`.
+void apply_mask_row(const View4& m, const VecOps& ops, int64_t at, int64_t n, float* r, std::vector<float>& buf) {
+  if (m.stride[3] == 1 && m.dtype == mx::bool_) return ops.keep(r, static_cast<const bool*>(m.data) + at, n);
+  if (m.stride[3] == 1 && m.dtype == mx::float32) return ops.add(r, static_cast<const float*>(m.data) + at, n);
+  buf.resize(n);
+  load_bias(m, at, n, buf.data());
+  ops.add(r, buf.data(), n);
+}
+
+// One past the last key of a mask row [0, n) that is visible, looking no
+// lower than `floor`: hidden keys at the end of a row (an LLM's prefill reads
+// its whole fixed-size cache under a position mask) are never computed.
+int64_t visible_end(const View4& m, int64_t at, int64_t n, int64_t floor) {
+  const int64_t st = m.stride[3];
+  int64_t j = n;
+  if (m.dtype == mx::bool_) {
+    const bool* keep = static_cast<const bool*>(m.data) + at;
+    while (j > floor && !keep[(j - 1) * st]) --j;
+  } else if (m.dtype == mx::float32) {
+    const float* bias = static_cast<const float*>(m.data) + at;
+    while (j > floor && bias[(j - 1) * st] == kNegInf) --j;
+  } else {  // bfloat16 / float16: compare with -inf's bit pattern
+    const uint16_t neg_inf = m.dtype == mx::bfloat16 ? 0xFF80 : 0xFC00;
+    const uint16_t* bias = static_cast<const uint16_t*>(m.data) + at;
+    while (j > floor && bias[(j - 1) * st] == neg_inf) --j;
+  }
+  return j;
+}
+
+void attend_block(const Problem& p, const VecOps& ops, SerialSgemmFn sgemm, int64_t b, int64_t h, int64_t l0,
+                  BlockScratch& s) {
+  const int64_t rows = std::min(kBlockRows, p.L - l0), hk = h / p.group;
+  // Causal rows of this block see keys [0, l0 + rows) at most; masked rows
+  // up to their last visible key (at least one column, so the products are
+  // never empty: a row that sees nothing gives zeros below).
+  int64_t n = p.causal ? std::min(p.S, l0 + rows) : p.S;
+  if (p.has_mask) {
+    int64_t end = 1;
+    for (int64_t i = 0; i < rows; ++i) end = visible_end(p.mask, p.mask.at(b, h, l0 + i), n, end);
+    n = end;
+  }
+  if (s.kv_b != b || s.kv_h != hk) {
+    s.kr = head_rows(p.k, b, hk, p.S, p.D, s.k);
+    s.vr = head_rows(p.v, b, hk, p.S, p.Dv, s.v);
+    s.kv_b = b, s.kv_h = hk;
+  }
+  s.q.resize(rows * p.D);
+  for (int64_t i = 0; i < rows; ++i) load_f32(p.q, p.q.at(b, h, l0 + i), p.D, s.q.data() + i * p.D);
+  s.scores.resize(rows * n);
+  float* sc = s.scores.data();
+  sgemm(0, 1, static_cast<int>(rows), static_cast<int>(n), static_cast<int>(p.D), p.scale, s.q.data(),
+        static_cast<int>(p.D), s.kr.data, static_cast<int>(s.kr.ld), 0.f, sc, static_cast<int>(n));
+  s.inv_sum.resize(rows);
+  for (int64_t i = 0; i < rows; ++i) {
+    float* r = sc + i * n;
+    const int64_t keys = p.causal ? std::min(n, l0 + i + 1) : n;
+    if (p.has_mask) apply_mask_row(p.mask, ops, p.mask.at(b, h, l0 + i), keys, r, s.bias);
+    const float top = ops.max(r, keys);
+    if (top == kNegInf) {  // no visible key: zeros, as torch gives
+      std::fill(r, r + n, 0.f);
+      s.inv_sum[i] = 0.f;
+      continue;
+    }
+    s.inv_sum[i] = 1.f / ops.exp_sum(r, keys, top);
+    std::fill(r + keys, r + n, 0.f);  // causal: keys after the row's own
+  }
+  s.out.resize(rows * p.Dv);
+  sgemm(0, 0, static_cast<int>(rows), static_cast<int>(p.Dv), static_cast<int>(n), 1.f, sc, static_cast<int>(n),
+        s.vr.data, static_cast<int>(s.vr.ld), 0.f, s.out.data(), static_cast<int>(p.Dv));
+  for (int64_t i = 0; i < rows; ++i) {
+    float* o = s.out.data() + i * p.Dv;
+    for (int64_t d = 0; d < p.Dv; ++d) o[d] *= s.inv_sum[i];
+    cpu_store_f32(o, p.out_type, ((b * p.Hq + h) * p.L + l0 + i) * p.Dv, p.Dv, p.out);
+  }
+}
+
+void run_attention_blocked(const Problem& p, int64_t batch) {
+  const VecOps& ops = pick_ops();
+  SerialSgemmFn sgemm = serial_sgemm();
+  const int64_t blocks = (p.L + kBlockRows - 1) / kBlockRows;
+  const int64_t tasks = batch * p.Hq * blocks;
+  const int64_t cost = std::max<int64_t>(1, std::min(kBlockRows, p.L) * p.S * (p.D + p.Dv) / kMacsPerCostUnit);
+  cpu_parallel_for(tasks, cost, 1, [&](int64_t begin, int64_t end) {
+    BlockScratch s;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t blk = t % blocks, h = (t / blocks) % p.Hq, b = t / (blocks * p.Hq);
+      attend_block(p, ops, sgemm, b, h, blk * kBlockRows, s);
+    }
+  });
+}
+
 class SdpaCpu : public mx::UnaryPrimitive {
  public:
-  SdpaCpu(mx::Stream s, float scale, bool has_mask, bool causal)
-      : mx::UnaryPrimitive(s), scale_(scale), has_mask_(has_mask), causal_(causal) {}
+  SdpaCpu(mx::Stream s, float scale, bool has_mask, bool causal, bool blocked)
+      : mx::UnaryPrimitive(s), scale_(scale), has_mask_(has_mask), causal_(causal), blocked_(blocked) {}
 
   // in: q, k, v, then the mask when present (any strides).
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
@@ -241,6 +454,11 @@ class SdpaCpu : public mx::UnaryPrimitive {
               has_mask_, causal_, scale_,
               q.shape(1), q.shape(1) / k.shape(1), q.shape(2), k.shape(2), q.shape(3), v.shape(3),
               out.data<void>(), out.dtype()};
+    if (blocked_) {
+      cpu_kernel_note_call("sdpa_blocked");
+      encoder.dispatch([p, batch = static_cast<int64_t>(q.shape(0))] { run_attention_blocked(p, batch); });
+      return;
+    }
     const int64_t rows = static_cast<int64_t>(q.shape(0)) * q.shape(1) * q.shape(2);
     cpu_kernel_note_call("sdpa");
     encoder.dispatch([p, rows] { run_attention(p, rows); });
@@ -251,7 +469,7 @@ class SdpaCpu : public mx::UnaryPrimitive {
   const char* name() const override { return "SdpaCpu"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const SdpaCpu&>(other);
-    return scale_ == o.scale_ && has_mask_ == o.has_mask_ && causal_ == o.causal_;
+    return scale_ == o.scale_ && has_mask_ == o.has_mask_ && causal_ == o.causal_ && blocked_ == o.blocked_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     return {out_shape(in[0], in[2])};
@@ -263,7 +481,7 @@ class SdpaCpu : public mx::UnaryPrimitive {
 
  private:
   float scale_;
-  bool has_mask_, causal_;
+  bool has_mask_, causal_, blocked_;
 };
 
 bool mask_ok(const mx::array& m, const mx::Shape& scores) {
@@ -275,18 +493,11 @@ bool mask_ok(const mx::array& m, const mx::Shape& scores) {
   return true;
 }
 
-}  // namespace
-
-int fused_sdpa_cpu_max_queries() {
-  const char* env = std::getenv("MLX_DELEGATE_SDPA_FUSED_MAX_L");
-  return env && *env ? std::atoi(env) : kFusedSdpaCpuMaxQueries;
-}
-
-bool fused_sdpa_cpu_applies(const mx::array& q, const mx::array& k, const mx::array& v,
-                            const std::optional<mx::array>& mask) {
+// Shapes, dtypes and mask both paths take.
+bool operands_ok(const mx::array& q, const mx::array& k, const mx::array& v, const std::optional<mx::array>& mask) {
   if (!cpu_kernels_active() || q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) return false;
   const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), Hk = k.shape(1), S = k.shape(2);
-  if (L <= 0 || L > fused_sdpa_cpu_max_queries() || S <= 0 || Hk <= 0 || Hq % Hk != 0) return false;
+  if (L <= 0 || S <= 0 || Hk <= 0 || Hq % Hk != 0) return false;
   if (k.shape(0) != B || v.shape(0) != B || v.shape(1) != Hk || v.shape(2) != S || k.shape(3) != q.shape(3))
     return false;
   for (const auto* a : {&q, &k, &v})
@@ -294,13 +505,54 @@ bool fused_sdpa_cpu_applies(const mx::array& q, const mx::array& k, const mx::ar
   return !mask || mask_ok(*mask, {B, Hq, L, S});
 }
 
-mx::array fused_sdpa_cpu(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
-                         const std::optional<mx::array>& mask, bool causal) {
+bool fits_int(int64_t x) { return x <= std::numeric_limits<int>::max(); }
+
+}  // namespace
+
+int fused_sdpa_cpu_max_queries() {
+  const char* env = std::getenv("MLX_DELEGATE_SDPA_FUSED_MAX_L");
+  return env && *env ? std::atoi(env) : kFusedSdpaCpuMaxQueries;
+}
+
+bool blocked_sdpa_cpu_enabled() {
+  const char* env = std::getenv("MLX_DELEGATE_SDPA_BLOCKED");
+  return !(env && std::string(env) == "0");
+}
+
+bool fused_sdpa_cpu_applies(const mx::array& q, const mx::array& k, const mx::array& v,
+                            const std::optional<mx::array>& mask) {
+  return operands_ok(q, k, v, mask) && q.shape(2) <= fused_sdpa_cpu_max_queries();
+}
+
+bool blocked_sdpa_cpu_applies(const mx::array& q, const mx::array& k, const mx::array& v,
+                              const std::optional<mx::array>& mask) {
+  if (!blocked_sdpa_cpu_enabled() || serial_sgemm() == nullptr || !operands_ok(q, k, v, mask)) return false;
+  // sgemm takes int dimensions and leading dimensions (a key row stride included).
+  return fits_int(k.shape(2)) && fits_int(q.shape(3)) && fits_int(v.shape(3)) && fits_int(k.strides()[2]) &&
+         fits_int(v.strides()[2]) && fits_int(kBlockRows * static_cast<int64_t>(k.shape(2)));
+}
+
+namespace {
+
+mx::array sdpa_primitive(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                         const std::optional<mx::array>& mask, bool causal, bool blocked) {
   std::vector<mx::array> inputs{q, k, v};
   if (mask) inputs.push_back(*mask);
   auto prim = std::make_shared<SdpaCpu>(mx::default_stream(mx::Device::cpu), scale, mask.has_value(),
-                                        causal && !mask);
+                                        causal && !mask, blocked);
   return mx::array(SdpaCpu::out_shape(q, v), q.dtype(), std::move(prim), std::move(inputs));
+}
+
+}  // namespace
+
+mx::array fused_sdpa_cpu(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                         const std::optional<mx::array>& mask, bool causal) {
+  return sdpa_primitive(q, k, v, scale, mask, causal, false);
+}
+
+mx::array blocked_sdpa_cpu(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                           const std::optional<mx::array>& mask, bool causal) {
+  return sdpa_primitive(q, k, v, scale, mask, causal, true);
 }
 
 }  // namespace mlxd::rt

@@ -3,7 +3,7 @@
 // rows split across the cores, AVX2 + FMA where the CPU has it. It replaces
 // ~10 MLX ops per attention (scale, matmul through the BLAS, mask, softmax,
 // matmul, the empty-row fix-up), whose dispatch dominates when a query has few
-// rows. Long queries (prefill) keep the composed matmul path.
+// rows. Longer queries (prefill, encoders) take the blocked path below.
 #pragma once
 
 #include <optional>
@@ -38,5 +38,20 @@ bool fused_sdpa_cpu_applies(const mlx::core::array& q, const mlx::core::array& k
 // (torch's result) instead of NaN.
 mlx::core::array fused_sdpa_cpu(const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v,
                           float scale, const std::optional<mlx::core::array>& mask, bool causal);
+
+// Long queries: blocks of 64 query rows of one head per task, scores and
+// P V each one single-threaded sgemm of torch's BLAS (mlxd_sgemm_serial in
+// libmlxd_blas.so), mask and softmax on the block while it is in cache, the
+// tasks split across the cores. Math in float32 for all three dtypes (half
+// k / v widened per head). Whether it takes the operands: what
+// fused_sdpa_cpu_applies asks except the row limit, the fast sgemm loaded, and
+// MLX_DELEGATE_SDPA_BLOCKED not "0" (read each time a graph is built; for A/B
+// runs: off, the composed matmul path runs instead).
+bool blocked_sdpa_cpu_applies(const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v,
+                              const std::optional<mlx::core::array>& mask);
+
+// Same contract as fused_sdpa_cpu, any number of query rows.
+mlx::core::array blocked_sdpa_cpu(const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v,
+                                  float scale, const std::optional<mlx::core::array>& mask, bool causal);
 
 }  // namespace mlxd::rt

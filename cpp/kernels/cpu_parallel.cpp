@@ -187,6 +187,18 @@ bool cpu_use_avx2() {
   return avx2;
 }
 
+bool cpu_use_avx512() {
+  static const bool avx512 = [] {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    const char* v = std::getenv("MLX_DELEGATE_CPU_KERNELS");
+    return cpu_use_avx2() && !(v && std::strcmp(v, "avx2") == 0) && __builtin_cpu_supports("avx512f");
+#else
+    return false;
+#endif
+  }();
+  return avx512;
+}
+
 bool cpu_kernel_dtype_ok(const mx::array& x) {
   auto t = x.dtype();
   return x.size() > 0 && (t == mx::float32 || t == mx::bfloat16 || t == mx::float16);

@@ -32,6 +32,11 @@ bool cpu_kernels_enabled();
 // Whether the vector (AVX2 + FMA) code runs: mode best and the CPU has both.
 bool cpu_use_avx2();
 
+// Whether AVX-512F code runs: cpu_use_avx2(), the CPU has AVX-512F and
+// MLX_DELEGATE_CPU_KERNELS is not "avx2" (which caps the kernels at AVX2, to
+// test that code on CPUs with more).
+bool cpu_use_avx512();
+
 // Whether x's dtype is one the kernels read and write (float32, bfloat16,
 // float16; math in float32) and x is non-empty.
 bool cpu_kernel_dtype_ok(const mlx::core::array& x);

@@ -42,33 +42,46 @@ MLXD_AVX2 void map_avx2(const float* in, float* out, int64_t n) {
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, F(_mm256_loadu_ps(in + i)));
   if (i < n) vmath::store_partial(out + i, F(vmath::load_partial(in + i, static_cast<int>(n - i), 0.f)), static_cast<int>(n - i));
 }
+
+// ---- AVX-512F: sixteen lanes, a masked tail ----------------------------------
+template <__m512 (*F)(__m512)>
+MLXD_AVX512 void map_avx512(const float* in, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = vmath::first_lanes(n - i);
+    _mm512_mask_storeu_ps(out + i, m, F(_mm512_maskz_loadu_ps(m, in + i)));
+  }
+}
 #endif
 
 struct KernelInfo {
   const char* name;
   MapFn portable;
   MapFn avx2;
+  MapFn avx512;
 };
 
 // Rows follow `enum class UnaryKernel`.
 #ifdef MLXD_CPU_X86
-#define MLXD_MAP(name, scalar, vec) {name, map_portable<scalar>, map_avx2<vec>}
+#define MLXD_MAP(name, scalar, vec) {name, map_portable<scalar>, map_avx2<vmath::vec##8>, map_avx512<vmath::vec##16>}
 #else
-#define MLXD_MAP(name, scalar, vec) {name, map_portable<scalar>, nullptr}
+#define MLXD_MAP(name, scalar, vec) {name, map_portable<scalar>, nullptr, nullptr}
 #endif
 const KernelInfo kKernels[] = {
-    MLXD_MAP("exp", exp1, vmath::exp8),
-    MLXD_MAP("sigmoid", sigmoid1, vmath::sigmoid8),
-    MLXD_MAP("silu", silu1, vmath::silu8),
-    MLXD_MAP("gelu_erf", gelu_erf1, vmath::gelu_erf8),
-    MLXD_MAP("gelu_tanh", gelu_tanh1, vmath::gelu_tanh8),
-    MLXD_MAP("erf", erf1, vmath::erf8),
+    MLXD_MAP("exp", exp1, exp),
+    MLXD_MAP("sigmoid", sigmoid1, sigmoid),
+    MLXD_MAP("silu", silu1, silu),
+    MLXD_MAP("gelu_erf", gelu_erf1, gelu_erf),
+    MLXD_MAP("gelu_tanh", gelu_tanh1, gelu_tanh),
+    MLXD_MAP("erf", erf1, erf),
 };
 #undef MLXD_MAP
 
 const KernelInfo& info(UnaryKernel k) { return kKernels[static_cast<int>(k)]; }
 
-MapFn pick(UnaryKernel k) { return cpu_use_avx2() && info(k).avx2 ? info(k).avx2 : info(k).portable; }
+MapFn pick(UnaryKernel k) {
+  if (cpu_use_avx512() && info(k).avx512) return info(k).avx512;
+  return cpu_use_avx2() && info(k).avx2 ? info(k).avx2 : info(k).portable;
+}
 
 // Half types go through a float32 buffer this long (on the stack).
 constexpr int64_t kChunk = 2048;

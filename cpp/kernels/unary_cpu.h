@@ -1,7 +1,8 @@
 // CPU kernels for the transcendental element-wise maps that dominate
 // activations on the CPU (MLX's run one scalar libm call per element on one
 // core): exp, sigmoid, SiLU, GELU (erf and tanh forms) and erf, as one MLX
-// primitive vectorised with AVX2 + FMA and split across the cores.
+// primitive vectorised with AVX2 + FMA (AVX-512F where the CPU has it) and
+// split across the cores.
 #pragma once
 
 #include <cstdint>

@@ -110,5 +110,76 @@ MLXD_AVX2 inline void store_partial(float* p, __m256 v, int n) {
   for (int i = 0; i < n; ++i) p[i] = buf[i];
 }
 
+// ---- AVX-512F: sixteen lanes, for the kernels that check cpu_use_avx512() ----
+#define MLXD_AVX512 __attribute__((target("avx512f,avx2,fma")))
+
+// exp8's reduction and polynomial on sixteen lanes; 2^n by scalef. Same
+// results at the edges: inf above the range, 0 below FLT_MIN, NaN kept
+// (max/min return their second operand when one is NaN).
+MLXD_AVX512 inline __m512 exp16(__m512 x) {
+  const __m512 hi = _mm512_set1_ps(88.7228394f), lo = _mm512_set1_ps(-87.3365448f);
+  __m512 xc = _mm512_min_ps(hi, _mm512_max_ps(lo, x));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+  y = _mm512_scalef_ps(y, n);
+  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), y, _mm512_set1_ps(__builtin_inff()));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), y, _mm512_setzero_ps());
+}
+
+MLXD_AVX512 inline __m512 set16(float v) { return _mm512_set1_ps(v); }
+
+MLXD_AVX512 inline __m512 silu16(__m512 x) {
+  return _mm512_div_ps(x, _mm512_add_ps(set16(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+}
+
+MLXD_AVX512 inline __m512 sigmoid16(__m512 x) {
+  return _mm512_div_ps(set16(1.f), _mm512_add_ps(set16(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+}
+
+// erf8's rational approximation on sixteen lanes.
+MLXD_AVX512 inline __m512 erf16(__m512 x) {
+  __m512 xc = _mm512_min_ps(_mm512_max_ps(x, set16(-4.f)), set16(4.f));
+  __m512 x2 = _mm512_mul_ps(xc, xc);
+  __m512 p = set16(-2.72614225801306e-10f);
+  p = _mm512_fmadd_ps(p, x2, set16(2.77068142495902e-08f));
+  p = _mm512_fmadd_ps(p, x2, set16(-2.10102402082508e-06f));
+  p = _mm512_fmadd_ps(p, x2, set16(-5.69250639462346e-05f));
+  p = _mm512_fmadd_ps(p, x2, set16(-7.34990630326855e-04f));
+  p = _mm512_fmadd_ps(p, x2, set16(-2.95459980854025e-03f));
+  p = _mm512_fmadd_ps(p, x2, set16(-1.60960333262415e-02f));
+  __m512 q = set16(-1.45660718464996e-05f);
+  q = _mm512_fmadd_ps(q, x2, set16(-2.13374055278905e-04f));
+  q = _mm512_fmadd_ps(q, x2, set16(-1.68282697438203e-03f));
+  q = _mm512_fmadd_ps(q, x2, set16(-7.37332916720468e-03f));
+  q = _mm512_fmadd_ps(q, x2, set16(-1.42647390514189e-02f));
+  __m512 y = _mm512_div_ps(_mm512_mul_ps(xc, p), q);
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), y, x);
+}
+
+MLXD_AVX512 inline __m512 gelu_erf16(__m512 x) {
+  __m512 half_x = _mm512_mul_ps(x, set16(0.5f));
+  return _mm512_fmadd_ps(half_x, erf16(_mm512_mul_ps(x, set16(0.70710678118654752f))), half_x);
+}
+
+MLXD_AVX512 inline __m512 gelu_tanh16(__m512 x) {
+  __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+  __m512 two_u = _mm512_mul_ps(set16(1.59576912160573071f), _mm512_fmadd_ps(set16(0.044715f), x3, x));
+  return _mm512_mul_ps(x, sigmoid16(two_u));
+}
+
+// The mask of the first n (<= 16) lanes.
+MLXD_AVX512 inline __mmask16 first_lanes(int64_t n) {
+  return static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1u);
+}
+
 }  // namespace mlxd::rt::vmath
 #endif

@@ -74,6 +74,10 @@ void exec_SdpaNode(const mlxd::SdpaNode& n, ExecContext& ctx) {
     ctx.set(n.out(), fused_sdpa_cpu(q, k, v, n.scale(), mask, n.causal()));
     return;
   }
+  if (blocked_sdpa_cpu_applies(q, k, v, mask)) {  // more rows: blocks of rows on the BLAS, one node
+    ctx.set(n.out(), blocked_sdpa_cpu(q, k, v, n.scale(), mask, n.causal()));
+    return;
+  }
   if (!mask && n.causal() && L != S) mask = top_left_causal(L, S);
   mx::array out = mx::array(0.f);
   if (composed_cpu_sdpa(q) && L > 0 && S > 0) {

@@ -1,6 +1,8 @@
 // Convolution, pooling and resampling on torch's channels-first layout
-// (N, C, *spatial). MLX convolves channels-last, so data and weights are
-// transposed around the call; pooling and resampling are composed from MLX ops.
+// (N, C, *spatial). On the CPU, 1-D / 2-D convolutions and max pooling run the
+// channels-first kernels (kernels/conv_cpu.h, kernels/pool_cpu.h). Otherwise
+// MLX convolves channels-last, so data and weights are transposed around the
+// call; pooling and resampling are composed from MLX ops.
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -8,6 +10,8 @@
 #include <numeric>
 
 #include "../ops_common.h"
+#include "kernels/conv_cpu.h"
+#include "kernels/pool_cpu.h"
 
 namespace mlxd::rt {
 namespace {
@@ -277,16 +281,23 @@ void exec_ConvNode(const mlxd::ConvNode& n, ExecContext& ctx) {
   auto dilation = per_axis(n.dilation(), nd, 1, "dilation");
   int groups = n.groups();
   if (groups < 1) throw NodeError("groups must be positive");
+  const auto* bias = ctx.maybe_in(n.bias());
+  if (!n.transpose() && conv_cpu_applies(x, w, bias, groups)) {  // channels-first, no transposes
+    std::optional<mx::array> b;
+    if (bias) b = *bias;
+    ctx.set(n.out(), conv_cpu(x, w, b, stride, padding, dilation, groups));
+    return;
+  }
   auto xl = channels_last(x);
   mx::array y = n.transpose()
                     ? conv_transpose(xl, w, stride, padding, dilation,
                                      per_axis(n.output_padding(), nd, 0, "output_padding"), groups)
                     : grouped_conv(xl, channels_last(w), {stride, padding, padding, dilation, {}, groups, false});
   y = channels_first(y);
-  if (auto* b = ctx.maybe_in(n.bias())) {
+  if (bias) {
     mx::Shape bshape(y.ndim() - 1, 1);
     bshape[0] = -1;
-    y = mx::add(y, mx::reshape(*b, bshape));
+    y = mx::add(y, mx::reshape(*bias, bshape));
   }
   ctx.set(n.out(), mx::astype(y, x.dtype()));
 }
@@ -299,6 +310,11 @@ void exec_PoolNode(const mlxd::PoolNode& n, ExecContext& ctx) {
   Window w{kernel, per_axis(n.stride(), nd, 1, "stride"), per_axis(n.padding(), nd, 0, "padding"),
            per_axis(n.dilation(), nd, 1, "dilation"), n.ceil_mode()};
   if (n.op() == mlxd::PoolOp::Max) {
+    if (n.out_indices() == nullptr && max_pool_cpu_applies(x, nd)) {  // windows read in place
+      mx::Shape spatial(x.shape().end() - nd, x.shape().end());
+      ctx.set(n.out(), max_pool_cpu(x, w.kernel, w.stride, w.padding, w.dilation, pooled_sizes(spatial, w)));
+      return;
+    }
     auto [values, indices] = max_pool(x, w, n.out_indices() != nullptr);
     ctx.set(n.out(), values);
     if (indices) ctx.set(n.out_indices(), *indices);

@@ -27,64 +27,65 @@ mx::array softplus(const mx::array& x) {
   return mx::add(mx::maximum(x, scalar_like(0, x)), mx::log1p(mx::exp(mx::negative(mx::abs(x)))));
 }
 
-// Rows must follow the order of `enum UnaryOp` in the schema.
-const std::array<Unary, static_cast<size_t>(mlxd::UnaryOp::MAX) + 1> kUnary = {
-    [](const mx::array& x) { return mx::negative(x); },
-    [](const mx::array& x) { return mx::abs(x); },
-    [](const mx::array& x) { return mx::exp(x); },
-    [](const mx::array& x) { return mx::log(x); },
-    [](const mx::array& x) { return mx::sqrt(x); },
-    [](const mx::array& x) { return mx::rsqrt(x); },
-    [](const mx::array& x) { return mx::sin(x); },
-    [](const mx::array& x) { return mx::cos(x); },
-    [](const mx::array& x) { return mx::tan(x); },
-    [](const mx::array& x) { return mx::tanh(x); },
-    [](const mx::array& x) { return mx::sigmoid(x); },
-    [](const mx::array& x) { return mx::maximum(x, scalar_like(0, x)); },
-    [](const mx::array& x) {  // gelu, erf form
+// One row per `enum UnaryOp` value, keyed by it (checked at compile time).
+constexpr std::array<OpRow<mlxd::UnaryOp, Unary>, enum_size<mlxd::UnaryOp>()> kUnary = {{
+    {mlxd::UnaryOp::Neg, [](const mx::array& x) { return mx::negative(x); }},
+    {mlxd::UnaryOp::Abs, [](const mx::array& x) { return mx::abs(x); }},
+    {mlxd::UnaryOp::Exp, [](const mx::array& x) { return mx::exp(x); }},
+    {mlxd::UnaryOp::Log, [](const mx::array& x) { return mx::log(x); }},
+    {mlxd::UnaryOp::Sqrt, [](const mx::array& x) { return mx::sqrt(x); }},
+    {mlxd::UnaryOp::Rsqrt, [](const mx::array& x) { return mx::rsqrt(x); }},
+    {mlxd::UnaryOp::Sin, [](const mx::array& x) { return mx::sin(x); }},
+    {mlxd::UnaryOp::Cos, [](const mx::array& x) { return mx::cos(x); }},
+    {mlxd::UnaryOp::Tan, [](const mx::array& x) { return mx::tan(x); }},
+    {mlxd::UnaryOp::Tanh, [](const mx::array& x) { return mx::tanh(x); }},
+    {mlxd::UnaryOp::Sigmoid, [](const mx::array& x) { return mx::sigmoid(x); }},
+    {mlxd::UnaryOp::Relu, [](const mx::array& x) { return mx::maximum(x, scalar_like(0, x)); }},
+    {mlxd::UnaryOp::GeluErf, [](const mx::array& x) {  // gelu, erf form
       auto c = scalar_like(M_SQRT1_2, x);
       return mx::multiply(mx::multiply(x, scalar_like(0.5, x)),
                           mx::add(scalar_like(1, x), mx::erf(mx::multiply(x, c))));
-    },
-    [](const mx::array& x) {  // gelu, tanh form
+    }},
+    {mlxd::UnaryOp::GeluTanh, [](const mx::array& x) {  // gelu, tanh form
       auto inner = mx::multiply(scalar_like(std::sqrt(2.0 / M_PI), x),
                                 mx::add(x, mx::multiply(scalar_like(0.044715, x), mx::multiply(x, mx::square(x)))));
       return mx::multiply(mx::multiply(x, scalar_like(0.5, x)), mx::add(scalar_like(1, x), mx::tanh(inner)));
-    },
-    [](const mx::array& x) { return mx::multiply(x, mx::sigmoid(x)); },
-    [](const mx::array& x) { return mx::erf(x); },
-    [](const mx::array& x) { return mx::logical_not(x); },
-    [](const mx::array& x) { return mx::floor(x); },
-    [](const mx::array& x) { return mx::ceil(x); },
-    [](const mx::array& x) { return mx::round(x); },
-    [](const mx::array& x) { return mx::sign(x); },
-    [](const mx::array& x) { return mx::square(x); },
-    [](const mx::array& x) { return mx::reciprocal(x); },
-    [](const mx::array& x) { return mx::expm1(x); },
-    [](const mx::array& x) { return mx::log1p(x); },
-    [](const mx::array& x) { return mx::log2(x); },
-    [](const mx::array& x) { return mx::log10(x); },
-    [](const mx::array& x) { return mx::arcsin(x); },
-    [](const mx::array& x) { return mx::arccos(x); },
-    [](const mx::array& x) { return mx::arctan(x); },
-    [](const mx::array& x) { return mx::sinh(x); },
-    [](const mx::array& x) { return mx::cosh(x); },
-    [](const mx::array& x) { return mx::arcsinh(x); },
-    [](const mx::array& x) { return mx::arccosh(x); },
-    [](const mx::array& x) { return mx::arctanh(x); },
-    [](const mx::array& x) { return mx::isnan(x); },
-    [](const mx::array& x) { return mx::isinf(x); },
-    [](const mx::array& x) { return x.dtype() == mx::bool_ ? mx::logical_not(x) : mx::bitwise_invert(x); },
-    [](const mx::array& x) { return softplus(x); },
-    [](const mx::array& x) { return mx::multiply(x, mx::tanh(softplus(x))); },
-    [](const mx::array& x) { return mx::multiply(x, relu6_shift(x)); },
-    [](const mx::array& x) { return relu6_shift(x); },
-    [](const mx::array& x) { return mx::issubdtype(x.dtype(), mx::floating) ? mx::trunc(x) : x; },
-    [](const mx::array& x) { return mx::isfinite(x); },
-    [](const mx::array& x) { return mx::erfinv(x); },
-    [](const mx::array& x) { return mx::isposinf(x); },
-    [](const mx::array& x) { return mx::isneginf(x); },
-};
+    }},
+    {mlxd::UnaryOp::Silu, [](const mx::array& x) { return mx::multiply(x, mx::sigmoid(x)); }},
+    {mlxd::UnaryOp::Erf, [](const mx::array& x) { return mx::erf(x); }},
+    {mlxd::UnaryOp::LogicalNot, [](const mx::array& x) { return mx::logical_not(x); }},
+    {mlxd::UnaryOp::Floor, [](const mx::array& x) { return mx::floor(x); }},
+    {mlxd::UnaryOp::Ceil, [](const mx::array& x) { return mx::ceil(x); }},
+    {mlxd::UnaryOp::Round, [](const mx::array& x) { return mx::round(x); }},
+    {mlxd::UnaryOp::Sign, [](const mx::array& x) { return mx::sign(x); }},
+    {mlxd::UnaryOp::Square, [](const mx::array& x) { return mx::square(x); }},
+    {mlxd::UnaryOp::Reciprocal, [](const mx::array& x) { return mx::reciprocal(x); }},
+    {mlxd::UnaryOp::Expm1, [](const mx::array& x) { return mx::expm1(x); }},
+    {mlxd::UnaryOp::Log1p, [](const mx::array& x) { return mx::log1p(x); }},
+    {mlxd::UnaryOp::Log2, [](const mx::array& x) { return mx::log2(x); }},
+    {mlxd::UnaryOp::Log10, [](const mx::array& x) { return mx::log10(x); }},
+    {mlxd::UnaryOp::Asin, [](const mx::array& x) { return mx::arcsin(x); }},
+    {mlxd::UnaryOp::Acos, [](const mx::array& x) { return mx::arccos(x); }},
+    {mlxd::UnaryOp::Atan, [](const mx::array& x) { return mx::arctan(x); }},
+    {mlxd::UnaryOp::Sinh, [](const mx::array& x) { return mx::sinh(x); }},
+    {mlxd::UnaryOp::Cosh, [](const mx::array& x) { return mx::cosh(x); }},
+    {mlxd::UnaryOp::Asinh, [](const mx::array& x) { return mx::arcsinh(x); }},
+    {mlxd::UnaryOp::Acosh, [](const mx::array& x) { return mx::arccosh(x); }},
+    {mlxd::UnaryOp::Atanh, [](const mx::array& x) { return mx::arctanh(x); }},
+    {mlxd::UnaryOp::IsNan, [](const mx::array& x) { return mx::isnan(x); }},
+    {mlxd::UnaryOp::IsInf, [](const mx::array& x) { return mx::isinf(x); }},
+    {mlxd::UnaryOp::BitwiseNot, [](const mx::array& x) { return x.dtype() == mx::bool_ ? mx::logical_not(x) : mx::bitwise_invert(x); }},
+    {mlxd::UnaryOp::Softplus, [](const mx::array& x) { return softplus(x); }},
+    {mlxd::UnaryOp::Mish, [](const mx::array& x) { return mx::multiply(x, mx::tanh(softplus(x))); }},
+    {mlxd::UnaryOp::Hardswish, [](const mx::array& x) { return mx::multiply(x, relu6_shift(x)); }},
+    {mlxd::UnaryOp::Hardsigmoid, [](const mx::array& x) { return relu6_shift(x); }},
+    {mlxd::UnaryOp::Trunc, [](const mx::array& x) { return mx::issubdtype(x.dtype(), mx::floating) ? mx::trunc(x) : x; }},
+    {mlxd::UnaryOp::IsFinite, [](const mx::array& x) { return mx::isfinite(x); }},
+    {mlxd::UnaryOp::Erfinv, [](const mx::array& x) { return mx::erfinv(x); }},
+    {mlxd::UnaryOp::IsPosInf, [](const mx::array& x) { return mx::isposinf(x); }},
+    {mlxd::UnaryOp::IsNegInf, [](const mx::array& x) { return mx::isneginf(x); }},
+}};
+static_assert(rows_follow_enum(kUnary), "kUnary: one row per UnaryOp, in the schema's order");
 
 bool is_float(const mx::array& x) { return mx::issubdtype(x.dtype(), mx::floating); }
 
@@ -173,38 +174,39 @@ mx::array torch_right_shift(const mx::array& a, const mx::array& b) {
   return mx::where(out_of_range_shift(b, a), fill, mx::right_shift(a, safe_shift(b, a)));
 }
 
-// Rows must follow the order of `enum BinaryOp` in the schema.
-const std::array<Binary, static_cast<size_t>(mlxd::BinaryOp::MAX) + 1> kBinary = {
-    [](const mx::array& a, const mx::array& b) { return mx::add(a, b); },
-    [](const mx::array& a, const mx::array& b) { return mx::subtract(a, b); },
-    [](const mx::array& a, const mx::array& b) { return mx::multiply(a, b); },
-    [](const mx::array& a, const mx::array& b) { return mx::divide(a, b); },
-    [](const mx::array& a, const mx::array& b) { return torch_power(a, b); },
-    [](const mx::array& a, const mx::array& b) { return mx::maximum(a, b); },
-    [](const mx::array& a, const mx::array& b) { return mx::minimum(a, b); },
-    [](const mx::array& a, const mx::array& b) { return mx::equal(a, b); },
-    [](const mx::array& a, const mx::array& b) { return mx::not_equal(a, b); },
-    [](const mx::array& a, const mx::array& b) { return mx::less(a, b); },
-    [](const mx::array& a, const mx::array& b) { return mx::less_equal(a, b); },
-    [](const mx::array& a, const mx::array& b) { return mx::greater(a, b); },
-    [](const mx::array& a, const mx::array& b) { return mx::greater_equal(a, b); },
-    [](const mx::array& a, const mx::array& b) { return mx::logical_and(a, b); },
-    [](const mx::array& a, const mx::array& b) { return mx::logical_or(a, b); },
-    [](const mx::array& a, const mx::array& b) {
+// One row per `enum BinaryOp` value, keyed by it (checked at compile time).
+constexpr std::array<OpRow<mlxd::BinaryOp, Binary>, enum_size<mlxd::BinaryOp>()> kBinary = {{
+    {mlxd::BinaryOp::Add, [](const mx::array& a, const mx::array& b) { return mx::add(a, b); }},
+    {mlxd::BinaryOp::Sub, [](const mx::array& a, const mx::array& b) { return mx::subtract(a, b); }},
+    {mlxd::BinaryOp::Mul, [](const mx::array& a, const mx::array& b) { return mx::multiply(a, b); }},
+    {mlxd::BinaryOp::Div, [](const mx::array& a, const mx::array& b) { return mx::divide(a, b); }},
+    {mlxd::BinaryOp::Pow, [](const mx::array& a, const mx::array& b) { return torch_power(a, b); }},
+    {mlxd::BinaryOp::Maximum, [](const mx::array& a, const mx::array& b) { return mx::maximum(a, b); }},
+    {mlxd::BinaryOp::Minimum, [](const mx::array& a, const mx::array& b) { return mx::minimum(a, b); }},
+    {mlxd::BinaryOp::Equal, [](const mx::array& a, const mx::array& b) { return mx::equal(a, b); }},
+    {mlxd::BinaryOp::NotEqual, [](const mx::array& a, const mx::array& b) { return mx::not_equal(a, b); }},
+    {mlxd::BinaryOp::Less, [](const mx::array& a, const mx::array& b) { return mx::less(a, b); }},
+    {mlxd::BinaryOp::LessEqual, [](const mx::array& a, const mx::array& b) { return mx::less_equal(a, b); }},
+    {mlxd::BinaryOp::Greater, [](const mx::array& a, const mx::array& b) { return mx::greater(a, b); }},
+    {mlxd::BinaryOp::GreaterEqual, [](const mx::array& a, const mx::array& b) { return mx::greater_equal(a, b); }},
+    {mlxd::BinaryOp::LogicalAnd, [](const mx::array& a, const mx::array& b) { return mx::logical_and(a, b); }},
+    {mlxd::BinaryOp::LogicalOr, [](const mx::array& a, const mx::array& b) { return mx::logical_or(a, b); }},
+    {mlxd::BinaryOp::LogicalXor, [](const mx::array& a, const mx::array& b) {
       return mx::not_equal(mx::astype(a, mx::bool_), mx::astype(b, mx::bool_));
-    },
-    [](const mx::array& a, const mx::array& b) { return mx::bitwise_and(a, b); },
-    [](const mx::array& a, const mx::array& b) { return mx::bitwise_or(a, b); },
-    [](const mx::array& a, const mx::array& b) { return mx::bitwise_xor(a, b); },
-    [](const mx::array& a, const mx::array& b) { return mx::remainder(a, nonzero_divisor(b)); },
-    [](const mx::array& a, const mx::array& b) { return torch_floor_divide(a, nonzero_divisor(b)); },
-    [](const mx::array& a, const mx::array& b) { return mx::arctan2(a, b); },
-    [](const mx::array& a, const mx::array& b) { return mx::logaddexp(a, b); },
-    [](const mx::array& a, const mx::array& b) { return torch_left_shift(a, b); },
-    [](const mx::array& a, const mx::array& b) { return torch_right_shift(a, b); },
-    [](const mx::array& a, const mx::array& b) { return fmod(a, nonzero_divisor(b)); },
-    [](const mx::array& a, const mx::array& b) { return trunc_divide(a, nonzero_divisor(b)); },
-};
+    }},
+    {mlxd::BinaryOp::BitwiseAnd, [](const mx::array& a, const mx::array& b) { return mx::bitwise_and(a, b); }},
+    {mlxd::BinaryOp::BitwiseOr, [](const mx::array& a, const mx::array& b) { return mx::bitwise_or(a, b); }},
+    {mlxd::BinaryOp::BitwiseXor, [](const mx::array& a, const mx::array& b) { return mx::bitwise_xor(a, b); }},
+    {mlxd::BinaryOp::Remainder, [](const mx::array& a, const mx::array& b) { return mx::remainder(a, nonzero_divisor(b)); }},
+    {mlxd::BinaryOp::FloorDivide, [](const mx::array& a, const mx::array& b) { return torch_floor_divide(a, nonzero_divisor(b)); }},
+    {mlxd::BinaryOp::Atan2, [](const mx::array& a, const mx::array& b) { return mx::arctan2(a, b); }},
+    {mlxd::BinaryOp::LogAddExp, [](const mx::array& a, const mx::array& b) { return mx::logaddexp(a, b); }},
+    {mlxd::BinaryOp::LeftShift, [](const mx::array& a, const mx::array& b) { return torch_left_shift(a, b); }},
+    {mlxd::BinaryOp::RightShift, [](const mx::array& a, const mx::array& b) { return torch_right_shift(a, b); }},
+    {mlxd::BinaryOp::Fmod, [](const mx::array& a, const mx::array& b) { return fmod(a, nonzero_divisor(b)); }},
+    {mlxd::BinaryOp::TruncDivide, [](const mx::array& a, const mx::array& b) { return trunc_divide(a, nonzero_divisor(b)); }},
+}};
+static_assert(rows_follow_enum(kBinary), "kBinary: one row per BinaryOp, in the schema's order");
 
 // Ops with a CPU kernel (kernels/unary_cpu.h): MLX's CPU versions are one
 // scalar libm call per element on one core.

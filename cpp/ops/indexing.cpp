@@ -13,24 +13,25 @@ namespace {
 using ScatterFn = mx::array (*)(const mx::array&, const std::vector<mx::array>&, const mx::array&,
                                 const std::vector<int>&);
 
-// Rows must follow the order of `enum ScatterMode` in the schema.
-const std::array<ScatterFn, static_cast<size_t>(mlxd::ScatterMode::MAX) + 1> kScatter = {
-    [](const mx::array& a, const std::vector<mx::array>& i, const mx::array& u, const std::vector<int>& ax) {
+// One row per `enum ScatterMode` value, keyed by it (checked at compile time).
+constexpr std::array<OpRow<mlxd::ScatterMode, ScatterFn>, enum_size<mlxd::ScatterMode>()> kScatter = {{
+    {mlxd::ScatterMode::Set, [](const mx::array& a, const std::vector<mx::array>& i, const mx::array& u, const std::vector<int>& ax) {
       return mx::scatter(a, i, u, ax);
-    },
-    [](const mx::array& a, const std::vector<mx::array>& i, const mx::array& u, const std::vector<int>& ax) {
+    }},
+    {mlxd::ScatterMode::Add, [](const mx::array& a, const std::vector<mx::array>& i, const mx::array& u, const std::vector<int>& ax) {
       return mx::scatter_add(a, i, u, ax);
-    },
-    [](const mx::array& a, const std::vector<mx::array>& i, const mx::array& u, const std::vector<int>& ax) {
+    }},
+    {mlxd::ScatterMode::Prod, [](const mx::array& a, const std::vector<mx::array>& i, const mx::array& u, const std::vector<int>& ax) {
       return mx::scatter_prod(a, i, u, ax);
-    },
-    [](const mx::array& a, const std::vector<mx::array>& i, const mx::array& u, const std::vector<int>& ax) {
+    }},
+    {mlxd::ScatterMode::Max, [](const mx::array& a, const std::vector<mx::array>& i, const mx::array& u, const std::vector<int>& ax) {
       return mx::scatter_max(a, i, u, ax);
-    },
-    [](const mx::array& a, const std::vector<mx::array>& i, const mx::array& u, const std::vector<int>& ax) {
+    }},
+    {mlxd::ScatterMode::Min, [](const mx::array& a, const std::vector<mx::array>& i, const mx::array& u, const std::vector<int>& ax) {
       return mx::scatter_min(a, i, u, ax);
-    },
-};
+    }},
+}};
+static_assert(rows_follow_enum(kScatter), "kScatter: one row per ScatterMode, in the schema's order");
 
 // torch wraps negative indices in advanced indexing; MLX's kernels happen to
 // as well, but that is not part of its API, so wrap explicitly.

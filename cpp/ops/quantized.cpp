@@ -40,8 +40,14 @@ mx::array cpu_product(const mx::array& x, const mx::array& w, const mx::array& s
   return mx::astype(y, x.dtype());
 }
 
-// QuantMode -> MLX's mode name (schema order).
-constexpr std::array<const char*, 4> kModes = {"affine", "mxfp4", "nvfp4", "mxfp8"};
+// MLX's names for the schema's quantization modes.
+constexpr std::array<OpRow<mlxd::QuantMode, const char*>, enum_size<mlxd::QuantMode>()> kModes = {{
+    {mlxd::QuantMode::Affine, "affine"},
+    {mlxd::QuantMode::Mxfp4, "mxfp4"},
+    {mlxd::QuantMode::Nvfp4, "nvfp4"},
+    {mlxd::QuantMode::Mxfp8, "mxfp8"},
+}};
+static_assert(rows_follow_enum(kModes), "kModes: one row per QuantMode, in the schema's order");
 
 std::string mode_name(mlxd::QuantMode m) { return table_at(kModes, m, "quantization mode"); }
 

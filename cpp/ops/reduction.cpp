@@ -12,17 +12,18 @@ namespace {
 
 using Reduce = mx::array (*)(const mx::array&, const std::vector<int>&, bool);
 
-// Rows follow `enum ReduceOp` in the schema.
-const std::array<Reduce, static_cast<size_t>(mlxd::ReduceOp::MAX) + 1> kReduce = {
-    [](const mx::array& x, const std::vector<int>& ax, bool k) { return mx::sum(x, ax, k); },
-    [](const mx::array& x, const std::vector<int>& ax, bool k) { return mx::mean(x, ax, k); },
-    [](const mx::array& x, const std::vector<int>& ax, bool k) { return mx::max(x, ax, k); },
-    [](const mx::array& x, const std::vector<int>& ax, bool k) { return mx::min(x, ax, k); },
-    [](const mx::array& x, const std::vector<int>& ax, bool k) { return mx::prod(x, ax, k); },
-    [](const mx::array& x, const std::vector<int>& ax, bool k) { return mx::any(x, ax, k); },
-    [](const mx::array& x, const std::vector<int>& ax, bool k) { return mx::all(x, ax, k); },
-    [](const mx::array& x, const std::vector<int>& ax, bool k) { return mx::logsumexp(x, ax, k); },
-};
+// One row per `enum ReduceOp` value, keyed by it (checked at compile time).
+constexpr std::array<OpRow<mlxd::ReduceOp, Reduce>, enum_size<mlxd::ReduceOp>()> kReduce = {{
+    {mlxd::ReduceOp::Sum, [](const mx::array& x, const std::vector<int>& ax, bool k) { return mx::sum(x, ax, k); }},
+    {mlxd::ReduceOp::Mean, [](const mx::array& x, const std::vector<int>& ax, bool k) { return mx::mean(x, ax, k); }},
+    {mlxd::ReduceOp::Max, [](const mx::array& x, const std::vector<int>& ax, bool k) { return mx::max(x, ax, k); }},
+    {mlxd::ReduceOp::Min, [](const mx::array& x, const std::vector<int>& ax, bool k) { return mx::min(x, ax, k); }},
+    {mlxd::ReduceOp::Prod, [](const mx::array& x, const std::vector<int>& ax, bool k) { return mx::prod(x, ax, k); }},
+    {mlxd::ReduceOp::Any, [](const mx::array& x, const std::vector<int>& ax, bool k) { return mx::any(x, ax, k); }},
+    {mlxd::ReduceOp::All, [](const mx::array& x, const std::vector<int>& ax, bool k) { return mx::all(x, ax, k); }},
+    {mlxd::ReduceOp::LogSumExp, [](const mx::array& x, const std::vector<int>& ax, bool k) { return mx::logsumexp(x, ax, k); }},
+}};
+static_assert(rows_follow_enum(kReduce), "kReduce: one row per ReduceOp, in the schema's order");
 
 // Sums, products, scans and softmax of fp16/bf16 accumulate in fp32 as torch does: MLX's scans
 // (and its reductions on some devices) keep the input precision, which drifts badly over long axes.

@@ -213,8 +213,13 @@ void exec_FlipNode(const mlxd::FlipNode& n, ExecContext& ctx) {
 }
 
 namespace {
-// Rows follow `enum PadMode` in the schema (MLX's names for the modes).
-const std::array<const char*, static_cast<size_t>(mlxd::PadMode::MAX) + 1> kPadMode = {"constant", "reflect", "edge"};
+// MLX's names for the schema's pad modes.
+constexpr std::array<OpRow<mlxd::PadMode, const char*>, enum_size<mlxd::PadMode>()> kPadMode = {{
+    {mlxd::PadMode::Constant, "constant"},
+    {mlxd::PadMode::Reflect, "reflect"},
+    {mlxd::PadMode::Replicate, "edge"},
+}};
+static_assert(rows_follow_enum(kPadMode), "kPadMode: one row per PadMode, in the schema's order");
 }  // namespace
 
 void exec_PadNode(const mlxd::PadNode& n, ExecContext& ctx) {

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
-from pathlib import Path
 from typing import Any
 
 
@@ -20,10 +18,3 @@ def progress(message: str) -> None:
 
 def print_json(data: Any) -> None:
     print(json.dumps(data, indent=2, default=str))
-
-
-def cache_dir() -> Path:
-    """$MLX_DELEGATE_CACHE, else ~/.cache/mlx_delegate (created on demand)."""
-    path = Path(os.environ.get("MLX_DELEGATE_CACHE") or Path.home() / ".cache" / "mlx_delegate")
-    path.mkdir(parents=True, exist_ok=True)
-    return path

@@ -18,7 +18,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ._common import CLIError, cache_dir, print_json, progress
+from ..pipelines.cache import cache_dir
+from ._common import CLIError, print_json, progress
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class DemoConfig:
     heads: int = 4
     hidden: int = 1024
     seq: int = 128
-    runs: int = 20
+    runs: int = 50
 
     @property
     def tag(self) -> str:
@@ -63,7 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("demo", help="lower a small transformer block to MLX and compare with eager",
                               description=__doc__)
     p.add_argument("--quick", action="store_true", help=f"tiny model and few runs ({QUICK.tag})")
-    p.add_argument("--runs", type=int, help="timed runs per backend (median is reported)")
+    p.add_argument("--runs", type=int, help="timed runs per backend, interleaved (median is reported)")
     p.add_argument("--atol", type=float, default=1e-3, help="largest acceptable max abs error vs eager")
     p.add_argument("--json", action="store_true", help="machine-readable results")
     p.set_defaults(func=run)
@@ -84,14 +85,21 @@ def lower_to_file(model: nn.Module, inputs: tuple, path: Path) -> Path:
     return path
 
 
-def median_ms(fn: Callable[[], Any], runs: int) -> float:
-    fn()  # warm up (first MLX call compiles kernels)
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+def interleaved_ms(fns: dict[str, Callable[[], Any]], runs: int, warmup: int = 3) -> dict[str, tuple[float, float]]:
+    """Median (wall, CPU) milliseconds per call of each engine, timed in turns: one call each per
+    round, the order reversed every other round, so load on the machine hits them alike. The
+    warm-up calls let the delegate trace its compiled graph (second call) and MLX build its kernels."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in fns}
+    for r in range(runs):
+        for k in (list(fns) if r % 2 == 0 else list(reversed(fns))):
+            wall, cpu = time.perf_counter(), time.process_time()
+            fns[k]()
+            times[k].append((time.perf_counter() - wall, time.process_time() - cpu))
+    return {k: (statistics.median(t[0] for t in ts) * 1e3, statistics.median(t[1] for t in ts) * 1e3)
+            for k, ts in times.items()}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,17 +125,20 @@ def run(args: argparse.Namespace) -> int:
 
     progress(f"timing {runs} runs each")
     with torch.no_grad():
-        eager_ms = median_ms(lambda: model(*inputs), runs)
-    delegate_ms = median_ms(lambda: method.execute(list(inputs)), runs)
+        timed = interleaved_ms({"delegate": lambda: method.execute(list(inputs)), "eager": lambda: model(*inputs)},
+                               runs)
+    (delegate_ms, delegate_cpu_ms), (eager_ms, eager_cpu_ms) = timed["delegate"], timed["eager"]
     info = inspect_pte(path)
     ok = error <= args.atol
     result = dict(config=asdict(cfg) | {"runs": runs}, pte=str(path), max_abs_error=error, atol=args.atol,
-                  parity_ok=ok, delegate_ms=delegate_ms, eager_ms=eager_ms, inspect=info.to_dict())
+                  parity_ok=ok, delegate_ms=delegate_ms, eager_ms=eager_ms, delegate_cpu_ms=delegate_cpu_ms,
+                  eager_cpu_ms=eager_cpu_ms, inspect=info.to_dict())
     if args.json:
         print_json(result)
     else:
         print(f"model: transformer block {cfg.tag}, fp32, input {tuple(inputs[0].shape)}")
         print(f"parity: max abs error {error:.3g} vs eager ({'ok' if ok else 'FAIL'}, atol {args.atol:g})")
-        print(f"latency (median of {runs}): delegate {delegate_ms:.3f} ms, eager torch {eager_ms:.3f} ms")
+        print(f"latency (median of {runs}, interleaved): delegate {delegate_ms:.3f} ms, eager torch {eager_ms:.3f} ms"
+              f" (CPU time per call: {delegate_cpu_ms:.3f} ms, {eager_cpu_ms:.3f} ms)")
         print(format_summary(info))
     return 0 if ok else 1

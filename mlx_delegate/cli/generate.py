@@ -8,7 +8,10 @@ The prompt goes through the tokenizer's chat template when it has one
 (`--no-chat` feeds it raw). `--quantize int8|int4` (with `--group-size`)
 quantizes the linear layers and the embedding weight-only before export; they
 run on MLX's quantized kernels. The lowered program is cached, keyed by the
-weights' files, the export options and this package's code.
+weights' files, the export options and this package's code. The next token is
+chosen inside the program: the argmax by default, or with `--temperature` > 0
+(and `--top-k`, `--top-p`, `--seed`) drawn by the sampler in the program, one
+cached program serving every sampling setting.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="smollm2 (default), a .gguf file or a checkpoint directory")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample among the k most likely tokens (with --temperature > 0; 0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --temperature > 0)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--max-seq-len", type=int, default=1024, help="KV-cache length: prompt + new tokens")
@@ -50,19 +55,21 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..llm import export as llm_export
+    from ..pipelines.cache import CacheKey, cached_pte
     from ..llm.generate import ContextFull, Generator
     from ..llm.sampling import Sampler
     from ..models import loading
 
     try:
         path = loading.resolve(args.model)
-        sampler = Sampler(args.temperature, args.top_p, args.seed)
+        sampler = Sampler(args.temperature, args.top_p, args.seed, top_k=args.top_k)
     except (FileNotFoundError, ValueError) as e:
         raise CLIError(str(e)) from e
     dtype = getattr(torch, args.dtype)
-    key = llm_export.CacheKey(path.stem, loading.weight_files(path),
-                              (("dtype", args.dtype), ("max_seq_len", args.max_seq_len),
-                               ("quantize", args.quantize), ("group_size", args.group_size)))
+    sampler_kind = "greedy" if sampler.greedy else "sample"  # greedy skips the sampler's sort
+    key = CacheKey(path.stem, loading.weight_files(path),
+                   (("dtype", args.dtype), ("max_seq_len", args.max_seq_len),
+                    ("quantize", args.quantize), ("group_size", args.group_size), ("sampler", sampler_kind)))
 
     def build(out: Path) -> None:
         progress(f"loading {path.name} and lowering it (once; cached as {key.path().name})")
@@ -70,12 +77,17 @@ def run(args: argparse.Namespace) -> int:
             loaded = loading.load(path, dtype=dtype, max_seq_len=args.max_seq_len)
         except ValueError as e:
             raise CLIError(str(e)) from e
-        llm_export.save_pte(loaded.model, out, quantize=args.quantize, group_size=args.group_size)
+        llm_export.save_pte(loaded.model, out, quantize=args.quantize, group_size=args.group_size,
+                             sampler=sampler_kind)
 
-    pte, _ = llm_export.cached_pte(key, build, refresh=args.no_cache)
+    pte, _ = cached_pte(key, build, refresh=args.no_cache)
     generator = Generator(pte, loading.load_tokenizer(path))
     pieces = []
     try:
+        # The first call of each shape compiles: warm up so the printed tok/s is the steady-state figure.
+        warm = generator.warm_up(len(generator.encode_prompt(args.prompt, chat=not args.no_chat)))
+        if warm:
+            progress(f"warm-up (loading and compiling the prefill and decode graphs): {warm:.1f} s")
         for piece in generator.generate(args.prompt, args.max_new_tokens, sampler, chat=not args.no_chat):
             pieces.append(piece)
             if not args.json:

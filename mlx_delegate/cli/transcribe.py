@@ -12,14 +12,14 @@ vocabulary.txt), or a `transformers` directory of a Whisper or ParakeetForCTC mo
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._common import CLIError, cache_dir, print_json, progress
+from ..pipelines.cache import CacheKey, cached_pte
+from ._common import CLIError, print_json, progress
 
 DEFAULT_MODEL = "whisper-base"
 
@@ -70,45 +70,29 @@ def resolve_model(spec: str) -> ModelSource:
     raise CLIError(f"--model: {d} holds no CTranslate2 Whisper, transformers Whisper or ParakeetForCTC model")
 
 
-def _code_fingerprint() -> str:
-    """Lowered programs depend on the handlers and runtime: any change there invalidates the cache."""
-    root = Path(__file__).resolve().parent.parent
-    h = hashlib.sha256()
-    for f in sorted(root.rglob("*")):
-        if f.suffix in (".py", ".so", ".fbs") and "__pycache__" not in f.parts:
-            h.update(str(f.relative_to(root)).encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()[:16]
-
-
-def cached_program_path(source: ModelSource) -> Path:
-    h = hashlib.sha256(source.kind.encode())
-    for f in source.files:
-        st = f.stat()
-        h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
-    h.update(_code_fingerprint().encode())
-    return cache_dir() / f"transcribe-{source.name}-{h.hexdigest()[:16]}.pte"
+def cache_key(source: ModelSource) -> CacheKey:
+    return CacheKey(f"transcribe-{source.name}", source.files, (("kind", source.kind),))
 
 
 def _program(source: ModelSource, lower: Any, use_cache: bool) -> bytes:
-    path = cached_program_path(source)
-    if use_cache and path.exists():
-        return path.read_bytes()
-    progress(f"lowering {source.name} (cached afterwards in {path.parent})")
-    start = time.perf_counter()
-    low = lower()
-    for method, ops in low.fallback.items():
-        if ops:
-            progress(f"{method}: ops left on ExecuTorch's CPU kernels: {', '.join(sorted(set(ops)))}")
-    progress(f"lowered in {time.perf_counter() - start:.1f} s")
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(low.buffer)
-    tmp.replace(path)  # never leave a half-written program under the final name
-    return low.buffer
+    key = cache_key(source)
+
+    def build(out: Path) -> None:
+        progress(f"lowering {source.name} (cached afterwards in {out.parent})")
+        start = time.perf_counter()
+        low = lower()
+        for method, ops in low.fallback.items():
+            if ops:
+                progress(f"{method}: ops left on ExecuTorch's CPU kernels: {', '.join(sorted(set(ops)))}")
+        progress(f"lowered in {time.perf_counter() - start:.1f} s")
+        out.write_bytes(low.buffer)
+
+    path, _ = cached_pte(key, build, refresh=not use_cache)
+    return path.read_bytes()
 
 
 def _whisper_runner(source: ModelSource, args: argparse.Namespace) -> Any:
-    from ..models import whisper as W
+    from ..pipelines import whisper as W
 
     if source.kind == "ct2-whisper":
         from ..convert.ctranslate2 import load_whisper
@@ -131,7 +115,7 @@ def _whisper_runner(source: ModelSource, args: argparse.Namespace) -> Any:
 def _parakeet_runner(source: ModelSource, args: argparse.Namespace) -> Any:
     from transformers import AutoProcessor, ParakeetForCTC
 
-    from ..models import parakeet as P
+    from ..pipelines import parakeet as P
 
     model = ParakeetForCTC.from_pretrained(source.directory).eval()
     processor = AutoProcessor.from_pretrained(source.directory)

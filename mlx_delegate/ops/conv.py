@@ -1,8 +1,10 @@
 """Convolution (1/2/3-D, transposed, grouped), resampling (upsample_*) and
 pixel (un)shuffle.
 
-All run on torch's channels-first layout; `cpp/ops/conv.cpp` moves channels
-last around MLX's convolution, so weights stay as torch stores them.
+All run on torch's channels-first layout and weights stay as torch stores them:
+on the CPU, 1-D / 2-D convolutions run the channels-first kernel
+(`cpp/kernels/conv_cpu.cpp`); elsewhere `cpp/ops/conv.cpp` moves channels last
+around MLX's convolution.
 """
 
 from __future__ import annotations

@@ -16,23 +16,29 @@ patterns run as a transform pass ahead of it:
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 from executorch.exir.pass_base import ExportedProgramPassBase, ExportedProgramPassResult
 from torch.export import ExportedProgram
 
 from .. import custom_ops  # noqa: F401  (the fused ops)
-from . import activations, attention, layer_norm, linear_group, quantized_linear, rms_norm, rope
+from . import activations, attention, conv_batch_norm, layer_norm, linear_group, quantized_linear, rms_norm, rope
 
 log = logging.getLogger(__name__)
 
 PATTERNS = {"rms_norm": rms_norm.apply, "rope": rope.apply, "quantized": quantized_linear.apply}
+# Every name `MLXPatternPass(disable=...)` accepts: a pattern, or `rope_at`, the tensor-position form of
+# `rope` alone (positions `pos + arange(L)` then stay composed: cos/sin tables node by node).
+PATTERN_SWITCHES = sorted({*PATTERNS, "rope_at"})
 
 # Fusions into ops the delegate already lowers (aten.layer_norm, gelu, silu, SDPA; linears
-# sharing an input into one `linear_group`). They run on each delegated graph in
+# sharing an input into one `linear_group`; eval-mode BatchNorm folded into the convolution
+# before it). They run on each delegated graph in
 # `MLXDelegateBackend.preprocess`, so every lowering gets them;
 # `MLXPartitioner(disable={name})` switches one off, disable={"fusions"} all of them.
-FUSIONS = {"fuse_layer_norm": layer_norm.apply, "fuse_activations": activations.apply,
-           "fuse_attention": attention.apply, "fuse_linears": linear_group.apply}
+FUSIONS = {"fold_batch_norm": conv_batch_norm.apply, "fuse_layer_norm": layer_norm.apply,
+           "fuse_activations": activations.apply, "fuse_attention": attention.apply,
+           "fuse_linears": linear_group.apply}
 ALL_FUSIONS = "fusions"
 
 
@@ -48,9 +54,21 @@ def apply_fusions(ep: ExportedProgram, disabled: frozenset[str] = frozenset()) -
     return counts
 
 
-def apply_patterns(ep: ExportedProgram) -> dict[str, int]:
-    """Rewrite `ep`'s graph in place; returns how often each pattern fired."""
-    counts = {name: fn(ep) for name, fn in PATTERNS.items()}
+def check_pattern_switches(disabled: Iterable[str]) -> frozenset[str]:
+    """`disabled` as a set; a name outside `PATTERN_SWITCHES` is an error that lists them."""
+    disabled = frozenset(disabled)
+    unknown = disabled - set(PATTERN_SWITCHES)
+    if unknown:
+        raise ValueError(f"unknown patterns {sorted(unknown)}; known: {PATTERN_SWITCHES}")
+    return disabled
+
+
+def apply_patterns(ep: ExportedProgram, disabled: Iterable[str] = ()) -> dict[str, int]:
+    """Rewrite `ep`'s graph in place with the patterns not in `disabled` (names from
+    `PATTERN_SWITCHES`); returns how often each pattern fired (0 for those left out)."""
+    disabled = check_pattern_switches(disabled)
+    options = {"rope": {"tensor_positions": "rope_at" not in disabled}}
+    counts = {name: 0 if name in disabled else fn(ep, **options.get(name, {})) for name, fn in PATTERNS.items()}
     if any(counts.values()):
         ep.graph.lint()
         ep.graph_module.recompile()
@@ -59,11 +77,16 @@ def apply_patterns(ep: ExportedProgram) -> dict[str, int]:
 
 
 class MLXPatternPass(ExportedProgramPassBase):
-    """`apply_patterns` as an ExecuTorch transform pass; `counts` keeps the last run's tally."""
+    """`apply_patterns` as an ExecuTorch transform pass; `counts` keeps the last run's tally.
 
-    def __init__(self) -> None:
+    Args:
+        disable: patterns to leave out, for debugging and A/B benchmarks (`PATTERN_SWITCHES`).
+    """
+
+    def __init__(self, disable: Iterable[str] = ()) -> None:
+        self.disabled = check_pattern_switches(disable)  # at construction, not deep inside a lowering
         self.counts: dict[str, int] = {}
 
     def call(self, exported_program: ExportedProgram) -> ExportedProgramPassResult:
-        self.counts = apply_patterns(exported_program)
+        self.counts = apply_patterns(exported_program, self.disabled)
         return ExportedProgramPassResult(exported_program, any(self.counts.values()))

@@ -178,15 +178,18 @@ def standard_base(inv_freq: torch.Tensor) -> float | None:
     return base if torch.allclose(expected, inv_freq, rtol=1e-6, atol=0) else None
 
 
-def apply(ep: ExportedProgram) -> int:
+def apply(ep: ExportedProgram, tensor_positions: bool = True) -> int:
+    """Fuse every match; `tensor_positions=False` leaves the tensor-position form (`rope_at`) composed."""
     graph, count = ep.graph, 0
     for add in [n for n in graph.nodes if is_op(n, aten.add.Tensor)]:
         found = match(ep, add)
         if found is None:
             continue
+        at_tensor = _is_position_tensor(found.offset)
+        if at_tensor and not tensor_positions:
+            continue
         base = standard_base(constant_value(ep, found.inv_freq))
-        op = exir_ops.edge.mlx_delegate.rope_at if _is_position_tensor(found.offset) else \
-            exir_ops.edge.mlx_delegate.rope
+        op = exir_ops.edge.mlx_delegate.rope_at if at_tensor else exir_ops.edge.mlx_delegate.rope
         if replace(ep, found.head, op.default, (found.x, found.inv_freq, found.offset, False, base)):
             erase_dead(graph, [found.head])
             count += 1

@@ -18,7 +18,9 @@ from transformers import (
 )
 
 from mlx_delegate import audio as A
-from mlx_delegate.models import parakeet as P
+from mlx_delegate.models import parakeet as PM
+from mlx_delegate.pipelines import cache as C
+from mlx_delegate.pipelines import parakeet as P
 
 MAX_FRAMES = 8 * 150 - 4
 CHARS = list("abcdefghijklmnopqrstuvwxyz") + ["\u2581", "'", "<unk>", "<pad>"]  # blank = pad = last
@@ -72,9 +74,9 @@ def test_fully_delegated_one_segment(lowered) -> None:
 
 
 def test_frame_count_helpers() -> None:
-    assert [P.padded_frames(n) for n in (1, 4, 5, 12, 13, 196)] == [4, 4, 12, 12, 20, 196]
-    assert all((P.padded_frames(n) + 4) % 8 == 0 for n in range(1, 100))
-    assert [P.output_frames(n) for n in (4, 12, 100, 101, 196)] == [1, 2, 13, 13, 25]
+    assert [PM.padded_frames(n) for n in (1, 4, 5, 12, 13, 196)] == [4, 4, 12, 12, 20, 196]
+    assert all((PM.padded_frames(n) + 4) % 8 == 0 for n in range(1, 100))
+    assert [PM.output_frames(n) for n in (4, 12, 100, 101, 196)] == [1, 2, 13, 13, 25]
 
 
 @pytest.mark.parametrize("frames", [9, 100, 196, 333, MAX_FRAMES])
@@ -141,10 +143,10 @@ def test_cli_transcribe_parakeet_directory(lowered, tmp_path: Path, monkeypatch:
     model.save_pretrained(model_dir)
     char_processor().save_pretrained(model_dir)
     monkeypatch.setenv("MLX_DELEGATE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(T, "_code_fingerprint", lambda: "fixed")
+    monkeypatch.setattr(C, "code_fingerprint", lambda: "fixed")
     source = T.resolve_model(str(model_dir))
     assert source.kind == "hf-parakeet"
-    T.cached_program_path(source).write_bytes(low.buffer)
+    T.cache_key(source).path().write_bytes(low.buffer)
     rng = np.random.default_rng(1)
     audio = (0.1 * rng.standard_normal(22050 * 2)).astype(np.float32)
     sf.write(tmp_path / "a.wav", audio, 22050)

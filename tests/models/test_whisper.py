@@ -20,7 +20,9 @@ import torch
 from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
 
 from mlx_delegate import audio as A
-from mlx_delegate.models import whisper as W
+from mlx_delegate.models import whisper as WM
+from mlx_delegate.pipelines import cache as C
+from mlx_delegate.pipelines import whisper as W
 
 DATA = Path(__file__).parent.parent / "data"
 CLIP = DATA / "speech_en_11k.flac"
@@ -86,8 +88,8 @@ def test_encode_matches_eager(tiny, seconds: float) -> None:
     feats = features_of(seconds, seed=int(seconds * 10))
     with torch.no_grad():
         hidden = model.model.encoder(feats).last_hidden_state
-        expected = torch.stack([torch.stack([W._heads(l.encoder_attn.k_proj(hidden), 4),
-                                             W._heads(l.encoder_attn.v_proj(hidden), 4)])
+        expected = torch.stack([torch.stack([WM._heads(l.encoder_attn.k_proj(hidden), 4),
+                                             WM._heads(l.encoder_attn.v_proj(hidden), 4)])
                                 for l in model.model.decoder.layers])
     torch.testing.assert_close(runner.encode(feats), expected, **TIGHT)
 
@@ -207,9 +209,9 @@ def test_cli_transcribe(base, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 
     monkeypatch.setenv("MLX_DELEGATE_CACHE", str(tmp_path / "cache"))
     # Other work may edit the package meanwhile; the key must not change between the two calls here.
-    monkeypatch.setattr(T, "_code_fingerprint", lambda: "fixed")
+    monkeypatch.setattr(C, "code_fingerprint", lambda: "fixed")
     _, _, low, _ = base
-    T.cached_program_path(T.resolve_model("whisper-base")).write_bytes(low.buffer)
+    T.cache_key(T.resolve_model("whisper-base")).path().write_bytes(low.buffer)
     clip = A.resample(A.load_audio(CLIP), A.SAMPLE_RATE, 44100)
     wav = tmp_path / "stereo.wav"
     sf.write(wav, np.stack([clip, clip], axis=1), 44100, subtype="PCM_16")

@@ -87,9 +87,10 @@ def test_sdpa(case):
 @pytest.mark.parametrize("kernels", [True, False], ids=["cpu_kernels", "mlx"])
 def test_sdpa_cpu_path(kernels, monkeypatch):
     """float32 attention with many query rows on the CPU is composed around the two-core softmax
-    kernel (with the kernels on; the fused decode kernel is switched off here so these small cases
-    take that path); both paths match eager torch (GQA, causal with L < S, a fully masked row)."""
+    kernel when the blocked kernel is off (with the kernels on; the fused decode kernel is switched
+    off here so these small cases take that path); both paths match eager torch (GQA, causal with L < S, a fully masked row)."""
     monkeypatch.setenv("MLX_DELEGATE_SDPA_FUSED_MAX_L", "0")
+    monkeypatch.setenv("MLX_DELEGATE_SDPA_BLOCKED", "0")  # the composed path, not the blocked kernel
     runtime = mlx_delegate._runtime
     was = runtime.cpu_kernels_enabled()
     runtime.set_cpu_kernels(kernels)
@@ -232,3 +233,91 @@ def test_sdpa_fused_cpu_switch(max_l, monkeypatch):
         lower_and_compare(cases(f"sdpa_l{lq}", sdpa(enable_gqa=True), qkv(hq=4, hk=2, lq=lq, lk=9), F32)[0])
     configs = {"0": 0, "4": 2, None: 1}[max_l]  # configs the fused kernel serves
     assert fused_calls() - before == configs * CALLS_WITH_KERNELS * cpu_kernels_active()
+
+
+def trailing_inf_mask(lq, lk, visible):
+    """A float mask whose keys from `visible` on are -inf for every query."""
+    def make():
+        m = torch.randn(lq, lk)
+        m[:, visible:] = float("-inf")
+        return m
+    return make
+
+
+def hidden_rows_mask(lq, lk, first_hidden):
+    """A bool mask that hides every key from query `first_hidden` on (a whole block of rows)."""
+    def make():
+        m = bool_mask(lq, lk)()
+        m[first_hidden:] = False
+        return m
+    return make
+
+
+# The blocked kernel (cpp/kernels/attention_cpu, long queries: blocks of 64 query rows on the BLAS).
+# L and S are not multiples of the block; head dims 64 and 80; masks, causal alignments, strided views.
+BLOCKED = [
+    *cases("blocked_l70_d64", sdpa(), qkv(b=2, hq=2, hk=2, lq=70, lk=70, e=64), FLOATS),
+    *cases("blocked_l130_s70_d80_gqa", sdpa(enable_gqa=True), qkv(hq=4, hk=2, lq=130, lk=70, e=80), FLOATS),
+    *cases("blocked_causal_l70", sdpa(is_causal=True), qkv(hq=2, hk=2, lq=70, lk=70, e=64), FLOATS),
+    *cases("blocked_causal_short_q", sdpa(is_causal=True), qkv(hq=2, hk=2, lq=67, lk=131, e=80), FLOATS),
+    *cases("blocked_causal_long_q_gqa", sdpa(is_causal=True, enable_gqa=True),
+           qkv(hq=4, hk=2, lq=131, lk=67, e=64), (torch.float32,)),
+    *cases("blocked_bool_mask_empty_row", sdpa(),
+           with_mask(qkv(hq=2, hk=2, lq=70, lk=37, e=64), bool_mask(70, 37, empty_row=65)), FLOATS),
+    *cases("blocked_float_mask_per_head", sdpa(enable_gqa=True),
+           with_mask(qkv(b=2, hq=4, hk=2, lq=66, lk=45, e=80), float_mask((2, 4, 66, 45), empty_row=3)), FLOATS),
+    # Trailing hidden keys (a prefill over a fixed-size cache) are skipped: same result.
+    *cases("blocked_prefill_cache", sdpa(enable_gqa=True),
+           with_mask(qkv(hq=6, hk=2, lq=40, lk=200, e=64), position_mask(40, 200, 10)), FLOATS),
+    *cases("blocked_float_mask_trailing_inf", sdpa(),
+           with_mask(qkv(hq=2, hk=2, lq=33, lk=90, e=80), trailing_inf_mask(33, 90, 50)), FLOATS),
+    *cases("blocked_hidden_block", sdpa(),
+           with_mask(qkv(hq=2, hk=2, lq=70, lk=37, e=64), hidden_rows_mask(70, 37, 64)), FLOATS),
+    *cases("blocked_value_dim", sdpa(scale=0.3), qkv(hq=2, hk=2, lq=9, lk=20, e=40, ev=24), (torch.float32,)),
+    *cases("blocked_transposed_k", transposed_kv,
+           lambda: (torch.randn(1, 2, 70, 64), torch.randn(1, 2, 64, 90), torch.randn(1, 2, 90, 64)), FLOATS),
+    *cases("blocked_heads_last", heads_last,
+           lambda: (torch.randn(1, 70, 4, 64), torch.randn(1, 70, 2, 64), torch.randn(1, 70, 2, 64),
+                    position_mask(70, 70, 0)()), FLOATS),
+]
+
+
+def blocked_calls() -> int:
+    return mlx_delegate._runtime.cpu_kernel_call_counts().get("sdpa_blocked", 0)
+
+
+@pytest.mark.parametrize("case", BLOCKED, ids=str)
+def test_sdpa_blocked_cpu(case):
+    """More than two query rows: the blocked kernel serves the op, matching eager torch and the
+    kernels-off (MLX) path."""
+    before = blocked_calls()
+    lowered = lower_and_compare(case)
+    assert (blocked_calls() > before) == (cpu_kernels_active() and mlx_delegate._blas.mode() == "torch")
+    inputs = case.inputs()
+    rtol, atol = TOLERANCE[case.dtype]
+    assert_close(run_fresh(lowered.buffer, inputs, kernels=False),
+                 run_fresh(lowered.buffer, inputs, kernels=True), rtol, atol)
+
+
+@pytest.mark.parametrize("case", [c for c in BLOCKED if c.name in (
+    "blocked_causal_short_q-bfloat16", "blocked_float_mask_per_head-float32")], ids=str)
+def test_sdpa_blocked_cpu_compiled(case, compile_on):
+    """Inside a compiled graph (traced on the second call, replayed after): same results."""
+    inputs = case.inputs()
+    with torch.no_grad():
+        expected = case.module().eval()(*inputs)
+    lowered = lower_and_compare(case)
+    before, compiled_before = blocked_calls(), mlx_delegate._runtime.compile_stats()["compiled_calls"]
+    actual = run_fresh(lowered.buffer, inputs, kernels=True, calls=4)
+    served = cpu_kernels_active() and mlx_delegate._blas.mode() == "torch"
+    assert blocked_calls() - before == (4 if served else 0)
+    assert mlx_delegate._runtime.compile_stats()["compiled_calls"] - compiled_before == 3
+    assert_close(actual, expected, *TOLERANCE[case.dtype])
+
+
+def test_sdpa_blocked_switch(monkeypatch):
+    """MLX_DELEGATE_SDPA_BLOCKED=0 turns the blocked kernel off (the composed path runs, same result)."""
+    monkeypatch.setenv("MLX_DELEGATE_SDPA_BLOCKED", "0")
+    before = blocked_calls()
+    lower_and_compare(cases("blocked_off", sdpa(is_causal=True), qkv(hq=2, hk=2, lq=70, lk=70, e=64), F32)[0])
+    assert blocked_calls() == before

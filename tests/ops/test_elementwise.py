@@ -9,7 +9,9 @@ from mlx_delegate import testing
 from mlx_delegate.testing import FLOATS, amend, cases, lower_and_compare
 
 aten = torch.ops.aten
-INTS = (torch.int32, torch.int64)
+# int8 and int16 too: the narrow types wrap on overflow and promote differently in torch
+# (sums and products to int64) than MLX does by itself.
+INTS = (torch.int8, torch.int16, torch.int32, torch.int64)
 NAN, INF = float("nan"), float("inf")
 
 
@@ -36,6 +38,12 @@ def ints(dtype, *shape, lo=-9, hi=10):
 
 def two_ints(dtype, *shapes, lo=-9, hi=10):
     return lambda: tuple(torch.randint(lo, hi, s, dtype=dtype) for s in shapes)
+
+
+def full_range_ints(dtype, *shapes):
+    """Integers over the dtype's whole range: sums and products overflow and must wrap as torch's do."""
+    info = torch.iinfo(dtype)
+    return lambda: tuple(torch.randint(info.min, info.max, s, dtype=dtype) for s in shapes)
 
 
 def values(*vals, dtype=torch.float32):
@@ -159,6 +167,7 @@ ARITH_INT = [
     ("bitwise_and", torch.bitwise_and, two_ints), ("bitwise_or", torch.bitwise_or, two_ints),
     ("bitwise_xor", torch.bitwise_xor, two_ints), ("and_scalar", lambda x, y: x & 6, two_ints),
     ("or_scalar", lambda x, y: x | 8, two_ints), ("xor_scalar", lambda x, y: x ^ 5, two_ints),
+    ("add_wraps", torch.add, full_range_ints), ("mul_wraps", torch.mul, full_range_ints),
 ]
 
 
@@ -300,19 +309,20 @@ rows, cols = Dim("rows", min=1, max=64), Dim("cols", min=1, max=64)
 
 
 def _dyn(name, fn, shapes, specs, more_shapes):
-    """One fp32 row exported with dynamic dims, then run at other sizes."""
-    return cases(name, fn, lambda: tuple(torch.randn(*s) for s in shapes), (torch.float32,),
+    """A row exported with dynamic dims in each float dtype (the half types' programs lowered once
+    too), then run at other sizes, a dynamic dim of 1 among them."""
+    return cases(name, fn, lambda: tuple(torch.randn(*s) for s in shapes), FLOATS,
                  dynamic_shapes=(specs,),
                  more_inputs=lambda: [tuple(torch.randn(*s) for s in ss) for ss in more_shapes])
 
 
 DYNAMIC = [
-    *_dyn("dyn_exp", torch.exp, [(3, 4)], ({0: rows, 1: cols},), [[(7, 2)], [(2, 9)]]),
-    *_dyn("dyn_add_bcast", torch.add, [(3, 4), (4,)], ({0: rows, 1: cols}, {0: cols}), [[(5, 6), (6,)]]),
+    *_dyn("dyn_exp", torch.exp, [(3, 4)], ({0: rows, 1: cols},), [[(7, 2)], [(1, 9)], [(5, 1)]]),
+    *_dyn("dyn_add_bcast", torch.add, [(3, 4), (4,)], ({0: rows, 1: cols}, {0: cols}), [[(5, 6), (6,)], [(1, 1), (1,)]]),
     *_dyn("dyn_where", lambda x, y: torch.where(x > y, x, 0.0), [(3, 4), (3, 4)],
-          ({0: rows}, {0: rows}), [[(8, 4), (8, 4)]]),
-    *_dyn("dyn_clamp", lambda x: torch.clamp(x, -0.3, 0.3) * 2, [(3, 4)], ({1: cols},), [[(3, 11)]]),
-    *_dyn("dyn_floordiv", lambda x, y: x // y, [(3, 4), (4,)], ({0: rows}, None), [[(6, 4), (4,)]]),
+          ({0: rows}, {0: rows}), [[(8, 4), (8, 4)], [(1, 4), (1, 4)]]),
+    *_dyn("dyn_clamp", lambda x: torch.clamp(x, -0.3, 0.3) * 2, [(3, 4)], ({1: cols},), [[(3, 11)], [(3, 1)]]),
+    *_dyn("dyn_floordiv", lambda x, y: x // y, [(3, 4), (4,)], ({0: rows}, None), [[(6, 4), (4,)], [(1, 4), (4,)]]),
 ]
 
 

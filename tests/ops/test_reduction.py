@@ -10,7 +10,9 @@ from mlx_delegate import testing
 from mlx_delegate.testing import FLOATS, lower_and_compare
 
 aten = torch.ops.aten
-INTS = (torch.int32, torch.int64)
+# int8 and int16 too: the narrow types wrap on overflow and promote differently in torch
+# (sums and products to int64) than MLX does by itself.
+INTS = (torch.int8, torch.int16, torch.int32, torch.int64)
 NAN = float("nan")
 
 
@@ -28,6 +30,13 @@ def randn(*shape):
 
 def ints(dtype, *shape, lo=-5, hi=6):
     return lambda: (torch.randint(lo, hi, shape, dtype=dtype),)
+
+
+def full_range(dtype, *shape):
+    """Integers over the dtype's whole range: a narrow type's sum or product overflows unless it is
+    promoted to int64 as torch does (and wraps the same way where int64 itself overflows)."""
+    info = torch.iinfo(dtype)
+    return lambda: (torch.randint(info.min, info.max, shape, dtype=dtype),)
 
 
 def bools(*shape):
@@ -98,6 +107,11 @@ REDUCE_INT = [
     ("amax", lambda x: x.amax(0), None), ("max", torch.max, None), ("min_all", torch.min, None),
     ("any_dim", lambda x: x.any(1), None), ("all", torch.all, None), ("all_dims", lambda x: torch.all(x, (0, 1)), None),
     ("sum_dtype_float", lambda x: x.sum(0, dtype=torch.float32), None), ("cumsum", lambda x: x.cumsum(1), None),
+]
+REDUCE_FULL_RANGE = [
+    ("sum_full_range", lambda x: x.sum(1), lambda dt: full_range(dt, 3, 4)),
+    ("cumsum_full_range", lambda x: x.cumsum(1), lambda dt: full_range(dt, 3, 4)),
+    ("prod_full_range", lambda x: x.prod(1), lambda dt: full_range(dt, 3, 4)),
 ]
 REDUCE_DTYPE = [
     ("sum_dtype_f32", lambda x: x.half().sum(1, dtype=torch.float32), randn(3, 4)),
@@ -204,18 +218,19 @@ cols_dim = Dim("cols", min=2, max=64)
 
 
 def _dyn(name, fn, shape, spec, more):
+    """A row exported with a dynamic dim in each float dtype, run at other sizes (1 where the dim allows)."""
     # A `Lambda` takes its inputs as one *args tuple, hence the extra nesting.
-    return cases(name, fn, lambda: (torch.randn(*shape),), (torch.float32,), dynamic_shapes=((spec,),),
+    return cases(name, fn, lambda: (torch.randn(*shape),), FLOATS, dynamic_shapes=((spec,),),
                  more_inputs=lambda: [(torch.randn(*s),) for s in more])
 
 
 DYNAMIC = [
-    *_dyn("dyn_sum", lambda x: x.sum(1), (3, 4), {0: rows_dim, 1: cols_dim}, [(7, 9), (2, 2)]),
+    *_dyn("dyn_sum", lambda x: x.sum(1), (3, 4), {0: rows_dim, 1: cols_dim}, [(7, 9), (1, 2)]),
     *_dyn("dyn_mean_keep", lambda x: x.mean(-1, keepdim=True), (3, 4), {1: cols_dim}, [(3, 17)]),
-    *_dyn("dyn_softmax", lambda x: x.softmax(-1), (3, 4), {0: rows_dim, 1: cols_dim}, [(5, 33)]),
+    *_dyn("dyn_softmax", lambda x: x.softmax(-1), (3, 4), {0: rows_dim, 1: cols_dim}, [(5, 33), (1, 6)]),
     *_dyn("dyn_var", lambda x: x.var(1), (3, 4), {1: cols_dim}, [(3, 10)]),
     *_dyn("dyn_argmax", lambda x: x.argmax(-1), (3, 4), {1: cols_dim}, [(3, 12)]),
-    *_dyn("dyn_max_dim", lambda x: x.max(0), (3, 4), {0: rows_dim}, [(9, 4)]),
+    *_dyn("dyn_max_dim", lambda x: x.max(0), (3, 4), {0: rows_dim}, [(9, 4), (1, 4)]),
     *_dyn("dyn_cumsum", lambda x: x.cumsum(1), (3, 4), {1: cols_dim}, [(3, 20)]),
     *_dyn("dyn_sort", lambda x: x.sort(-1, descending=True), (3, 4), {1: cols_dim}, [(3, 11)]),
     *_dyn("dyn_topk", lambda x: x.topk(2, -1), (3, 4), {1: cols_dim}, [(3, 13)]),
@@ -240,6 +255,7 @@ HISTC = [
 
 CASES = [
     *HISTC, *float_rows(REDUCE_FLOAT), *exact_rows(REDUCE_INT, INTS + (torch.bool,)),
+    *exact_rows(REDUCE_FULL_RANGE, INTS),
     *[c for name, fn, inp in REDUCE_DTYPE for c in cases(name, fn, inp, (None,))],
     *float_rows(ARG_ROWS), *exact_rows(ARG_INT, INTS), *float_rows(VAR_ROWS), *float_rows(SCAN_ROWS),
     *float_rows(SOFTMAX_ROWS), *[c for name, fn, inp in SOFTMAX_DTYPE for c in cases(name, fn, inp, (None,))],

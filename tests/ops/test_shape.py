@@ -11,7 +11,9 @@ from torch.export import Dim
 
 from mlx_delegate.testing import FLOATS, cases, lower_and_compare
 
-INTS = (torch.int32, torch.int64)
+# int8 and int16 too: the narrow types wrap on overflow and promote differently in torch
+# (sums and products to int64) than MLX does by itself.
+INTS = (torch.int8, torch.int16, torch.int32, torch.int64)
 ALL = FLOATS + INTS + (torch.bool,)
 FP32 = (torch.float32,)
 

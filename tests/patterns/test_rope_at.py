@@ -58,11 +58,13 @@ class RopeAtOp(torch.nn.Module):
         return rope_at(x, self.inv_freq, input_pos, self.traditional, self.base)
 
 
-def export_and_lower(module: torch.nn.Module, x: torch.Tensor, dynamic: bool = True):
-    """(edge program, pattern counts) for module(x, input_pos), L dynamic in [1, MAX_POS]."""
+def export_and_lower(module: torch.nn.Module, x: torch.Tensor, dynamic: bool = True,
+                     disable: tuple[str, ...] = ()):
+    """(edge program, pattern counts) for module(x, input_pos), L dynamic in [1, MAX_POS], with the
+    patterns in `disable` left out."""
     shapes = ({2: Dim("L", min=1, max=MAX_POS)}, None) if dynamic else None
     ep = torch.export.export(module.eval(), (x, torch.tensor([0])), dynamic_shapes=shapes, strict=True)
-    pattern_pass = MLXPatternPass()
+    pattern_pass = MLXPatternPass(disable=disable)
     return lower_with_patterns(ep, pattern_pass=pattern_pass), pattern_pass.counts
 
 
@@ -156,3 +158,20 @@ def test_one_compiled_graph_serves_every_position(compile_on):
     stats = {k: v - before[k] for k, v in _runtime.compile_stats().items()}
     # The position is a value, not a shape: traced once, replayed at every other position.
     assert stats == {"interpreted_calls": 1, "compiled_calls": 4, "traces": 1, "rejected": 0}
+
+
+def test_rope_at_switch_leaves_tensor_positions_composed():
+    """`MLXPatternPass(disable={"rope_at"})` (the A/B switch of benchmarks/optimizations.py) keeps
+    the cos/sin tables composed, still inside the delegate and still matching eager."""
+    module = TensorPositionRope(inv_freq(HEAD)).eval()
+    edge, counts = export_and_lower(module, torch.randn(1, 4, 3, HEAD), disable=("rope_at",))
+    assert counts["rope"] == 0 and rope_nodes(edge) == [] and delegate_summary(edge) == (1, [])
+    _program, method = load(edge)
+    for args in runs(torch.float32):
+        with torch.no_grad():
+            assert_close(method.execute(list(args)), module(*args), *TOLERANCE[torch.float32])
+
+
+def test_unknown_pattern_switch_is_named():
+    with pytest.raises(ValueError, match="unknown patterns \\['rope_att'\\]"):
+        MLXPatternPass(disable={"rope_att"})

@@ -2,8 +2,9 @@
 exp, sigmoid, SiLU, GELU (erf and tanh), erf, softmax, log-softmax, RMSNorm,
 LayerNorm, sum and mean over the last axis in float32, bfloat16 and float16 over odd row lengths (1, 7, 33, 4097;
 the longest is split across the cores) match eager torch, compiled graphs on and
-off. MLX's own ops (MLX_DELEGATE_CPU_KERNELS=0) and the portable libm code
-(=portable) run in subprocesses on the same programs and inputs and must agree;
+off. MLX's own ops (MLX_DELEGATE_CPU_KERNELS=0), the portable libm code
+(=portable) and the AVX2 code (=avx2: the vector code of CPUs without AVX-512,
+where this one has it) run in subprocesses on the same programs and inputs and must agree;
 the per-kernel call counters prove which code ran."""
 
 from collections.abc import Iterator
@@ -104,11 +105,11 @@ def test_kernels_match_eager(dtype, columns, cases, compile_mode):
 
 @pytest.fixture(scope="module")
 def other_paths(cases, tmp_path_factory) -> dict[str, dict]:
-    """MLX's own ops (kernels off) and the portable code, each in its own process."""
+    """MLX's own ops (kernels off), the portable code and the AVX2 code, each in its own process."""
     tmp_path = tmp_path_factory.mktemp("cpu_elementwise")
     programs = {key: (c.lowered.buffer, c.inputs) for key, c in cases.items()}
     return {kernels: run_in_subprocess(programs, {"MLX_DELEGATE_CPU_KERNELS": kernels}, tmp_path)
-            for kernels in ("0", "portable")}
+            for kernels in ("0", "portable", "avx2")}
 
 
 def test_switch_selects_the_code(cases, other_paths):
@@ -117,6 +118,7 @@ def test_switch_selects_the_code(cases, other_paths):
     # The subprocess runs on this machine's default device: no CPU kernels on a GPU.
     want = {k: v * runs for k, v in CALLS.items()} if on_cpu_device() else {}
     assert other_paths["portable"]["counts"] == want
+    assert other_paths["avx2"]["counts"] == want
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -130,6 +132,7 @@ def test_kernels_match_mlx_and_portable_code(dtype, cases, other_paths):
             got = method.execute([x])
             assert_close(got, other_paths["0"]["outputs"][dtype, columns][i], rtol, atol)
             assert_close(got, other_paths["portable"]["outputs"][dtype, columns][i], rtol, atol)
+            assert_close(got, other_paths["avx2"]["outputs"][dtype, columns][i], rtol, atol)
 
 
 def test_empty_input_falls_back():

@@ -21,6 +21,7 @@ CORPUS = ROOT / "tests" / "data" / "corpus"
 FUZZ_SECONDS = 60
 
 sys.path.insert(0, str(ROOT / "fuzz"))
+import fuzz_stock  # noqa: E402
 from seeds import Elementwise, seed_inputs_by_name  # noqa: E402
 
 
@@ -80,3 +81,42 @@ def test_stock_runtime_fuzz_bounded(tmp_path):
     assert outcomes["rejected at load_program"] and outcomes["rejected at load_method"], summary
     assert outcomes["ran"] and summary["executions"] >= outcomes["ran"], summary
     assert summary["log_lines"] > 0, summary  # the binding's log path was exercised
+    # Mutants that ran were checked against the seed's outputs: some changed files that still hand the
+    # delegate the seed's bytes (so must give its result bit for bit, and did: no finding), and some
+    # that compute something else.
+    results = summary["results"]
+    assert results["reads the seed's bytes"] > results["file unchanged"], summary
+    assert results["result changed"] and results["result unchanged"], summary
+    assert results["result changed"] + results["result unchanged"] == outcomes["ran"], summary
+
+
+def test_result_check_can_fail():
+    """check_result flags a different value where the delegate read the seed's bytes, and outputs of the
+    wrong number, dtype or (static seeds) shape always."""
+    ref = [torch.tensor([1.0, float("nan"), -0.0]), torch.tensor([3], dtype=torch.int64)]
+    same = [t.clone() for t in ref]
+    off = [torch.tensor([1.0, float("nan"), 0.0]), ref[1].clone()]  # -0.0 -> 0.0: one bit
+    check = fuzz_stock.check_result
+    assert check(same, ref, same_reads=True, static=True) == (None, True)
+    assert check(off, ref, same_reads=True, static=True) == (fuzz_stock.WRONG_RESULT, False)
+    assert check(off, ref, same_reads=False, static=True) == (None, False)  # a different program
+    assert check(same[:1], ref, same_reads=False, static=True)[0] == fuzz_stock.MALFORMED
+    assert check([ref[0].half(), ref[1]], ref, same_reads=False, static=True)[0] == fuzz_stock.MALFORMED
+    longer = [torch.zeros(4), ref[1]]
+    assert check(longer, ref, same_reads=False, static=True)[0] == fuzz_stock.MALFORMED
+    assert check(longer, ref, same_reads=False, static=False) == (None, False)  # dynamic outputs may resize
+
+
+def test_reads_sees_what_the_delegate_reads():
+    """A byte of the delegate blob changes what `reads` returns; the header's segment_data_size (which
+    resolves no region) does not."""
+    pte = lower(Elementwise(), tuple(seed_inputs_by_name()["elementwise"])).buffer
+    lay = fuzz_stock.layout(pte)
+    (start, _), = lay.regions["blob"]
+    blob = bytearray(pte)
+    blob[start + 40] ^= 1
+    header = bytearray(pte)
+    header[32] ^= 1  # extended header: segment_data_size
+    assert fuzz_stock.reads(pte) is not None
+    assert fuzz_stock.reads(bytes(blob)) != fuzz_stock.reads(pte)
+    assert fuzz_stock.reads(bytes(header)) == fuzz_stock.reads(pte)

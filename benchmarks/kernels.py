@@ -1,0 +1,325 @@
+"""Op-level timings on the CPU: our CPU kernels against MLX's own ops and eager torch.
+
+Groups (`--ops`, default all):
+
+- `unary`: SiLU at SmolLM2-135M's MLP width (32 and 128 tokens x 1536), GELU at Whisper base's
+  (1500 frames x 2048), `exp` over 16M elements.
+- `rows`: RMSNorm and softmax at SmolLM2-135M's prefill shapes (32 and 128 tokens: [L, 576],
+  9 heads of [L, L]), LayerNorm and softmax at Whisper base's encoder shapes ([1500, 512], 8 heads
+  of [1500, 1500]).
+- `rope`: one `mlx_delegate::rope_at` node (position as a tensor, the compiled decode graph's form) at
+  SmolLM2-135M's decode shapes (q [1, 9, 1, 64] fp32 and bf16, k [1, 3, 1, 64]) and a 64-token
+  prefill; eager torch computes the rotate-half form the Llama model writes.
+- `sdpa`: attention at SmolLM2-135M's shape (9 query heads, 3 key heads, head dim 64) over a
+  256-slot cache under the position mask the Llama model uses (`arange(S) <= position`), for 1 to 64
+  query rows.
+
+Each case is lowered once on its own and its program loaded once per path (each copy compiles its own
+graph); the copies and eager torch take turns in rotating order, call by call
+(`common.time_interleaved`), in one process, so load on the shared machine hits them alike. Paths
+(the `path` column):
+
+- `kernels on`: the delegate as shipped, CPU kernels on (for `sdpa`, the fused decode-attention
+  kernel wherever it applies: up to 2 query rows by default).
+- `composed` (`sdpa` only): kernels on, the fused attention kernel off
+  (MLX_DELEGATE_SDPA_FUSED_MAX_L=0): scale, BLAS matmuls, the kernels' softmax and the mask ops it
+  replaces. Where the fused kernel does not apply (more query rows) this is the same path as
+  `kernels on`, a control for the noise.
+- `kernels off`: MLX's own ops (`_runtime.set_cpu_kernels(False)`).
+- `eager torch`: the torch op (`--threads`, default 2).
+- with `--nodes`, each delegate path also node by node (`..., nodes`: compiled graphs off).
+
+Figures are per call through the delegate (its per-call overhead, tens of us, and the input/output
+copies included). `x on`: median over `kernels on`'s median; `x eager`: over eager torch's;
+`max|err|`: the path's first call against eager torch. Caveat: in-process A/B of the tiny `sdpa`
+decode calls has shown a bias against the fused copy (one process per path measured it ahead);
+check a surprising `sdpa` row with one process per setting. Nothing fails here.
+
+    python benchmarks/kernels.py [--ops unary,rows,rope,sdpa] [--quick] [--nodes] [--budget S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import common  # first: mlx_delegate before mlx
+import numpy as np
+import torch
+import torch.nn.functional as F
+from executorch.runtime import Runtime
+
+from mlx_delegate import _runtime
+from mlx_delegate.custom_ops import rope_at
+from mlx_delegate.models.llama import apply_rope
+from mlx_delegate.testing import Lambda, lower
+
+GROUPS = ("unary", "rows", "rope", "sdpa")
+SDPA_ENV = "MLX_DELEGATE_SDPA_FUSED_MAX_L"
+
+
+@dataclass
+class Case:
+    """One op at one shape: the module lowered, its inputs, and eager torch's same computation."""
+
+    group: str
+    label: str
+    module: torch.nn.Module
+    inputs: tuple[torch.Tensor, ...]
+    eager: Callable[[], Any]
+    paths: tuple[str, ...] = ("kernels on", "kernels off")
+
+
+@dataclass(frozen=True)
+class RunAs:
+    """How one loaded copy is run: CPU kernels, compiled graphs, environment set around each call."""
+
+    kernels: bool = True
+    compiled: bool = True
+    env: dict[str, str] = field(default_factory=dict)
+
+
+PATHS = {"kernels on": RunAs(), "composed": RunAs(env={SDPA_ENV: "0"}), "kernels off": RunAs(kernels=False)}
+
+
+def shape_text(x: torch.Tensor) -> str:
+    return f"{list(x.shape)} {str(x.dtype).removeprefix('torch.')}"
+
+
+# ---------------------------------------------------------------- cases
+
+def rms(x: torch.Tensor) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), torch.ones(x.shape[-1]), 1e-5)
+
+
+def layer_norm(x: torch.Tensor) -> torch.Tensor:
+    return F.layer_norm(x, (x.shape[-1],), torch.ones(x.shape[-1]), torch.zeros(x.shape[-1]), 1e-5)
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(x, -1)
+
+
+def single_op(group: str, label: str, op: Callable[[torch.Tensor], torch.Tensor],
+              shape: tuple[int, ...]) -> Case:
+    x = torch.randn(shape)
+    return Case(group, f"{label} {shape_text(x)}", Lambda(op), (x,), lambda: op(x))
+
+
+def unary_cases(quick: bool) -> Iterator[Case]:
+    yield single_op("unary", "smollm2 s32 silu", F.silu, (32, 1536))
+    if quick:
+        return
+    yield single_op("unary", "smollm2 s128 silu", F.silu, (128, 1536))
+    yield single_op("unary", "whisper gelu", F.gelu, (1500, 2048))
+    yield single_op("unary", "exp 16M", torch.exp, (1 << 24,))
+
+
+def rows_cases(quick: bool) -> Iterator[Case]:
+    for tokens in (32,) if quick else (32, 128):
+        yield single_op("rows", f"smollm2 s{tokens} rms_norm", rms, (tokens, 576))
+        yield single_op("rows", f"smollm2 s{tokens} softmax", softmax, (9, tokens, tokens))
+    if not quick:
+        yield single_op("rows", "whisper layer_norm", layer_norm, (1500, 512))
+        yield single_op("rows", "whisper softmax", softmax, (8, 1500, 1500))
+
+
+ROPE_D, ROPE_BASE = 64, 100000.0
+
+
+class RopeAt(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        d = ROPE_D
+        self.register_buffer("inv_freq", 1.0 / (ROPE_BASE ** (torch.arange(0, d, 2).float() / d)))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return rope_at(x, self.inv_freq, pos, False, ROPE_BASE)
+
+
+def rope_eager(module: RopeAt, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The rotate-half form as the Llama model computes it."""
+    f = (pos + torch.arange(x.shape[2]))[:, None].float() * module.inv_freq[None, :]
+    emb = torch.cat((f, f), -1)
+    return apply_rope(x, emb.cos().to(x.dtype), emb.sin().to(x.dtype))
+
+
+def rope_cases(quick: bool) -> Iterator[Case]:
+    shapes = [(9, 1, torch.float32), (3, 1, torch.float32), (9, 1, torch.bfloat16), (9, 64, torch.float32)]
+    for heads, length, dtype in shapes[:1] if quick else shapes:
+        module = RopeAt().eval()
+        x, pos = torch.randn(1, heads, length, ROPE_D, dtype=dtype), torch.tensor([100])
+        yield Case("rope", f"rope_at {shape_text(x)}", module, (x, pos),
+                   lambda m=module, x=x, pos=pos: rope_eager(m, x, pos))
+
+
+SDPA_HQ, SDPA_HK, SDPA_D, SDPA_S = 9, 3, 64, 256
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def sdpa_cases(quick: bool) -> Iterator[Case]:
+    """Queries at positions position .. position + L - 1 over the whole cache."""
+    shapes = [(1, 255, torch.float32), (1, 128, torch.float32), (1, 128, torch.bfloat16),
+              (2, 128, torch.float32), (4, 128, torch.float32), (8, 128, torch.float32),
+              (16, 128, torch.float32), (32, 128, torch.float32), (64, 128, torch.float32)]
+    for length, position, dtype in [shapes[1], shapes[-2]] if quick else shapes:
+        q, k, v = (torch.randn(1, h, n, SDPA_D, dtype=dtype)
+                   for h, n in ((SDPA_HQ, length), (SDPA_HK, SDPA_S), (SDPA_HK, SDPA_S)))
+        mask = torch.arange(SDPA_S)[None, :] <= (position + torch.arange(length))[:, None]
+        inputs = (q, k, v, mask)
+        yield Case("sdpa", f"sdpa q {shape_text(q)}, kv {SDPA_S}, pos {position}", Lambda(attention), inputs,
+                   lambda inputs=inputs: attention(*inputs), paths=("kernels on", "composed", "kernels off"))
+
+
+SOURCES: dict[str, Callable[[bool], Iterator[Case]]] = {
+    "unary": unary_cases, "rows": rows_cases, "rope": rope_cases, "sdpa": sdpa_cases}
+
+
+# ---------------------------------------------------------------- running
+
+def delegate_run(buffer: bytes, inputs: tuple[torch.Tensor, ...],
+                 path: RunAs) -> tuple[Callable[[], Any], Any]:
+    """(one call, the Program to keep alive) for a new loaded copy of `buffer`, always run as `path` says."""
+    program = Runtime.get().load_program(buffer)
+    method = program.load_method("forward")
+    args = list(inputs)
+
+    def run() -> Any:
+        was = _runtime.cpu_kernels_enabled(), _runtime.compile_enabled()
+        _runtime.set_cpu_kernels(path.kernels)
+        _runtime.set_compile(path.compiled)
+        os.environ.update(path.env)  # read when the graph is built: the first and the tracing call
+        try:
+            return method.execute(args)
+        finally:
+            for key in path.env:
+                os.environ.pop(key, None)
+            _runtime.set_cpu_kernels(was[0])
+            _runtime.set_compile(was[1])
+
+    return run, program
+
+
+@dataclass
+class Row:
+    case: str
+    path: str
+    median_s: float | None = None
+    p90_s: float | None = None
+    rounds: int = 0
+    max_abs_err: float | None = None
+    error: str | None = None
+
+
+def run_case(case: Case, settings: common.Settings, nodes: bool) -> list[Row]:
+    """Lower `case` once, load it once per path, check each path against eager and time them all."""
+    with torch.no_grad():
+        reference = common.to_numpy(case.eager())
+    paths = {name: PATHS[name] for name in case.paths}
+    if nodes:
+        paths |= {f"{name}, nodes": replace(PATHS[name], compiled=False) for name in case.paths}
+    rows = {name: Row(case.label, name) for name in [*paths, "eager torch"]}
+    print(f"  {case.label}: lowering ...", file=sys.stderr, flush=True)
+    try:
+        buffer = lower(case.module, case.inputs).buffer
+    except Exception as e:  # noqa: BLE001  (a case that cannot lower is a table entry)
+        for name in paths:
+            rows[name].error = common.one_line(e)
+        buffer = None
+
+    def eager() -> Any:
+        with torch.no_grad():
+            return case.eager()
+
+    runs: dict[str, Callable[[], Any]] = {}
+    keep = []
+    for name, path in paths.items() if buffer is not None else ():
+        try:
+            run, program = delegate_run(buffer, case.inputs, path)
+            keep.append(program)
+            rows[name].max_abs_err = common.max_abs_err(run(), reference)  # the cold, node-by-node call
+            run()  # the second call traces the compiled graph: not a fair estimate of a call
+            runs[name] = run
+        except Exception as e:  # noqa: BLE001
+            rows[name].error = common.one_line(e)
+    runs["eager torch"] = eager
+    rows["eager torch"].max_abs_err = 0.0
+    estimates = {}
+    for name, run in list(runs.items()):
+        try:
+            estimates[name] = common.warm_up(run, settings)
+        except Exception as e:  # noqa: BLE001
+            rows[name].error = common.one_line(e)
+            del runs[name]
+    samples, errors = common.time_interleaved(runs, estimates, settings)
+    for name, xs in samples.items():
+        row = rows[name]
+        row.error = errors.get(name, row.error)
+        if xs:
+            row.median_s, row.p90_s, row.rounds = float(np.median(xs)), float(np.percentile(xs, 90)), len(xs)
+    return list(rows.values())
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+def table(rows: list[Row]) -> str:
+    headers = ["case", "path", "median", "p90", "n", "x on", "x eager", "max|err|", "error"]
+    right = [False, False, True, True, True, True, True, True, False]
+    by_case: dict[str, dict[str, Row]] = {}
+    for r in rows:
+        by_case.setdefault(r.case, {})[r.path] = r
+    lines = []
+    for case, paths in by_case.items():
+        on, eager = paths["kernels on"].median_s, paths["eager torch"].median_s
+        for i, r in enumerate(paths.values()):
+            lines.append([case if i == 0 else "", r.path, common.fmt_time(r.median_s),
+                          common.fmt_time(r.p90_s),
+                          str(r.rounds) if r.rounds else "-", ratio(r.median_s, on), ratio(r.median_s, eager),
+                          "-" if r.max_abs_err is None else f"{r.max_abs_err:.1e}", r.error or ""])
+    return common.format_table(headers, lines, right)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ops", default=",".join(GROUPS), help=f"comma-separated groups of {','.join(GROUPS)}")
+    p.add_argument("--quick", action="store_true", help="smoke run: 1-2 small cases a group")
+    p.add_argument("--nodes", action="store_true", help="also time each delegate path node by node")
+    p.add_argument("--budget", type=float, help="timed seconds per path and case (overrides the default)")
+    p.add_argument("--threads", type=int, default=common.THREADS, help="eager torch's threads")
+    args = p.parse_args(argv)
+    groups = args.ops.split(",")
+    unknown = set(groups) - set(GROUPS)
+    if unknown:
+        p.error(f"unknown op groups {sorted(unknown)}; choose from {list(GROUPS)}")
+    torch.set_num_threads(args.threads)
+    settings = common.QUICK if args.quick else common.Settings()
+    if args.budget is not None:
+        settings = replace(settings, budget_s=args.budget)
+    started = time.perf_counter()
+    meta = common.machine_meta(bandwidth=False) | {"quick": args.quick}
+    rows: list[Row] = []
+    for group in GROUPS:
+        if group in groups:
+            for case in SOURCES[group](args.quick):
+                rows += run_case(case, settings, args.nodes)
+    meta |= {"loadavg_end": [round(x, 2) for x in os.getloadavg()],
+             "wall_s": round(time.perf_counter() - started, 1)}
+    print()
+    print(common.heading(meta))
+    print(table(rows))
+    for line in common.load_note(meta):
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

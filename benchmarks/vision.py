@@ -1,0 +1,184 @@
+"""Vision models on CPU: the delegate, eager torch and ExecuTorch XNNPACK, interleaved in one process.
+
+ResNet-18/50, MobileNetV2, EfficientNet-B0 and a ViT-B/16-shaped model at 224x224, batch 1 and 8,
+built from transformers configs with random weights (timm and torchvision are not installable beside
+our torch pin), in eval mode. Each engine is checked against eager torch, then the engines take turns
+call by call; each sample records wall time and the process's CPU time over the same calls (every
+thread counts, so a runtime that spins while waiting shows it). transformers has no MobileNetV3.
+
+- mlx_delegate: `MLXPartitioner`, loaded by the stock `executorch.runtime`, compiled graphs (default)
+- eager torch: the module itself under `torch.no_grad()`, 2 threads
+- ET XNNPACK: the same export lowered with `XnnpackPartitioner`
+
+    python benchmarks/vision.py [--quick] [--models resnet18,mobilenet_v2] [--batches 1,8]
+                                [--engines delegate,eager,xnnpack] [--budget S] [--json out.json]
+
+--quick: ResNet-18 and MobileNetV2 at batch 1, fewer rounds. Nothing fails here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import common
+from common import ENGINES, QUICK, Settings, Workload, fmt_time, format_table, load_note, machine_meta
+import numpy as np
+import torch
+
+
+def _hf(model_cls: str, config_cls: str, **config: Any) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config_cls)(**config)
+    return getattr(transformers, model_cls)(cfg).eval()
+
+
+class Logits(torch.nn.Module):
+    """A transformers image model returning its first output tensor only (the engines compare tensors)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.inner(pixel_values=pixel_values)[0]
+
+
+# name -> builder. Shapes follow the reference architectures at 224x224 with 1000 classes.
+MODELS: dict[str, Callable[[], torch.nn.Module]] = {
+    "resnet18": lambda: _hf("ResNetForImageClassification", "ResNetConfig", layer_type="basic", depths=[2, 2, 2, 2],
+                            hidden_sizes=[64, 128, 256, 512], embedding_size=64, num_labels=1000),
+    "resnet50": lambda: _hf("ResNetForImageClassification", "ResNetConfig", layer_type="bottleneck",
+                            depths=[3, 4, 6, 3], hidden_sizes=[256, 512, 1024, 2048], embedding_size=64,
+                            num_labels=1000),
+    "mobilenet_v2": lambda: _hf("MobileNetV2ForImageClassification", "MobileNetV2Config", image_size=224,
+                                depth_multiplier=1.0, num_labels=1000),
+    "efficientnet_b0": lambda: _hf("EfficientNetForImageClassification", "EfficientNetConfig", image_size=224,
+                                   width_coefficient=1.0, depth_coefficient=1.0, dropout_rate=0.2,
+                                   hidden_dim=1280, num_labels=1000),
+    "vit_b16": lambda: _hf("ViTForImageClassification", "ViTConfig", image_size=224, patch_size=16,
+                           hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+                           num_labels=1000),
+}
+QUICK_MODELS = ("resnet18", "mobilenet_v2")
+VISION_ENGINES = ("delegate", "eager", "xnnpack")
+
+
+def workloads(models: Sequence[str], batches: Sequence[int]) -> Any:
+    for name in models:
+        module = Logits(MODELS[name]())
+        for batch in batches:
+            x = torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(batch))
+            yield Workload(f"{name} b{batch}", module, (x,), mlx_factory=lambda: None)
+        del module
+        gc.collect()
+
+
+def time_wall_cpu(runs: dict[str, Callable[[], Any]], estimate_s: dict[str, float],
+                  s: Settings) -> dict[str, list[tuple[float, float]]]:
+    """(wall, CPU) seconds per call, one sample per round, engines taking turns in a rotating order."""
+    rounds = {k: max(s.min_rounds, min(s.max_rounds, int(s.budget_s / max(estimate_s[k], 1e-9)))) for k in runs}
+    samples: dict[str, list[tuple[float, float]]] = {k: [] for k in runs}
+    order = list(runs)
+    gc.disable()  # a collection inside one engine's turn would be charged to it
+    try:
+        for r in range(max(rounds.values(), default=0)):
+            active = [k for k in order if r < rounds[k]]
+            shift = r % len(active) if active else 0
+            for k in active[shift:] + active[:shift]:
+                t0, c0 = time.perf_counter(), time.process_time()
+                runs[k]()
+                samples[k].append((time.perf_counter() - t0, time.process_time() - c0))
+    finally:
+        gc.enable()
+    return samples
+
+
+def run_case(w: Workload, engines: Sequence[str], s: Settings) -> list[dict[str, Any]]:
+    with torch.no_grad():
+        reference = common.to_numpy(w.module.eval()(*w.inputs))
+    results = {k: common.Result(w.case, ENGINES[k][0]) for k in engines}
+    ready = {}
+    for k in engines:
+        print(f"  {w.case}: preparing {ENGINES[k][0]} ...", file=sys.stderr, flush=True)
+        got = common._prepare(k, w, reference, s, results)
+        if got is not None:
+            ready[k] = got
+    print(f"  {w.case}: timing {len(ready)} engines ...", file=sys.stderr, flush=True)
+    samples = time_wall_cpu({k: p.run for k, (p, _) in ready.items()}, {k: e for k, (_, e) in ready.items()}, s)
+    rows = []
+    for k, res in results.items():
+        xs = samples.get(k, [])
+        row = asdict(res) | {"key": k, "cpu_s": None}
+        if xs:
+            row |= {"median_s": float(np.median([a for a, _ in xs])), "cpu_s": float(np.median([c for _, c in xs])),
+                    "rounds": len(xs)}
+        rows.append(row)
+    del ready
+    gc.collect()
+    return rows
+
+
+def table(rows: Sequence[dict[str, Any]]) -> str:
+    """Wall and CPU per call side by side, with the delegate's speed relative to eager and XNNPACK."""
+    by = {(r["case"], r["key"]): r["median_s"] for r in rows}
+    headers = ["case", "engine", "wall", "CPU", "n", "x eager", "x XNNPACK", "max|err|", "load", "delegation / error"]
+    out, last = [], None
+    for r in rows:
+        wall = r["median_s"]
+        rel = lambda key: "-" if not wall or not by.get((r["case"], key)) else f"{by[(r['case'], key)] / wall:.2f}x"  # noqa: E731
+        err = r["max_abs_err"]
+        out.append([r["case"] if r["case"] != last else "", r["engine"], fmt_time(wall), fmt_time(r["cpu_s"]),
+                    str(r["rounds"] or "-"), rel("eager"), rel("xnnpack"), "-" if err is None else f"{err:.1e}",
+                    fmt_time(r["load_s"]), f"ERROR {r['error']}" if r["error"] else r["note"]])
+        last = r["case"]
+    note = "x eager / x XNNPACK: that engine's wall time over this row's (above 1.00x: this row is faster)"
+    return format_table(headers, out, [False, False] + [True] * 7 + [False]) + "\n" + note
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="ResNet-18 and MobileNetV2 at batch 1, fewer rounds")
+    p.add_argument("--models", help=f"comma-separated subset of {','.join(MODELS)}")
+    p.add_argument("--batches", help="comma-separated batch sizes (default 1,8; --quick: 1)")
+    p.add_argument("--engines", default=",".join(VISION_ENGINES), help=f"subset of {','.join(ENGINES)}")
+    p.add_argument("--budget", type=float, help="timed seconds per engine and case")
+    p.add_argument("--json", metavar="PATH", help="also write meta and results as JSON")
+    args = p.parse_args(argv)
+    models = args.models.split(",") if args.models else list(QUICK_MODELS if args.quick else MODELS)
+    if unknown := set(models) - set(MODELS):
+        p.error(f"unknown models {sorted(unknown)}; choose from {list(MODELS)}")
+    batches = [int(b) for b in (args.batches or ("1" if args.quick else "1,8")).split(",")]
+    engines = [k for k in ENGINES if k in args.engines.split(",")]
+    settings = replace(QUICK if args.quick else Settings(budget_s=6.0, max_rounds=30), warmup=2)
+    if args.budget is not None:
+        settings = replace(settings, budget_s=args.budget)
+    started = time.perf_counter()
+    meta = machine_meta(bandwidth=False) | {"quick": args.quick}
+    rows: list[dict[str, Any]] = []
+    for w in workloads(models, batches):
+        rows += run_case(w, engines, settings)
+    meta |= {"loadavg_end": [round(x, 2) for x in os.getloadavg()], "peak_rss_mb": round(common.peak_rss_mb()),
+             "wall_s": round(time.perf_counter() - started, 1)}
+    print()
+    print("  ".join(f"{k}={v}" for k, v in meta.items()))
+    print()
+    print(table(rows))
+    for line in load_note(meta):
+        print(line)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

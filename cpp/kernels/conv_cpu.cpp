@@ -1,0 +1,251 @@
+// Convolution on the CPU (see conv_cpu.h): im2col + sgemm per image and
+// group, or a direct loop for depthwise (one input channel per group).
+#include "kernels/conv_cpu.h"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include <mlx/backend/cpu/encoder.h>
+#include <mlx/primitives.h>
+
+#include "kernels/cpu_parallel.h"
+
+namespace mlxd::rt {
+namespace mx = mlx::core;
+namespace {
+
+// cblas_sgemm as the process resolves it: the BLAS front (cpp/blas_shim.cpp)
+// when mlx_delegate installed it, else whichever BLAS is globally visible.
+using SgemmFn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*,
+                         int);
+SgemmFn sgemm() {
+  static const SgemmFn f = reinterpret_cast<SgemmFn>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
+  return f;
+}
+constexpr int kRowMajor = 101, kNoTrans = 111;
+
+struct Tensor {
+  const void* data;
+  mx::Dtype dtype;
+  mx::Shape shape;
+  mx::Strides strides;
+  bool contiguous;
+};
+
+Tensor tensor(const mx::array& a) {
+  return {a.data<void>(), a.dtype(), a.shape(), a.strides(), a.flags().row_contiguous};
+}
+
+// A's elements as row-major float32: in place when it already is, else
+// converted into `store`.
+const float* as_f32(const Tensor& t, std::vector<float>& store) {
+  if (t.dtype == mx::float32 && t.contiguous) return static_cast<const float*>(t.data);
+  CpuRowMajor packed(t.data, mx::size_of(t.dtype), t.shape, t.strides, t.contiguous);
+  int64_t n = 1;
+  for (int d : t.shape) n *= d;
+  store.resize(n);
+  cpu_load_f32(packed.data(), t.dtype, 0, n, store.data());
+  return store.data();
+}
+
+struct Geometry {
+  int N, C, H, W, O, KH, KW, OH, OW, sh, sw, ph, pw, dh, dw, groups;
+  int Cg() const { return C / groups; }
+  int Og() const { return O / groups; }
+  int64_t P() const { return int64_t{OH} * OW; }
+};
+
+// The output columns ow whose input column ow * s - p + k lies in [0, in): [lo, hi).
+std::pair<int, int> valid_range(int out, int in, int s, int p, int k) {
+  // ow * s >= p - k  and  ow * s <= in - 1 + p - k
+  int lo_num = p - k, hi_num = in - 1 + p - k;
+  int lo = lo_num <= 0 ? 0 : (lo_num + s - 1) / s;
+  int hi = hi_num < 0 ? 0 : hi_num / s + 1;
+  return {std::min(lo, out), std::clamp(hi, std::min(lo, out), out)};
+}
+
+// cols [Cg * KH * KW, OH * OW] for one image and group (x: that group's Cg planes).
+void im2col(const Geometry& g, const float* x, float* cols) {
+  const int64_t rows = int64_t{g.Cg()} * g.KH * g.KW;
+  cpu_parallel_for(rows, g.P(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int c = static_cast<int>(r / (g.KH * g.KW)), ki = static_cast<int>(r / g.KW % g.KH),
+                kj = static_cast<int>(r % g.KW);
+      const float* plane = x + int64_t{c} * g.H * g.W;
+      float* out = cols + r * g.P();
+      const auto [lo, hi] = valid_range(g.OW, g.W, g.sw, g.pw, kj * g.dw);
+      for (int oh = 0; oh < g.OH; ++oh, out += g.OW) {
+        const int ih = oh * g.sh - g.ph + ki * g.dh;
+        if (ih < 0 || ih >= g.H || lo >= hi) {
+          std::fill(out, out + g.OW, 0.f);
+          continue;
+        }
+        std::fill(out, out + lo, 0.f);
+        std::fill(out + hi, out + g.OW, 0.f);
+        const float* row = plane + int64_t{ih} * g.W - g.pw + kj * g.dw;
+        if (g.sw == 1) {
+          std::memcpy(out + lo, row + lo, (hi - lo) * sizeof(float));
+        } else {
+          for (int ow = lo; ow < hi; ++ow) out[ow] = row[int64_t{ow} * g.sw];
+        }
+      }
+    }
+  });
+}
+
+// One output plane per (image, channel) of a convolution with one input channel per group.
+void depthwise(const Geometry& g, const float* x, const float* w, const float* bias, float* y) {
+  const int m = g.Og();  // output channels per input channel
+  cpu_parallel_for(int64_t{g.N} * g.O, g.P() * g.KH * g.KW, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int o = static_cast<int>(p % g.O);
+      const float* plane = x + (p / g.O * g.C + o / m) * int64_t{g.H} * g.W;
+      const float* k = w + int64_t{o} * g.KH * g.KW;
+      float* out = y + p * g.P();
+      std::fill(out, out + g.P(), bias ? bias[o] : 0.f);
+      for (int kj = 0; kj < g.KW; ++kj) {
+        const auto [lo, hi] = valid_range(g.OW, g.W, g.sw, g.pw, kj * g.dw);
+        if (lo >= hi) continue;
+        for (int oh = 0; oh < g.OH; ++oh) {
+          float* orow = out + int64_t{oh} * g.OW;
+          for (int ki = 0; ki < g.KH; ++ki) {
+            const int ih = oh * g.sh - g.ph + ki * g.dh;
+            if (ih < 0 || ih >= g.H) continue;
+            const float wv = k[ki * g.KW + kj];
+            const float* row = plane + int64_t{ih} * g.W - g.pw + kj * g.dw;
+            if (g.sw == 1) {
+              for (int ow = lo; ow < hi; ++ow) orow[ow] += wv * row[ow];
+            } else {
+              for (int ow = lo; ow < hi; ++ow) orow[ow] += wv * row[int64_t{ow} * g.sw];
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+struct ConvCall {
+  Tensor x, w;
+  std::optional<Tensor> bias;
+  void* y;
+  mx::Dtype out_dtype;
+  Geometry g;
+};
+
+void run_conv(const ConvCall& c) {
+  const Geometry& g = c.g;
+  std::vector<float> xs, ws, bs, ys, cols;
+  const float* x = as_f32(c.x, xs);
+  const float* w = as_f32(c.w, ws);
+  const float* bias = c.bias ? as_f32(*c.bias, bs) : nullptr;
+  const int64_t out_n = int64_t{g.N} * g.O * g.P();
+  float* y = static_cast<float*>(c.y);
+  if (c.out_dtype != mx::float32) {
+    ys.resize(out_n);
+    y = ys.data();
+  }
+  if (g.Cg() == 1) {
+    depthwise(g, x, w, bias, y);
+  } else {
+    const bool direct = g.KH == 1 && g.KW == 1 && g.sh == 1 && g.sw == 1 && g.ph == 0 && g.pw == 0;
+    const int K = g.Cg() * g.KH * g.KW, M = g.Og();
+    const int P = static_cast<int>(g.P());
+    if (!direct) cols.resize(int64_t{K} * P);
+    for (int n = 0; n < g.N; ++n) {
+      for (int gi = 0; gi < g.groups; ++gi) {
+        const float* xg = x + (int64_t{n} * g.C + int64_t{gi} * g.Cg()) * g.H * g.W;
+        float* yg = y + (int64_t{n} * g.O + int64_t{gi} * M) * P;
+        if (!direct) im2col(g, xg, cols.data());
+        if (bias) {
+          for (int o = 0; o < M; ++o) std::fill(yg + int64_t{o} * P, yg + int64_t{o + 1} * P, bias[gi * M + o]);
+        }
+        sgemm()(kRowMajor, kNoTrans, kNoTrans, M, P, K, 1.f, w + int64_t{gi} * M * K, K,
+                direct ? xg : cols.data(), P, bias ? 1.f : 0.f, yg, P);
+      }
+    }
+  }
+  if (c.out_dtype != mx::float32) cpu_store_f32(y, c.out_dtype, 0, out_n, c.y);
+}
+
+class ConvCpu : public mx::UnaryPrimitive {
+ public:
+  ConvCpu(mx::Stream s, Geometry g, bool has_bias) : mx::UnaryPrimitive(s), g_(g), has_bias_(has_bias) {}
+
+  // in: x [N, C, H, W], w [O, C/g, KH, KW], then the bias [O] when present; any strides.
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : in) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    Geometry g = g_;
+    g.N = in[0].shape(0);
+    ConvCall c{tensor(in[0]), tensor(in[1]), std::nullopt, out.data<void>(), out.dtype(), g};
+    if (has_bias_) c.bias = tensor(in[2]);
+    cpu_kernel_note_call(g.Cg() == 1 ? "conv_depthwise" : "conv_gemm");
+    encoder.dispatch([c = std::move(c)] { run_conv(c); });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("ConvCpu runs on the CPU only");
+  }
+  const char* name() const override { return "ConvCpu"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const ConvCpu&>(other);
+    return std::memcmp(&g_, &o.g_, sizeof(Geometry)) == 0 && has_bias_ == o.has_bias_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {{in[0].shape(0), g_.O, g_.OH, g_.OW}};
+  }
+
+ private:
+  Geometry g_;
+  bool has_bias_;
+};
+
+int out_size(int in, int k, int s, int p, int d) { return (in + 2 * p - d * (k - 1) - 1) / s + 1; }
+
+}  // namespace
+
+bool conv_cpu_applies(const mx::array& x, const mx::array& w, const mx::array* bias, int groups) {
+  if (!cpu_kernels_active() || sgemm() == nullptr || groups < 1) return false;
+  if (!cpu_kernel_dtype_ok(x) || w.dtype() != x.dtype() || w.size() == 0) return false;
+  if ((x.ndim() != 3 && x.ndim() != 4) || w.ndim() != x.ndim()) return false;
+  return !bias || (cpu_kernel_dtype_ok(*bias) && bias->size() == static_cast<size_t>(w.shape(0)));
+}
+
+mx::array conv_cpu(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias,
+                   const std::vector<int>& stride, const std::vector<int>& padding, const std::vector<int>& dilation,
+                   int groups) {
+  if (!conv_cpu_applies(x, w, bias ? &*bias : nullptr, groups))
+    throw std::invalid_argument("conv_cpu: operands it does not take");
+  const bool one_d = x.ndim() == 3;
+  const size_t nd = one_d ? 1 : 2;
+  if (stride.size() != nd || padding.size() != nd || dilation.size() != nd)
+    throw std::invalid_argument("conv: stride, padding and dilation need one entry per spatial axis");
+  // A 1-D convolution is a 2-D one over a height-1 image.
+  auto at = [&](const std::vector<int>& v, int axis, int fill) { return one_d ? (axis ? v[0] : fill) : v[axis]; };
+  Geometry g{x.shape(0), x.shape(1), one_d ? 1 : x.shape(2), x.shape(-1), w.shape(0), one_d ? 1 : w.shape(2),
+             w.shape(-1), 0, 0, at(stride, 0, 1), at(stride, 1, 1), at(padding, 0, 0), at(padding, 1, 0),
+             at(dilation, 0, 1), at(dilation, 1, 1), groups};
+  if (g.C % groups || g.O % groups || w.shape(1) != g.C / groups)
+    throw std::invalid_argument("conv: weight " + std::to_string(w.shape(0)) + "x" + std::to_string(w.shape(1)) +
+                                " does not fit " + std::to_string(g.C) + " input channels in " +
+                                std::to_string(groups) + " groups");
+  if (std::min({g.sh, g.sw, g.dh, g.dw}) < 1 || std::min(g.ph, g.pw) < 0)
+    throw std::invalid_argument("conv: stride and dilation must be positive, padding non-negative");
+  g.OH = out_size(g.H, g.KH, g.sh, g.ph, g.dh);
+  g.OW = out_size(g.W, g.KW, g.sw, g.pw, g.dw);
+  if (g.OH < 1 || g.OW < 1 || g.H + 2 * g.ph < g.dh * (g.KH - 1) + 1 || g.W + 2 * g.pw < g.dw * (g.KW - 1) + 1)
+    throw std::invalid_argument("conv: kernel is larger than the padded input");
+  std::vector<mx::array> inputs{x, w};
+  if (bias) inputs.push_back(mx::flatten(*bias));
+  auto prim = std::make_shared<ConvCpu>(mx::default_stream(mx::Device::cpu), g, bias.has_value());
+  auto y = mx::array({g.N, g.O, g.OH, g.OW}, x.dtype(), std::move(prim), std::move(inputs));
+  return one_d ? mx::reshape(y, {g.N, g.O, g.OW}) : y;
+}
+
+}  // namespace mlxd::rt

@@ -1,0 +1,32 @@
+// 1-D / 2-D convolution on the CPU as one MLX primitive, on torch's
+// channels-first layout. MLX's CPU convolution works channels-last, so the
+// delegate transposed the input, the weight and the result on every call, and
+// MLX runs grouped and depthwise convolutions through a scalar loop. This
+// kernel reads NCHW and the weight as torch stores it ([O, C/g, kh, kw]):
+// per image and group, im2col (none for a 1x1 stride-1 unpadded convolution)
+// then one sgemm (the BLAS front MLX's matmul uses: torch's MKL), which writes
+// the NCHW result directly; depthwise convolutions run a direct per-channel
+// loop. Bias is added in the same pass. Math in float32.
+#pragma once
+
+#include <optional>
+#include <vector>
+
+#include <mlx/mlx.h>
+
+namespace mlxd::rt {
+
+// Whether conv_cpu takes these: kernels on (cpu_kernels_active), an sgemm
+// found, x [N, C, (H,) W] and w [O, C/groups, (kh,) kw] of the same float32 /
+// bfloat16 / float16 dtype, non-empty, and a bias (when given) of O elements.
+bool conv_cpu_applies(const mlx::core::array& x, const mlx::core::array& w, const mlx::core::array* bias,
+                      int groups);
+
+// torch.nn.functional.conv{1,2}d(x, w, bias, stride, padding, dilation,
+// groups) with symmetric padding; parameters have one entry per spatial axis.
+// The result has x's dtype.
+mlx::core::array conv_cpu(const mlx::core::array& x, const mlx::core::array& w,
+                          const std::optional<mlx::core::array>& bias, const std::vector<int>& stride,
+                          const std::vector<int>& padding, const std::vector<int>& dilation, int groups);
+
+}  // namespace mlxd::rt

@@ -1,0 +1,81 @@
+// Per-node profiling (MLX_DELEGATE_PROFILE=1): see interpreter.h.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <string>
+
+#include "interpreter.h"
+
+namespace mlxd::rt {
+
+namespace {
+
+bool env_profile_enabled() {
+  const char* v = std::getenv("MLX_DELEGATE_PROFILE");
+  return v != nullptr && std::string(v) == "1";
+}
+std::atomic<bool> g_profile{env_profile_enabled()};
+std::mutex g_profile_mutex;
+std::map<std::string, ProfileEntry> g_profile_entries;
+
+std::string profile_key(mlxd::Node type, const std::vector<mx::array>& produced) {
+  std::string key = kNodeNames[static_cast<int>(type)];
+  if (produced.empty()) return key;
+  const auto& a = produced.front();
+  std::ostringstream os;
+  os << key << ' ' << a.dtype() << " [";
+  for (size_t d = 0; d < a.shape().size(); ++d) os << (d ? "," : "") << a.shape()[d];
+  os << ']';
+  return os.str();
+}
+
+}  // namespace
+
+bool profile_enabled() { return g_profile.load(std::memory_order_relaxed); }
+void set_profile_enabled(bool on) { g_profile.store(on); }
+
+std::vector<ProfileEntry> profile_report() {
+  std::lock_guard<std::mutex> lock(g_profile_mutex);
+  std::vector<ProfileEntry> out;
+  for (const auto& [key, e] : g_profile_entries) out.push_back(e);
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.seconds > b.seconds; });
+  return out;
+}
+
+void reset_profile() {
+  std::lock_guard<std::mutex> lock(g_profile_mutex);
+  g_profile_entries.clear();
+}
+
+void Handle::run_nodes_profiled() {
+  const auto& lp = *program_;
+  std::vector<mx::array> produced;
+  ctx_.produced = &produced;
+  struct Reset {
+    ExecContext& c;
+    ~Reset() { c.produced = nullptr; }
+  } reset{ctx_};
+  for (size_t i = 0; i < lp.nodes.size(); ++i) {
+    produced.clear();
+    auto t0 = std::chrono::steady_clock::now();
+    exec_node(i, ctx_);
+    mx::eval(produced);
+    double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    {
+      std::lock_guard<std::mutex> lock(g_profile_mutex);
+      auto key = profile_key(lp.types[i], produced);
+      auto& e = g_profile_entries[key];
+      e.key = key;
+      e.calls += 1;
+      e.seconds += dt;
+    }
+    if (!lp.program->keep_intermediates())
+      for (uint32_t t : lp.release_after[i]) ctx_.tensors[t].reset();
+  }
+}
+
+}  // namespace mlxd::rt
