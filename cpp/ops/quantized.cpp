@@ -101,11 +101,16 @@ void exec_QuantizedEmbeddingNode(const mlxd::QuantizedEmbeddingNode& n, ExecCont
 }
 
 // A whole packed weight (or gathered rows of one) back to floating point; biases only for affine.
+// The microscaled modes decode in float32 and then cast: asked for bf16 directly, MLX 0.32's CPU compile
+// fuses float32 and bf16 operands into one kernel that the C++ compiler rejects.
 void exec_DequantizeNode(const mlxd::DequantizeNode& n, ExecContext& ctx) {
   std::optional<mx::array> biases;
   if (auto* b = ctx.maybe_in(n.biases())) biases = *b;
-  ctx.set(n.out(), mx::dequantize(packed_words(ctx.in(n.w())), ctx.in(n.scales()), biases, n.group_size(),
-                                  n.bits(), mode_name(n.mode()), std::nullopt, to_mlx(n.dtype())));
+  auto dtype = to_mlx(n.dtype());
+  bool affine = n.mode() == mlxd::QuantMode::Affine;
+  auto y = mx::dequantize(packed_words(ctx.in(n.w())), ctx.in(n.scales()), biases, n.group_size(), n.bits(),
+                          mode_name(n.mode()), std::nullopt, affine ? dtype : mx::float32);
+  ctx.set(n.out(), affine ? y : mx::astype(y, dtype));
 }
 
 }  // namespace mlxd::rt

@@ -22,7 +22,8 @@ becomes `mlx_delegate::dequantize` (ExecuTorch has no kernel for them).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from executorch.backends.transforms.utils import create_constant_placeholder, delete_constant_placeholder

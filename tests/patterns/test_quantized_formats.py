@@ -9,7 +9,6 @@ import torch
 from executorch.extension.llm.export import ExportableInt4Tensor
 from executorch.extension.llm.export.mx import ExportableMXConfig
 from executorch.extension.llm.export.nvfp4 import ExportableNVFP4Config
-from executorch.runtime import Runtime
 from torch.export import Dim
 from torchao.quantization import IntxWeightOnlyConfig, MappingType, quantize_
 from torchao.quantization.granularity import PerGroup
@@ -19,7 +18,7 @@ from mlx_delegate import quantization as Q
 from mlx_delegate.llm import export as llm_export
 from mlx_delegate.llm.generate import Generator
 from mlx_delegate.models import loading
-from mlx_delegate.testing import QUANTIZED_TOLERANCE, assert_close, delegate_summary
+from mlx_delegate.testing import QUANTIZED_TOLERANCE, OpCase, delegate_summary, lower_and_compare
 
 from .test_quantized import ir_nodes
 
@@ -64,21 +63,6 @@ class Layers(torch.nn.Module):
         return self.biased(x), self.plain(x), self.emb(tokens), self.tail(x), self.tail.weight.dequantize().sum(0)
 
 
-def lower(module, inputs, more_inputs=()):
-    """Lower (token count dynamic) with the plain partitioner, which repacks these formats itself;
-    every input set matches eager. Returns (delegate summary, IR node counts)."""
-    dynamic = ({1: Dim("L", min=1, max=16)}, {1: Dim("T", min=1, max=16)})
-    ep = torch.export.export(module, inputs, dynamic_shapes=dynamic, strict=True)
-    edge = llm_export.lower(ep)
-    buffer = edge.to_executorch().buffer
-    method = Runtime.get().load_program(buffer).load_method("forward")
-    dtype = inputs[0].dtype
-    for args in (inputs, *more_inputs):
-        with torch.no_grad():
-            assert_close(method.execute(list(args)), module(*args), *QUANTIZED_TOLERANCE[dtype])
-    return delegate_summary(edge), ir_nodes(edge)
-
-
 def sample(dtype, length=3, k=64):
     return torch.randn(2, length, k, dtype=dtype), torch.randint(0, 32, (2, length))
 
@@ -86,12 +70,23 @@ def sample(dtype, length=3, k=64):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_format_lowers_and_matches_eager(fmt, dtype):
-    torch.manual_seed(0)
-    module = Layers(odd=not fmt.startswith("nvfp4")).to(dtype).eval()
-    FORMATS[fmt](module)
-    # 3 and 9 rows: MLX's quantized matmul, and (CPU) the dequantize + matmul path from 8 rows.
-    summary, nodes = lower(module, sample(dtype), [sample(dtype, length=9)])
-    assert summary == (1, []) and not {"LinearNode", "MatmulNode", "AddmmNode"} & set(nodes)
+    """Through the harness: the plain partitioner repacks these formats itself; node by node, compiled and
+    with the CPU kernels off, at 3 and 9 rows (MLX's quantized matmul, and on the CPU dequantize + matmul
+    from 8 rows), token count dynamic."""
+    def module() -> torch.nn.Module:
+        torch.manual_seed(0)
+        m = Layers(odd=not fmt.startswith("nvfp4")).to(dtype).eval()
+        FORMATS[fmt](m)
+        return m
+
+    case = OpCase(f"{fmt}-{dtype}", module, lambda: sample(dtype), dtype=dtype,
+                  dynamic_shapes=({1: Dim("L", min=1, max=16)}, {1: Dim("T", min=1, max=16)}),
+                  more_inputs=lambda: [sample(dtype, length=9)],
+                  rtol=QUANTIZED_TOLERANCE[dtype][0], atol=QUANTIZED_TOLERANCE[dtype][1],
+                  # no float32 twin: .float() on these modules does not re-stamp the quantized weights
+                  fp32_reference=False)
+    nodes = ir_nodes(lower_and_compare(case).edge)
+    assert not {"LinearNode", "MatmulNode", "AddmmNode"} & set(nodes)
     if fmt == "int4":  # affine: biased + plain are one grouped product (tail's packed weight is shared with
         # the dequantize, so it stays apart), the embedding its own node
         assert nodes["QuantizedLinearNode"] == 2 and nodes["QuantizedEmbeddingNode"] == 1
@@ -105,9 +100,9 @@ def test_repacks_are_exact():
     affine's scale * q + bias there, torchao's (q - zero_point) * scale), the microscaled modes bit for bit
     (NVFP4's per-tensor scale multiplies after the block scale, not into it: one rounding apart)."""
     torch.manual_seed(0)
-    for fmt in FORMATS:
+    for fmt, quantize in FORMATS.items():
         linear = torch.nn.Linear(64, 32).eval()
-        FORMATS[fmt](linear)
+        quantize(linear)
         w = linear.weight
         expected = w.dequantize(torch.float32)
         if fmt == "int4":
