@@ -126,9 +126,11 @@ class Generator:
         if prompt_tokens < 1 or prompt_tokens + decode_steps > self.max_seq_len - self.pos:
             return 0.0
         start, saved = time.perf_counter(), self.pos
-        self.step([0] * prompt_tokens)
+        # Any program kind: a sampling program takes the sampler's inputs (values do not matter).
+        extra = Sampler(seed=0).device_inputs() if self.samples_on_device else []
+        self._run([0] * prompt_tokens, extra)
         for _ in range(decode_steps):
-            self.step([0])
+            self._run([0], extra)
         self.pos = saved
         return time.perf_counter() - start
 
