@@ -104,6 +104,8 @@ def test_greedy_on_device_equals_host_argmax(llama_programs, runtime_path):
     for pte in (greedy_pte, sample_pte):  # temperature 0 through the full sampler too
         gen = Generator(pte, eos_token_ids=[])
         assert gen.greedy_on_device != gen.samples_on_device
+        # The CLI warms up first: it runs on token programs too, and leaves nothing behind.
+        assert gen.warm_up(len(PROMPT) + 3) > 0 and gen.pos == 0
         assert list(gen.generate_ids(PROMPT, 32)) == host
         with pytest.raises(ValueError, match="chooses the token on device"):
             gen.step([1])
