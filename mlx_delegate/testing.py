@@ -400,6 +400,29 @@ def lower_and_compare(case: OpCase, keep_ops: Sequence[Any] = (),
     return lowered
 
 
+def compare_node_and_compiled(buffer: bytes, calls: Sequence[Sequence[Any]], expected: Callable[..., Any],
+                              rtol: float, atol: float) -> None:
+    """Runs a stateless program (.pte bytes) on each input tuple node by node, then compiled (each
+    `CALLS_TO_REPLAY` times: traced, then replayed), each a fresh load; every output must match
+    `expected(*inputs)`, and some call must be served by a compiled graph. For programs checked
+    outside `lower_and_compare` (pattern passes, custom lowering)."""
+    from . import _runtime
+
+    for compiled in (False, True):
+        with runtime_switches(compile=compiled):
+            program = Runtime.get().load_program(buffer)
+            method = BoundMethod(program, program.load_method("forward"))
+            start = _runtime.compile_stats()["compiled_calls"]
+            for i, call in enumerate(calls):
+                with torch.no_grad():
+                    want = expected(*_fresh(call))
+                for _ in range(CALLS_TO_REPLAY if compiled else 1):
+                    _check(_execute(method, call), want, rtol, atol, False,
+                           f"{'compiled' if compiled else 'node by node'}, input {i}")
+            if compiled:
+                assert _runtime.compile_stats()["compiled_calls"] > start, "no call was replayed compiled"
+
+
 def _check(actual: Sequence[Any], expected: Any, rtol: float, atol: float, exact: bool, what: str) -> None:
     try:
         assert_close(actual, expected, rtol, atol, exact)
