@@ -120,3 +120,13 @@ def test_compare_node_and_compiled_runs_both_paths_and_can_fail():
     assert _runtime.compile_stats()["compiled_calls"] - before == len(inputs) * CALLS_TO_REPLAY - (COMPILE_AFTER - 1)
     with pytest.raises(AssertionError, match="node by node, input 0"):
         compare_node_and_compiled(buffer, inputs, lambda x: x.exp() * 2.001, *TOLERANCE[torch.float32])
+
+
+def test_compare_node_and_compiled_checks_half_types_against_float32():
+    inputs = [(torch.randn(3, 4).half(),)]
+    buffer = lower(Lambda(lambda x: x.exp() * 2), inputs[0]).buffer
+    compare_node_and_compiled(buffer, inputs, lambda x: x.exp() * 2, *TOLERANCE[torch.float16],
+                              fp32_expected=lambda x: x.exp() * 2)
+    with pytest.raises(AssertionError, match="against float32, input 0"):
+        compare_node_and_compiled(buffer, inputs, lambda x: x.exp() * 2, *TOLERANCE[torch.float16],
+                                  fp32_expected=lambda x: x.exp() * 2.2)

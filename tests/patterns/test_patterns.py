@@ -2,6 +2,8 @@
 program matches eager PyTorch, and they stay off where the fused op would not
 be lowered."""
 
+import copy
+
 import pytest
 import torch
 from torch.export import Dim
@@ -21,7 +23,8 @@ def run_lowered(module, inputs, dynamic_shapes=None, runs=()):
     buffer = edge.to_executorch().buffer  # the program reads from it: keep it alive
     dtype = next((x.dtype for x in inputs if x.is_floating_point()), torch.float32)
     rtol, atol = TOLERANCE[dtype]
-    compare_node_and_compiled(buffer, [inputs, *runs], module, rtol, atol)
+    compare_node_and_compiled(buffer, [inputs, *runs], module, rtol, atol,
+                              fp32_expected=copy.deepcopy(module).float())
     return pattern_pass.counts, delegate_summary(edge)
 
 

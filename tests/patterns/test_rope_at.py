@@ -3,6 +3,8 @@ into `mlx_delegate::rope_at`, lowered to one RopeNode whose offset is an array (
 matching eager PyTorch at several positions; one compiled graph serves every position."""
 
 
+import copy
+
 import pytest
 import torch
 from executorch.runtime import Runtime
@@ -101,7 +103,8 @@ def test_tensor_position_rope_fuses(dtype, freqs):
     assert node.offset_tensor is not None
     assert (node.inv_freq is None) == (freqs == "standard") and (node.base > 0) == (freqs == "standard")
     assert not any(type(n).__name__ == "UnaryNode" for n in payload_nodes(edge))
-    compare_node_and_compiled(edge.to_executorch().buffer, runs(dtype), module, *TOLERANCE[dtype])
+    compare_node_and_compiled(edge.to_executorch().buffer, runs(dtype), module, *TOLERANCE[dtype],
+                              fp32_expected=copy.deepcopy(module).float())
 
 
 def test_int_position_rope_still_uses_an_int_offset():
@@ -133,7 +136,8 @@ def test_rope_at_op_matches_eager(dtype, traditional, with_base):
     assert delegate_summary(edge) == (1, [])
     assert [n.traditional for n in rope_nodes(edge)] == [traditional]
     compare_node_and_compiled(edge.to_executorch().buffer, runs(dtype),
-                              lambda x, pos: rope_reference(x, int(pos), freqs, traditional), *TOLERANCE[dtype])
+                              lambda x, pos: rope_reference(x, int(pos), freqs, traditional), *TOLERANCE[dtype],
+                              fp32_expected=lambda x, pos: rope_reference(x, int(pos), freqs, traditional))
 
 
 def test_one_compiled_graph_serves_every_position(compile_on):
