@@ -385,6 +385,45 @@ def lower_and_compare(case: OpCase, keep_ops: Sequence[Any] = (),
     return lowered
 
 
+def compare_node_and_compiled(buffer: bytes, calls: Sequence[Sequence[Any]], expected: Callable[..., Any],
+                              rtol: float, atol: float, fp32_expected: Callable[..., Any] | None = None) -> None:
+    """Runs a stateless program (.pte bytes) on each input tuple node by node, then compiled (each
+    `CALLS_TO_REPLAY` times: traced, then replayed), each a fresh load; every output must match
+    `expected(*inputs)`, and some call must be served by a compiled graph. For programs checked
+    outside `lower_and_compare` (pattern passes, custom lowering). `fp32_expected`: for half-type
+    programs, the computation in float32, called on upcast inputs; the node-by-node outputs must also
+    be within FP32_REFERENCE_TOLERANCE of it."""
+    from . import _runtime
+
+    half = next((x.dtype for c in calls for x in c if isinstance(x, torch.Tensor)
+                 and x.dtype in FP32_REFERENCE_TOLERANCE), None)
+    if fp32_expected is not None and half is not None:
+        for i, call in enumerate(calls):
+            with runtime_switches(compile=False):
+                program = Runtime.get().load_program(buffer)
+                actual = _execute(BoundMethod(program, program.load_method("forward")), call)
+            with torch.no_grad():
+                reference = _flatten(fp32_expected(*[_upcast(x) for x in _fresh(call)]))
+            pairs = [(a.float(), e.float()) for a, e in zip(actual, reference)
+                     if isinstance(e, torch.Tensor) and e.is_floating_point()]
+            _check([a for a, _ in pairs], [e for _, e in pairs], *FP32_REFERENCE_TOLERANCE[half], False,
+                   f"against float32, input {i}")
+
+    for compiled in (False, True):
+        with runtime_switches(compile=compiled):
+            program = Runtime.get().load_program(buffer)
+            method = BoundMethod(program, program.load_method("forward"))
+            start = _runtime.compile_stats()["compiled_calls"]
+            for i, call in enumerate(calls):
+                with torch.no_grad():
+                    want = expected(*_fresh(call))
+                for _ in range(CALLS_TO_REPLAY if compiled else 1):
+                    _check(_execute(method, call), want, rtol, atol, False,
+                           f"{'compiled' if compiled else 'node by node'}, input {i}")
+            if compiled:
+                assert _runtime.compile_stats()["compiled_calls"] > start, "no call was replayed compiled"
+
+
 def _check(actual: Sequence[Any], expected: Any, rtol: float, atol: float, exact: bool, what: str) -> None:
     try:
         assert_close(actual, expected, rtol, atol, exact)

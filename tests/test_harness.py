@@ -6,8 +6,22 @@ import torch
 from torch.export import Dim
 
 from mlx_delegate import _runtime
-from mlx_delegate.testing import (CALLS_TO_REPLAY, CALLS_WITH_KERNELS, OpCase, amend, cases, cpu_kernels_active,
-                                  fp32_tolerance, lower_and_compare, runtime_switches)
+from mlx_delegate.testing import (
+    CALLS_TO_REPLAY,
+    CALLS_WITH_KERNELS,
+    COMPILE_AFTER,
+    TOLERANCE,
+    Lambda,
+    OpCase,
+    amend,
+    cases,
+    compare_node_and_compiled,
+    cpu_kernels_active,
+    fp32_tolerance,
+    lower,
+    lower_and_compare,
+    runtime_switches,
+)
 
 
 def stats_since(before):
@@ -94,3 +108,25 @@ def test_per_dtype_tolerance():
                     tolerance={torch.bfloat16: (3e-2, 3e-2)})
     assert [(c.rtol, c.atol) for c in configs] == [(None, None), (3e-2, 3e-2)]
     assert fp32_tolerance(16) == fp32_tolerance(1) and fp32_tolerance(1600)[1] == pytest.approx(10 * 1e-5)
+
+
+def test_compare_node_and_compiled_runs_both_paths_and_can_fail():
+    inputs = [(torch.randn(3, 4),), (torch.randn(3, 4),)]
+    buffer = lower(Lambda(lambda x: x.exp() * 2), inputs[0]).buffer
+    before = _runtime.compile_stats()["compiled_calls"]
+    compare_node_and_compiled(buffer, inputs, lambda x: x.exp() * 2, *TOLERANCE[torch.float32])
+    # One signature, called CALLS_TO_REPLAY times per input tuple: from its COMPILE_AFTER-th sighting on
+    # (the trace, then replays) every call is compiled.
+    assert _runtime.compile_stats()["compiled_calls"] - before == len(inputs) * CALLS_TO_REPLAY - (COMPILE_AFTER - 1)
+    with pytest.raises(AssertionError, match="node by node, input 0"):
+        compare_node_and_compiled(buffer, inputs, lambda x: x.exp() * 2.001, *TOLERANCE[torch.float32])
+
+
+def test_compare_node_and_compiled_checks_half_types_against_float32():
+    inputs = [(torch.randn(3, 4).half(),)]
+    buffer = lower(Lambda(lambda x: x.exp() * 2), inputs[0]).buffer
+    compare_node_and_compiled(buffer, inputs, lambda x: x.exp() * 2, *TOLERANCE[torch.float16],
+                              fp32_expected=lambda x: x.exp() * 2)
+    with pytest.raises(AssertionError, match="against float32, input 0"):
+        compare_node_and_compiled(buffer, inputs, lambda x: x.exp() * 2, *TOLERANCE[torch.float16],
+                                  fp32_expected=lambda x: x.exp() * 2.2)

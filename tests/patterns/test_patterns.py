@@ -2,16 +2,17 @@
 program matches eager PyTorch, and they stay off where the fused op would not
 be lowered."""
 
+import copy
+
 import pytest
 import torch
-from executorch.runtime import Runtime
 from torch.export import Dim
 
 from mlx_delegate.custom_ops import rope_reference
 from mlx_delegate.llm.export import lower
 from mlx_delegate.models.llama import RMSNorm, apply_rope
 from mlx_delegate.patterns import MLXPatternPass, apply_patterns
-from mlx_delegate.testing import TOLERANCE, assert_close, delegate_summary
+from mlx_delegate.testing import TOLERANCE, compare_node_and_compiled, delegate_summary
 
 
 def run_lowered(module, inputs, dynamic_shapes=None, runs=()):
@@ -20,13 +21,10 @@ def run_lowered(module, inputs, dynamic_shapes=None, runs=()):
     ep = torch.export.export(module, inputs, dynamic_shapes=dynamic_shapes, strict=True)
     edge = lower(ep, pattern_pass=pattern_pass)
     buffer = edge.to_executorch().buffer  # the program reads from it: keep it alive
-    program = Runtime.get().load_program(buffer)
-    method = program.load_method("forward")
     dtype = next((x.dtype for x in inputs if x.is_floating_point()), torch.float32)
     rtol, atol = TOLERANCE[dtype]
-    for args in (inputs, *runs):
-        with torch.no_grad():
-            assert_close(method.execute(list(args)), module(*args), rtol, atol)
+    compare_node_and_compiled(buffer, [inputs, *runs], module, rtol, atol,
+                              fp32_expected=copy.deepcopy(module).float())
     return pattern_pass.counts, delegate_summary(edge)
 
 

@@ -3,6 +3,8 @@ into `mlx_delegate::rope_at`, lowered to one RopeNode whose offset is an array (
 matching eager PyTorch at several positions; one compiled graph serves every position."""
 
 
+import copy
+
 import pytest
 import torch
 from executorch.runtime import Runtime
@@ -14,7 +16,7 @@ from mlx_delegate.ir import nodes as N
 from mlx_delegate.llm.export import lower as lower_with_patterns
 from mlx_delegate.models.llama import apply_rope
 from mlx_delegate.patterns import MLXPatternPass
-from mlx_delegate.testing import TOLERANCE, assert_close, delegate_summary
+from mlx_delegate.testing import TOLERANCE, assert_close, compare_node_and_compiled, delegate_summary
 
 HEAD, MAX_POS = 16, 64
 
@@ -103,11 +105,8 @@ def test_tensor_position_rope_fuses(dtype, freqs):
     assert node.offset_tensor is not None
     assert (node.inv_freq is None) == (freqs == "standard") and (node.base > 0) == (freqs == "standard")
     assert not any(type(n).__name__ == "UnaryNode" for n in payload_nodes(edge))
-    _program, method = load(edge)
-    rtol, atol = TOLERANCE[dtype]
-    for args in runs(dtype):
-        with torch.no_grad():
-            assert_close(method.execute(list(args)), module(*args), rtol, atol)
+    compare_node_and_compiled(edge.to_executorch().buffer, runs(dtype), module, *TOLERANCE[dtype],
+                              fp32_expected=copy.deepcopy(module).float())
 
 
 def test_int_position_rope_still_uses_an_int_offset():
@@ -138,11 +137,9 @@ def test_rope_at_op_matches_eager(dtype, traditional, with_base):
     edge, _ = export_and_lower(module, torch.randn(1, 4, 3, HEAD).to(dtype))
     assert delegate_summary(edge) == (1, [])
     assert [n.traditional for n in rope_nodes(edge)] == [traditional]
-    _program, method = load(edge)
-    rtol, atol = TOLERANCE[dtype]
-    for args in runs(dtype):
-        expected = rope_reference(args[0], int(args[1]), freqs, traditional)
-        assert_close(method.execute(list(args)), expected, rtol, atol)
+    compare_node_and_compiled(edge.to_executorch().buffer, runs(dtype),
+                              lambda x, pos: rope_reference(x, int(pos), freqs, traditional), *TOLERANCE[dtype],
+                              fp32_expected=lambda x, pos: rope_reference(x, int(pos), freqs, traditional))
 
 
 def test_one_compiled_graph_serves_every_position(compile_on):
