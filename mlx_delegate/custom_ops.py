@@ -117,6 +117,22 @@ def _(x: Tensor, weights: list[Tensor], biases: list[Tensor | None]) -> list[Ten
     return [x.new_empty([*x.shape[:-1], w.shape[0]]) for w in weights]
 
 
+@torch.library.custom_op("mlx_delegate::conv_clamp", mutates_args=())
+def conv_clamp(x: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int], padding: list[int],
+               dilation: list[int], groups: int, lo: float, hi: float) -> Tensor:
+    """A convolution with its activation (ReLU, ReLU6, hardtanh, clamp) fused: the result clamped to
+    [lo, hi] (patterns/conv_activation.py)."""
+    y = torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, False, [0] * len(stride), groups)
+    return y.clamp(lo, hi)
+
+
+@conv_clamp.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int], padding: list[int],
+      dilation: list[int], groups: int, lo: float, hi: float) -> Tensor:
+    y = torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, False, [0] * len(stride), groups)
+    return torch.empty_like(y)
+
+
 @torch.library.custom_op("mlx_delegate::grouped_mm", mutates_args=())
 def grouped_mm(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
     """Mixture-of-experts product: x [S, K] (rows sorted by group) by weight [G, K, N]; offsets [G]

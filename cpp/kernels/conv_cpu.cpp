@@ -5,6 +5,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -54,6 +55,8 @@ const float* as_f32(const Tensor& t, std::vector<float>& store) {
 
 struct Geometry {
   int N, C, H, W, O, KH, KW, OH, OW, sh, sw, ph, pw, dh, dw, groups;
+  bool clamp;
+  float lo, hi;
   int Cg() const { return C / groups; }
   int Og() const { return O / groups; }
   int64_t P() const { return int64_t{OH} * OW; }
@@ -97,6 +100,11 @@ void im2col(const Geometry& g, const float* x, float* cols) {
   });
 }
 
+void clamp_range(const Geometry& g, float* y, int64_t n) {
+  if (!g.clamp) return;
+  for (int64_t i = 0; i < n; ++i) y[i] = std::min(std::max(y[i], g.lo), g.hi);
+}
+
 // One output plane per (image, channel) of a convolution with one input channel per group.
 void depthwise(const Geometry& g, const float* x, const float* w, const float* bias, float* y) {
   const int m = g.Og();  // output channels per input channel
@@ -125,6 +133,7 @@ void depthwise(const Geometry& g, const float* x, const float* w, const float* b
           }
         }
       }
+      clamp_range(g, out, g.P());
     }
   });
 }
@@ -166,6 +175,7 @@ void run_conv(const ConvCall& c) {
         }
         sgemm()(kRowMajor, kNoTrans, kNoTrans, M, P, K, 1.f, w + int64_t{gi} * M * K, K,
                 direct ? xg : cols.data(), P, bias ? 1.f : 0.f, yg, P);
+        cpu_parallel_for(M, P, 1, [&](int64_t b, int64_t e) { clamp_range(g, yg + b * P, (e - b) * P); });
       }
     }
   }
@@ -195,7 +205,9 @@ class ConvCpu : public mx::UnaryPrimitive {
   const char* name() const override { return "ConvCpu"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const ConvCpu&>(other);
-    return std::memcmp(&g_, &o.g_, sizeof(Geometry)) == 0 && has_bias_ == o.has_bias_;
+    // The ints compared as one block (no padding among them), then the clamp.
+    return std::memcmp(&g_, &o.g_, offsetof(Geometry, clamp)) == 0 && g_.clamp == o.g_.clamp &&
+           g_.lo == o.g_.lo && g_.hi == o.g_.hi && has_bias_ == o.has_bias_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     return {{in[0].shape(0), g_.O, g_.OH, g_.OW}};
@@ -219,7 +231,7 @@ bool conv_cpu_applies(const mx::array& x, const mx::array& w, const mx::array* b
 
 mx::array conv_cpu(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias,
                    const std::vector<int>& stride, const std::vector<int>& padding, const std::vector<int>& dilation,
-                   int groups) {
+                   int groups, std::optional<std::pair<float, float>> clamp) {
   if (!conv_cpu_applies(x, w, bias ? &*bias : nullptr, groups))
     throw std::invalid_argument("conv_cpu: operands it does not take");
   const bool one_d = x.ndim() == 3;
@@ -230,7 +242,8 @@ mx::array conv_cpu(const mx::array& x, const mx::array& w, const std::optional<m
   auto at = [&](const std::vector<int>& v, int axis, int fill) { return one_d ? (axis ? v[0] : fill) : v[axis]; };
   Geometry g{x.shape(0), x.shape(1), one_d ? 1 : x.shape(2), x.shape(-1), w.shape(0), one_d ? 1 : w.shape(2),
              w.shape(-1), 0, 0, at(stride, 0, 1), at(stride, 1, 1), at(padding, 0, 0), at(padding, 1, 0),
-             at(dilation, 0, 1), at(dilation, 1, 1), groups};
+             at(dilation, 0, 1), at(dilation, 1, 1), groups, clamp.has_value(), clamp ? clamp->first : 0.f,
+             clamp ? clamp->second : 0.f};
   if (g.C % groups || g.O % groups || w.shape(1) != g.C / groups)
     throw std::invalid_argument("conv: weight " + std::to_string(w.shape(0)) + "x" + std::to_string(w.shape(1)) +
                                 " does not fit " + std::to_string(g.C) + " input channels in " +

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include <mlx/mlx.h>
@@ -24,9 +25,11 @@ bool conv_cpu_applies(const mlx::core::array& x, const mlx::core::array& w, cons
 
 // torch.nn.functional.conv{1,2}d(x, w, bias, stride, padding, dilation,
 // groups) with symmetric padding; parameters have one entry per spatial axis.
-// The result has x's dtype.
+// `clamp` (lo, hi): the result clamped to [lo, hi] in the same pass (a fused
+// ReLU / ReLU6). The result has x's dtype.
 mlx::core::array conv_cpu(const mlx::core::array& x, const mlx::core::array& w,
                           const std::optional<mlx::core::array>& bias, const std::vector<int>& stride,
-                          const std::vector<int>& padding, const std::vector<int>& dilation, int groups);
+                          const std::vector<int>& padding, const std::vector<int>& dilation, int groups,
+                          std::optional<std::pair<float, float>> clamp = std::nullopt);
 
 }  // namespace mlxd::rt

@@ -166,6 +166,18 @@ mx::array windows(const mx::array& x, const Window& w, const std::vector<int>& o
   return mx::as_strided(x, shape, view, 0);
 }
 
+// The window with each undilated kernel cut to the padded input's extent: a
+// window never reaches past it (pooled_size starts the last window inside),
+// so the cut-off part held only padding and the overhang, which neither the
+// sums, the maxima nor torch's counts read. EfficientNet's
+// AvgPool2d(1280, ceil_mode=True) over a 7x7 map would otherwise view
+// 1280 x 1280 windows (billions of elements).
+Window within_input(Window w, const mx::Shape& spatial) {
+  for (size_t i = 0; i < spatial.size(); ++i)
+    if (w.dilation[i] == 1) w.kernel[i] = std::min(w.kernel[i], spatial[i] + 2 * w.padding[i]);
+  return w;
+}
+
 std::vector<int> trailing_axes(int ndim, int count) {
   std::vector<int> axes(count);
   std::iota(axes.begin(), axes.end(), ndim - count);
@@ -177,10 +189,11 @@ mx::array lowest(mx::Dtype t) {
 }
 
 // Max pooling, with torch's flat spatial index of each maximum when asked.
-std::pair<mx::array, std::optional<mx::array>> max_pool(const mx::array& x, const Window& w, bool want_indices) {
+std::pair<mx::array, std::optional<mx::array>> max_pool(const mx::array& x, Window w, bool want_indices) {
   int nd = static_cast<int>(w.kernel.size());
   mx::Shape spatial(x.shape().end() - nd, x.shape().end());
   auto outs = pooled_sizes(spatial, w);
+  w = within_input(w, spatial);  // after the output sizes, which depend on the full kernel
   auto pads = window_padding(spatial, w, outs);
   auto win = windows(pad_trailing(x, pads, lowest(x.dtype())), w, outs);
   auto kaxes = trailing_axes(win.ndim(), nd);
@@ -207,12 +220,13 @@ std::pair<mx::array, std::optional<mx::array>> max_pool(const mx::array& x, cons
 
 // Average pooling: window sums over the zero-padded input divided by torch's
 // count (padding counts when count_include_pad, the ceil-mode overhang never).
-mx::array avg_pool(const mx::array& x, const Window& w, bool count_include_pad, int divisor) {
+mx::array avg_pool(const mx::array& x, Window w, bool count_include_pad, int divisor) {
   int nd = static_cast<int>(w.kernel.size());
   auto dtype = x.dtype();
   auto xf = is_half(dtype) ? mx::astype(x, mx::float32) : x;  // torch accumulates halves in float
   mx::Shape spatial(x.shape().end() - nd, x.shape().end());
   auto outs = pooled_sizes(spatial, w);
+  w = within_input(w, spatial);  // after the output sizes, which depend on the full kernel
   auto pads = window_padding(spatial, w, outs);
   auto zero = mx::array(0, xf.dtype());
   auto sums = mx::sum(windows(pad_trailing(xf, pads, zero), w, outs), trailing_axes(x.ndim() + nd, nd));
@@ -285,7 +299,9 @@ void exec_ConvNode(const mlxd::ConvNode& n, ExecContext& ctx) {
   if (!n.transpose() && conv_cpu_applies(x, w, bias, groups)) {  // channels-first, no transposes
     std::optional<mx::array> b;
     if (bias) b = *bias;
-    ctx.set(n.out(), conv_cpu(x, w, b, stride, padding, dilation, groups));
+    std::optional<std::pair<float, float>> clamp;
+    if (n.clamp()) clamp = {n.clamp_min(), n.clamp_max()};
+    ctx.set(n.out(), conv_cpu(x, w, b, stride, padding, dilation, groups, clamp));
     return;
   }
   auto xl = channels_last(x);
@@ -299,6 +315,7 @@ void exec_ConvNode(const mlxd::ConvNode& n, ExecContext& ctx) {
     bshape[0] = -1;
     y = mx::add(y, mx::reshape(*bias, bshape));
   }
+  if (n.clamp()) y = mx::clip(y, mx::array(n.clamp_min(), y.dtype()), mx::array(n.clamp_max(), y.dtype()));
   ctx.set(n.out(), mx::astype(y, x.dtype()));
 }
 

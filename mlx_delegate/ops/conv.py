@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .. import custom_ops  # noqa: F401  (defines mlx_delegate::conv_clamp)
 from ..builder import ProgramBuilder
 from ..ir import nodes as N
 from ..registry import register
@@ -42,10 +43,9 @@ def int_list(b: ProgramBuilder, v: Any, count: int, name: str) -> list[int]:
 
 
 # ---------------------------------------------------------------- convolution
-@register(aten.convolution.default)
-def convolution(b: ProgramBuilder, n: torch.fx.Node) -> None:
-    args = b.args(n)
-    x, w, bias = args["input"], args["weight"], args["bias"]
+def _conv(b: ProgramBuilder, n: torch.fx.Node, args: dict[str, Any], transposed: bool,
+          clamp: tuple[float, float] | None = None) -> None:
+    x, w, bias = args["input"] if "input" in args else args["x"], args["weight"], args["bias"]
     dtype = float_dtype(b, n)
     rank = len(b.shape_of(x))
     if rank not in (3, 4, 5) or len(b.shape_of(w)) != rank:
@@ -54,10 +54,27 @@ def convolution(b: ProgramBuilder, n: torch.fx.Node) -> None:
     groups = args["groups"]
     if not isinstance(groups, int) or groups < 1:
         raise b.unsupported(f"groups must be a positive int, got {groups!r}")
-    lists = {k: int_list(b, args[k], nd, k) for k in ("stride", "padding", "dilation", "output_padding")}
+    lists = {k: int_list(b, args.get(k, 0), nd, k) for k in ("stride", "padding", "dilation", "output_padding")}
+    fused = {} if clamp is None else {"clamp": True, "clamp_min": clamp[0], "clamp_max": clamp[1]}
     b.emit(N.ConvNode(x=b.operand(x, dtype), weight=b.operand(w, dtype),
                       bias=None if bias is None else b.operand(bias, dtype), groups=groups,
-                      transpose=bool(args["transposed"]), out=b.out(n), **lists))
+                      transpose=transposed, out=b.out(n), **lists, **fused))
+
+
+@register(aten.convolution.default)
+def convolution(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    args = b.args(n)
+    _conv(b, n, args, bool(args["transposed"]))
+
+
+@register(torch.ops.mlx_delegate.conv_clamp.default)
+def conv_clamp(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    """A convolution with its activation fused (patterns/conv_activation.py)."""
+    args = b.args(n)
+    lo, hi = args["lo"], args["hi"]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (lo, hi)) or not lo <= hi:
+        raise b.unsupported(f"conv_clamp bounds must be numbers with lo <= hi, got {lo!r}, {hi!r}")
+    _conv(b, n, args, False, (float(lo), float(hi)))
 
 
 # ----------------------------------------------------------------- resampling

@@ -77,6 +77,9 @@ AVG_POOLS = [
     ("avg_pool2d_ceil", lambda x: F.avg_pool2d(x, 3, stride=2, ceil_mode=True), (1, 2, 8, 8)),
     # A window wider than the map: one output in ceil mode (EfficientNet's head).
     ("avg_pool2d_ceil_wide", lambda x: F.avg_pool2d(x, 16, ceil_mode=True), (2, 3, 3, 5)),
+    # EfficientNet-B0's real head, AvgPool2d(1280, ceil_mode=True) over 7x7: the window is cut to the input.
+    ("avg_pool2d_ceil_1280", lambda x: F.avg_pool2d(x, 1280, ceil_mode=True), (2, 3, 7, 7)),
+    ("avg_pool2d_ceil_wide_pad", lambda x: F.avg_pool2d(x, 9, stride=4, padding=4, ceil_mode=True), (1, 2, 3, 5)),
     ("avg_pool2d_ceil_pad_include", lambda x: F.avg_pool2d(x, 3, stride=2, padding=1, ceil_mode=True), (1, 2, 8, 9)),
     ("avg_pool2d_ceil_pad_exclude", lambda x: F.avg_pool2d(x, 3, stride=2, padding=1, ceil_mode=True,
                                                            count_include_pad=False), (1, 2, 8, 9)),
