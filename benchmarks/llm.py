@@ -562,7 +562,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-bandwidth", action="store_true", help="skip the 1 GiB memory bandwidth probe")
     args = p.parse_args(argv)
     args.models = (args.models or ("tiny" if args.quick else "smollm2,1.2b")).split(",")
-    args.dtypes = args.dtypes.split(",")
+    args.dtypes = [d for d in args.dtypes.split(",") if d]  # '' for none (e.g. only the gguf rows)
     args.quantize = [q for q in args.quantize.split(",") if q]
     args.engines = args.engines.split(",")
     if set(args.engines) - set(ENGINE_KEYS.values()):
