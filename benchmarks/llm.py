@@ -261,9 +261,11 @@ class LlamaCppRunner(Runner):
     def step(self, tokens: list[int], pos: int) -> np.ndarray:
         if pos == 0:
             self.llm.reset()
-            ctx = self.llm._ctx
-            clear = getattr(ctx, "memory_clear", None) or getattr(ctx, "kv_cache_clear")
-            clear(True) if clear.__name__ == "memory_clear" else clear()
+            ctx = self.llm._ctx  # its KV cache too: llama.cpp refuses positions that go backwards
+            if hasattr(ctx, "memory_clear"):
+                ctx.memory_clear(True)
+            else:
+                ctx.kv_cache_clear()
         if self.llm.n_tokens != pos:
             raise RuntimeError(f"llama.cpp is at position {self.llm.n_tokens}, not {pos}")
         self.llm.eval(tokens)
