@@ -78,11 +78,12 @@ def export(model: Model, out_dir: Path, *, qmode: str | None = None, group_size:
     cfg.model.use_kv_cache = cfg.model.use_sdpa_with_kv_cache = True
     cfg.model.enable_dynamic_shape = True
     cfg.export.max_seq_length = cfg.export.max_context_length = a.max_seq_len
-    cfg.export.output_dir, cfg.export.output_name = str(out_dir), "model.pte"
+    # A name ending in .pte is taken as the whole path (a bare one would land in the working directory).
+    cfg.export.output_dir, cfg.export.output_name = str(out_dir), str(out_dir / "model.pte")
     cfg.backend.xnnpack.enabled = True
     cfg.backend.xnnpack.extended_ops = True
     if qmode:
         cfg.quantization.qmode, cfg.quantization.group_size = qmode, group_size
-    export_llama(cfg)
+    pte = Path(export_llama(cfg))
     ckpt.unlink()
-    return out_dir / "model.pte"
+    return pte

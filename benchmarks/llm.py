@@ -75,6 +75,8 @@ QUANTIZED = ("int8", "int4", "gguf")  # delegate rows, when llm.export.to_pte ha
 ENGINE_KEYS = {"mlx_delegate": "delegate", "mlx_delegate, nodes": "nodes", "MLX Python": "mlx",
                "eager torch": "eager", "ET XNNPACK": "xnnpack", "ET Llama XNNPACK": "et-llama",
                "llama.cpp": "llama.cpp"}
+# Opt-in: ExecuTorch's Llama export lowers for 20+ min here; llama-cpp-python is an optional install.
+DEFAULT_ENGINES = [k for k in ENGINE_KEYS.values() if k not in ("et-llama", "llama.cpp")]
 GGUF = "gguf"  # the dtype label of the rows running a GGUF file's own quantization
 
 
@@ -259,9 +261,11 @@ class LlamaCppRunner(Runner):
     def step(self, tokens: list[int], pos: int) -> np.ndarray:
         if pos == 0:
             self.llm.reset()
-            ctx = self.llm._ctx
-            clear = getattr(ctx, "memory_clear", None) or getattr(ctx, "kv_cache_clear")
-            clear(True) if clear.__name__ == "memory_clear" else clear()
+            ctx = self.llm._ctx  # its KV cache too: llama.cpp refuses positions that go backwards
+            if hasattr(ctx, "memory_clear"):
+                ctx.memory_clear(True)
+            else:
+                ctx.kv_cache_clear()
         if self.llm.n_tokens != pos:
             raise RuntimeError(f"llama.cpp is at position {self.llm.n_tokens}, not {pos}")
         self.llm.eval(tokens)
@@ -551,8 +555,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smoke run: a tiny random Llama, 2 rounds, short sequences")
     p.add_argument("--models", help=f"comma-separated subset of {','.join(MODELS)} (default smollm2,1.2b)")
     p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated subset of fp32,bf16")
-    p.add_argument("--engines", default=",".join(ENGINE_KEYS.values()),
-                   help=f"comma-separated subset of {','.join(ENGINE_KEYS.values())}")
+    p.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
+                   help=f"comma-separated subset of {','.join(ENGINE_KEYS.values())} "
+                        f"(default {','.join(DEFAULT_ENGINES)}; the issue-15 peers are opt-in)")
     p.add_argument("--quantize", default=",".join(QUANTIZED),
                    help="delegate rows for these weight-only modes (models that allow it; '' for none)")
     p.add_argument("--prompt", type=int, help="prompt tokens (default 64; quick 16)")
@@ -562,7 +567,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-bandwidth", action="store_true", help="skip the 1 GiB memory bandwidth probe")
     args = p.parse_args(argv)
     args.models = (args.models or ("tiny" if args.quick else "smollm2,1.2b")).split(",")
-    args.dtypes = args.dtypes.split(",")
+    args.dtypes = [d for d in args.dtypes.split(",") if d]  # '' for none (e.g. only the gguf rows)
     args.quantize = [q for q in args.quantize.split(",") if q]
     args.engines = args.engines.split(",")
     if set(args.engines) - set(ENGINE_KEYS.values()):

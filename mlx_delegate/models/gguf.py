@@ -22,8 +22,9 @@ only); it moves whole rows, so it applies to packed rows, scales and biases alik
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
