@@ -29,7 +29,7 @@ from common import peak_rss_mb, rss_mb  # first: mlx_delegate before mlx
 import torch  # noqa: E402
 from executorch.runtime import Runtime  # noqa: E402
 
-from mlx_delegate.llm import export as llm_export  # noqa: E402
+from mlx_delegate.pipelines.llm import export as llm_export  # noqa: E402
 from mlx_delegate.memory import reset_peak_rss  # noqa: E402
 from mlx_delegate.models.llama import Model, ModelArgs  # noqa: E402
 

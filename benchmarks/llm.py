@@ -2,7 +2,7 @@
 
 Each engine runs the same `mlx_delegate.models.llama.Model` (weights shared):
 
-- `mlx_delegate`: `mlx_delegate.llm.export.to_pte` (one dynamic method, KV cache resident in the
+- `mlx_delegate`: `mlx_delegate.pipelines.llm.export.to_pte` (one dynamic method, KV cache resident in the
   delegate) through the stock `executorch.runtime`, compiled graphs on (the default). The position
   is a tensor, so every decode step has one signature: the warm-up's second step traces it and every
   timed step replays that `mx::compile`d graph. Prefill runs one length per round, so after one warm
@@ -64,7 +64,7 @@ import torch
 from executorch.runtime import Runtime
 
 from mlx_delegate import _runtime
-from mlx_delegate.llm import export as llm_export
+from mlx_delegate.pipelines.llm import export as llm_export
 from mlx_delegate.models import llama as llama_module
 from mlx_delegate.models import loading
 from mlx_delegate.models.llama import Model, ModelArgs

@@ -9,7 +9,7 @@ largest difference from eager torch and median latency with every optimisation o
 
     python benchmarks/optimizations.py [--quick]
 
-Model A/B (`--model`): a real LLM (`mlx_delegate.llm.export`: one dynamic method, KV cache resident in
+Model A/B (`--model`): a real LLM (`mlx_delegate.pipelines.llm.export`: one dynamic method, KV cache resident in
 the delegate) lowered as shipped (`default`) and with each `--switch` off on its own (`<switch> off`),
 all loaded together. Rows time a prefill of each `--prompt` length at position 0 and a decode turn of
 `--steps` single-token steps (the same positions every turn: the fixed-shape model attends over the
@@ -55,7 +55,7 @@ from executorch.runtime import Runtime
 
 from mlx_delegate import MLXPartitioner, _runtime
 from mlx_delegate.ir import nodes as N
-from mlx_delegate.llm import export as llm_export
+from mlx_delegate.pipelines.llm import export as llm_export
 from mlx_delegate.partitioner import SWITCHES
 from mlx_delegate.patterns import PATTERN_SWITCHES, MLXPatternPass
 from mlx_delegate.testing import lower
@@ -227,7 +227,8 @@ def build_model(name: str, max_seq_len: int, dtype: torch.dtype) -> Any:
     from mlx_delegate.models import loading
 
     if name == "smollm2":
-        return loading.load("smollm2", dtype=dtype, max_seq_len=max_seq_len).model.eval()
+        # The float model (--dtype), not the file's Q4_1 blocks that `generate` runs by default.
+        return loading.load("smollm2", dtype=dtype, max_seq_len=max_seq_len, dequantize=True).model.eval()
     from transformers import LlamaConfig
 
     config = LlamaConfig(**TINY, max_position_embeddings=2048,

@@ -1,6 +1,6 @@
 """On-device sampling against host sampling: decode tok/s of one model exported twice.
 
-Rows (all through `mlx_delegate.llm.generate.Generator` on the stock runtime, taking turns each round):
+Rows (all through `mlx_delegate.pipelines.llm.generate.Generator` on the stock runtime, taking turns each round):
 - `logits + host`: the program returns the last logits; the host picks the token (argmax, or
   softmax / top-k / top-p / multinomial in torch): the path before the sampler moved in.
 - `argmax in program`: `llm.export` with `sampler="greedy"` (greedy only): the program returns the
@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from mlx_delegate.llm import export as llm_export  # noqa: E402
-from mlx_delegate.llm.generate import Generator  # noqa: E402
-from mlx_delegate.llm.sampling import Sampler  # noqa: E402
+from mlx_delegate.pipelines.llm import export as llm_export  # noqa: E402
+from mlx_delegate.pipelines.llm.generate import Generator  # noqa: E402
+from mlx_delegate.pipelines.llm.sampling import Sampler  # noqa: E402
 from mlx_delegate.models import loading  # noqa: E402
 
 SETTINGS = {"greedy": dict(), "t0.8 k40 p0.9": dict(temperature=0.8, top_k=40, top_p=0.9)}

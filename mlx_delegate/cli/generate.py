@@ -54,10 +54,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..llm import export as llm_export
+    from ..pipelines.llm import export as llm_export
     from ..pipelines.cache import CacheKey, cached_pte
-    from ..llm.generate import ContextFull, Generator
-    from ..llm.sampling import Sampler
+    from ..pipelines.llm.generate import ContextFull, Generator
+    from ..pipelines.llm.sampling import Sampler
     from ..models import loading
 
     try:

@@ -10,8 +10,8 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from mlx_delegate.llm import export as llm_export
-from mlx_delegate.llm.generate import Generator
+from mlx_delegate.pipelines.llm import export as llm_export
+from mlx_delegate.pipelines.llm.generate import Generator
 from mlx_delegate.models import gguf as G
 from mlx_delegate.models import loading
 from mlx_delegate.quantization import QuantizedEmbedding, QuantizedLinear, dequantize_mlx, install_packed

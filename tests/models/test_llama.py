@@ -12,9 +12,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import mlx_delegate
 from mlx_delegate.ir import nodes as N
-from mlx_delegate.llm import export as llm_export
-from mlx_delegate.llm.generate import ContextFull, Generator
-from mlx_delegate.llm.sampling import Sampler, top_p_filter
+from mlx_delegate.pipelines.llm import export as llm_export
+from mlx_delegate.pipelines.llm.generate import ContextFull, Generator
+from mlx_delegate.pipelines.llm.sampling import Sampler, top_p_filter
 from mlx_delegate.models import loading
 from mlx_delegate.models.llama import Model, ModelArgs
 from mlx_delegate.pipelines.cache import CacheKey, cached_pte

@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from mlx_delegate.llm import export as llm_export
-from mlx_delegate.llm.generate import Generator
+from mlx_delegate.pipelines.llm import export as llm_export
+from mlx_delegate.pipelines.llm.generate import Generator
 from mlx_delegate.models import loading
 from mlx_delegate.testing import assert_steps_match_hf, delegate_summary, hf_greedy, hf_next_logits
 

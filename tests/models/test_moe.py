@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import MixtralConfig, Qwen3MoeConfig
 
-from mlx_delegate.llm import export as llm_export
-from mlx_delegate.llm.generate import Generator
-from mlx_delegate.llm.sampling import Sampler
+from mlx_delegate.pipelines.llm import export as llm_export
+from mlx_delegate.pipelines.llm.generate import Generator
+from mlx_delegate.pipelines.llm.sampling import Sampler
 from mlx_delegate.models import loading
 from mlx_delegate.models.moe import SparseMoeBlock, fuse_expert_weights
 from mlx_delegate.testing import delegate_summary, hf_greedy

@@ -7,9 +7,9 @@ import torch
 from torch.export import Dim
 from transformers import LlamaConfig
 
-from mlx_delegate.llm import export as llm_export
-from mlx_delegate.llm.generate import Generator
-from mlx_delegate.llm.sampling import Sampler, sample_next
+from mlx_delegate.pipelines.llm import export as llm_export
+from mlx_delegate.pipelines.llm.generate import Generator
+from mlx_delegate.pipelines.llm.sampling import Sampler, sample_next
 from mlx_delegate.models import loading
 from mlx_delegate.testing import delegate_summary, hf_greedy, lower
 

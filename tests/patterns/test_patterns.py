@@ -9,7 +9,7 @@ import torch
 from torch.export import Dim
 
 from mlx_delegate.custom_ops import rope_reference
-from mlx_delegate.llm.export import lower
+from mlx_delegate.pipelines.llm.export import lower
 from mlx_delegate.models.llama import RMSNorm, apply_rope
 from mlx_delegate.patterns import MLXPatternPass, apply_patterns
 from mlx_delegate.testing import TOLERANCE, compare_node_and_compiled, delegate_summary

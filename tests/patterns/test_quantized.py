@@ -15,8 +15,8 @@ from transformers import LlamaConfig
 
 from mlx_delegate import quantization as Q
 from mlx_delegate.ir import nodes as N
-from mlx_delegate.llm import export as llm_export
-from mlx_delegate.llm.generate import Generator
+from mlx_delegate.pipelines.llm import export as llm_export
+from mlx_delegate.pipelines.llm.generate import Generator
 from mlx_delegate.models import loading
 from mlx_delegate.patterns import MLXPatternPass
 from mlx_delegate.testing import QUANTIZED_TOLERANCE, assert_close, delegate_summary

@@ -13,7 +13,7 @@ from torch.export import Dim
 from mlx_delegate import _runtime
 from mlx_delegate.custom_ops import rope_at, rope_reference
 from mlx_delegate.ir import nodes as N
-from mlx_delegate.llm.export import lower as lower_with_patterns
+from mlx_delegate.pipelines.llm.export import lower as lower_with_patterns
 from mlx_delegate.models.llama import apply_rope
 from mlx_delegate.patterns import MLXPatternPass
 from mlx_delegate.testing import TOLERANCE, assert_close, compare_node_and_compiled, delegate_summary

@@ -12,7 +12,7 @@ from torch.export import Dim
 from mlx_delegate import _runtime
 from mlx_delegate.custom_ops import rope, rope_at
 from mlx_delegate.ir import nodes as N
-from mlx_delegate.llm.export import lower as lower_with_patterns
+from mlx_delegate.pipelines.llm.export import lower as lower_with_patterns
 from mlx_delegate.testing import TOLERANCE, assert_close, cpu_kernels_active, delegate_payload
 
 HEAD, HEADS, MAX_LEN, BASE = 16, 3, 8, 10000.0

@@ -9,7 +9,7 @@ import torch
 from torch.export import Dim
 
 from mlx_delegate import _runtime
-from mlx_delegate.llm import export as llm_export
+from mlx_delegate.pipelines.llm import export as llm_export
 from mlx_delegate.models import loading
 from mlx_delegate.testing import assert_close, lower
 from executorch.runtime import Runtime

@@ -14,7 +14,7 @@ from torchao.quantization import MappingType, quantize_
 
 from mlx_delegate import MLXPartitioner, _runtime
 from mlx_delegate import quantization as Q
-from mlx_delegate.llm import export as llm_export
+from mlx_delegate.pipelines.llm import export as llm_export
 from mlx_delegate.patterns import MLXPatternPass
 from mlx_delegate.testing import (QUANTIZED_TOLERANCE, assert_close, cpu_kernels_active, delegate_summary, on_cpu_device,
                                   run_in_subprocess)

@@ -15,7 +15,7 @@ from executorch.runtime import Runtime
 from torch.export import Dim
 
 from mlx_delegate import _runtime
-from mlx_delegate.llm import export as llm_export
+from mlx_delegate.pipelines.llm import export as llm_export
 from mlx_delegate.testing import assert_close, cpu_kernels_active, delegate_summary, lower, on_cpu_device, run_in_subprocess
 
 RTOL, ATOL = 1e-5, 1e-5  # of values of magnitude ~1 (inputs scaled by 1/sqrt(K))

@@ -11,8 +11,8 @@ import mlx.core as mx  # noqa: I001
 import torch
 from transformers import LlamaConfig
 
-from mlx_delegate.llm import export as llm_export
-from mlx_delegate.llm.generate import Generator
+from mlx_delegate.pipelines.llm import export as llm_export
+from mlx_delegate.pipelines.llm.generate import Generator
 from mlx_delegate.memory import rss_mb
 from mlx_delegate.models import loading
 from mlx_delegate.testing import assert_close, lower

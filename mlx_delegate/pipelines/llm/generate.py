@@ -25,8 +25,8 @@ from typing import Any, Iterable, Iterator
 import torch
 from executorch.runtime import Runtime
 
-from .. import _runtime  # noqa: F401  (registers the backend)
-from ..memory import peak_rss_mb
+from ... import _runtime  # noqa: F401  (registers the backend)
+from ...memory import peak_rss_mb
 from .sampling import Sampler
 
 SAMPLER_INPUTS = 4  # llm.export.SAMPLER_INPUTS (not imported: export pulls in the lowering stack)

@@ -36,12 +36,12 @@ from executorch.exir import EdgeCompileConfig, EdgeProgramManager, ExecutorchPro
 from executorch.exir.pass_base import ExportedProgramPassBase, ExportedProgramPassResult
 from torch.export import Dim, ExportedProgram
 
-from ..models.llama import Model
+from ...models.llama import Model
 from .sampling import sample_next
-from .. import quantization
-from ..partitioner import MLXPartitioner
-from ..progress import stage
-from ..patterns import MLXPatternPass
+from ... import quantization
+from ...partitioner import MLXPartitioner
+from ...progress import stage
+from ...patterns import MLXPatternPass
 
 
 class RestoreExportedRanges(ExportedProgramPassBase):
