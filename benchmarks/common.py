@@ -354,6 +354,7 @@ def machine_meta(bandwidth: bool = True) -> dict[str, Any]:
 
 def format_table(headers: Sequence[str], rows: Iterable[Sequence[str]], right: Sequence[bool]) -> str:
     """A Markdown table in docs/performance.md's format, padded so it reads as plain text too."""
+    headers = [h.replace("|", "\\|") for h in headers]
     rows = [[c.replace("|", "\\|") for c in r] for r in rows]
     widths = [max(len(h), 3, *(len(r[i]) for r in rows)) if rows else max(len(h), 3) for i, h in enumerate(headers)]
 
@@ -429,6 +430,19 @@ def load_note(meta: dict[str, Any]) -> list[str]:
         return []
     return [f"machine loaded: 1-min load average up to {worst} on {cores} cores; multi-threaded engines "
             f"(eager torch, XNNPACK) suffer most; compare figures only within this run"]
+
+
+def print_report(meta: dict[str, Any], table: str, json_path: str | None, payload: dict[str, Any]) -> None:
+    """A script's output: the dated heading, its table, the load warning; `payload` (with the
+    metadata) as JSON at `json_path` when given."""
+    print()
+    print(heading(meta))
+    print(table)
+    for line in load_note(meta):
+        print(line)
+    if json_path:
+        Path(json_path).write_text(json.dumps({"meta": meta} | payload, indent=2, default=str) + "\n")
+        print(f"wrote {json_path}")
 
 
 def write_json(path: str, meta: dict[str, Any], results: Sequence[Result]) -> None:

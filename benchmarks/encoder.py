@@ -32,17 +32,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import common
-from common import ENGINES, Workload, fmt_time, format_table, load_note, machine_meta, max_abs_err, one_line, to_numpy
+from common import ENGINES, Workload, fmt_time, format_table, machine_meta, max_abs_err, one_line, to_numpy
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -318,15 +316,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for w in workloads(cases, args.quick):
         rows += run_case(w, engines, budget, min_rounds=3)
     meta |= {"loadavg_end": [round(x, 2) for x in os.getloadavg()], "wall_s": round(time.perf_counter() - started, 1)}
-    print()
-    print("  ".join(f"{k}={v}" for k, v in meta.items()))
-    print()
-    print(table(rows))
-    for line in load_note(meta):
-        print(line)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    common.print_report(meta, table(rows), args.json, {"rows": [asdict(r) for r in rows]})
 
 
 if __name__ == "__main__":

@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
 from dataclasses import asdict, replace
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import common
-from common import ENGINES, QUICK, Settings, Workload, fmt_time, format_table, load_note, machine_meta
+from common import ENGINES, QUICK, Settings, Workload, fmt_time, format_table, machine_meta
 import numpy as np
 import torch
 
@@ -169,15 +167,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         rows += run_case(w, engines, settings)
     meta |= {"loadavg_end": [round(x, 2) for x in os.getloadavg()], "peak_rss_mb": round(common.peak_rss_mb()),
              "wall_s": round(time.perf_counter() - started, 1)}
-    print()
-    print("  ".join(f"{k}={v}" for k, v in meta.items()))
-    print()
-    print(table(rows))
-    for line in load_note(meta):
-        print(line)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    common.print_report(meta, table(rows), args.json, {"results": rows})
 
 
 if __name__ == "__main__":
