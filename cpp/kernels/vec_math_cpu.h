@@ -48,24 +48,20 @@ MLXD_AVX2 inline __m256 sigmoid8(__m256 x) {
   return _mm256_div_ps(set1(1.f), _mm256_add_ps(set1(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
 }
 
+// erf's rational approximation (numerator and denominator in x^2, highest power first),
+// shared by every vector width.
+constexpr float kErfP[7] = {-2.72614225801306e-10f, 2.77068142495902e-08f, -2.10102402082508e-06f, -5.69250639462346e-05f, -7.34990630326855e-04f, -2.95459980854025e-03f, -1.60960333262415e-02f};
+constexpr float kErfQ[5] = {-1.45660718464996e-05f, -2.13374055278905e-04f, -1.68282697438203e-03f, -7.37332916720468e-03f, -1.42647390514189e-02f};
+
 // erf(x) as x * P(x^2) / Q(x^2) on x clamped to [-4, 4] (erf is 1 to float
 // precision beyond): the rational approximation XLA and Eigen use for float,
 // within 4e-7 of libm's erf.
 MLXD_AVX2 inline __m256 erf8(__m256 x) {
   __m256 xc = _mm256_min_ps(_mm256_max_ps(x, set1(-4.f)), set1(4.f));
   __m256 x2 = _mm256_mul_ps(xc, xc);
-  __m256 p = set1(-2.72614225801306e-10f);
-  p = _mm256_fmadd_ps(p, x2, set1(2.77068142495902e-08f));
-  p = _mm256_fmadd_ps(p, x2, set1(-2.10102402082508e-06f));
-  p = _mm256_fmadd_ps(p, x2, set1(-5.69250639462346e-05f));
-  p = _mm256_fmadd_ps(p, x2, set1(-7.34990630326855e-04f));
-  p = _mm256_fmadd_ps(p, x2, set1(-2.95459980854025e-03f));
-  p = _mm256_fmadd_ps(p, x2, set1(-1.60960333262415e-02f));
-  __m256 q = set1(-1.45660718464996e-05f);
-  q = _mm256_fmadd_ps(q, x2, set1(-2.13374055278905e-04f));
-  q = _mm256_fmadd_ps(q, x2, set1(-1.68282697438203e-03f));
-  q = _mm256_fmadd_ps(q, x2, set1(-7.37332916720468e-03f));
-  q = _mm256_fmadd_ps(q, x2, set1(-1.42647390514189e-02f));
+  __m256 p = set1(kErfP[0]), q = set1(kErfQ[0]);
+  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, x2, set1(kErfP[i]));
+  for (int i = 1; i < 5; ++i) q = _mm256_fmadd_ps(q, x2, set1(kErfQ[i]));
   __m256 y = _mm256_div_ps(_mm256_mul_ps(xc, p), q);
   return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
 }
@@ -149,18 +145,9 @@ MLXD_AVX512 inline __m512 sigmoid16(__m512 x) {
 MLXD_AVX512 inline __m512 erf16(__m512 x) {
   __m512 xc = _mm512_min_ps(_mm512_max_ps(x, set16(-4.f)), set16(4.f));
   __m512 x2 = _mm512_mul_ps(xc, xc);
-  __m512 p = set16(-2.72614225801306e-10f);
-  p = _mm512_fmadd_ps(p, x2, set16(2.77068142495902e-08f));
-  p = _mm512_fmadd_ps(p, x2, set16(-2.10102402082508e-06f));
-  p = _mm512_fmadd_ps(p, x2, set16(-5.69250639462346e-05f));
-  p = _mm512_fmadd_ps(p, x2, set16(-7.34990630326855e-04f));
-  p = _mm512_fmadd_ps(p, x2, set16(-2.95459980854025e-03f));
-  p = _mm512_fmadd_ps(p, x2, set16(-1.60960333262415e-02f));
-  __m512 q = set16(-1.45660718464996e-05f);
-  q = _mm512_fmadd_ps(q, x2, set16(-2.13374055278905e-04f));
-  q = _mm512_fmadd_ps(q, x2, set16(-1.68282697438203e-03f));
-  q = _mm512_fmadd_ps(q, x2, set16(-7.37332916720468e-03f));
-  q = _mm512_fmadd_ps(q, x2, set16(-1.42647390514189e-02f));
+  __m512 p = set16(kErfP[0]), q = set16(kErfQ[0]);
+  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, x2, set16(kErfP[i]));
+  for (int i = 1; i < 5; ++i) q = _mm512_fmadd_ps(q, x2, set16(kErfQ[i]));
   __m512 y = _mm512_div_ps(_mm512_mul_ps(xc, p), q);
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), y, x);
 }
