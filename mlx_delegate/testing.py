@@ -459,6 +459,19 @@ def hf_next_logits(hf: Any, tokens: list[int]) -> torch.Tensor:
         return hf(torch.tensor([tokens])).logits[0, -1]
 
 
+def eager_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
+    """`n` greedy tokens from a `models.llama.Model` run eagerly (its cache emptied first), the
+    reference for a lowered program's generation."""
+    tokens = list(prompt)
+    model.reset_cache()
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens]), torch.tensor([0]))[0, -1]
+        for _ in range(n):
+            tokens.append(int(logits.argmax()))
+            logits = model(torch.tensor([tokens[-1:]]), torch.tensor([len(tokens) - 1]))[0, -1]
+    return tokens[len(prompt):]
+
+
 def assert_steps_match_hf(gen: Any, hf: Any, prompt: list[int], steps: int, tol: float = 1e-4) -> None:
     """Prefill `prompt`, then decode `steps` greedy tokens, checking each step's logits against HF."""
     tokens = list(prompt)

@@ -18,7 +18,7 @@ from mlx_delegate import quantization as Q
 from mlx_delegate.pipelines.llm import export as llm_export
 from mlx_delegate.pipelines.llm.generate import Generator
 from mlx_delegate.models import loading
-from mlx_delegate.testing import QUANTIZED_TOLERANCE, OpCase, delegate_summary, lower_and_compare
+from mlx_delegate.testing import QUANTIZED_TOLERANCE, OpCase, delegate_summary, eager_greedy, lower_and_compare
 
 from .test_quantized import ir_nodes
 
@@ -147,11 +147,4 @@ def test_int4_tensor_llama_lowers_whole_and_generates_like_eager():
     assert nodes["QuantizedLinearNode"] == 2 * 4 + 1 and nodes["QuantizedEmbeddingNode"] == 1
     prompt, steps = [5, 17, 99, 3, 42, 7], 12
     ours = list(Generator(edge.to_executorch().buffer, eos_token_ids=[]).generate_ids(prompt, steps))
-    tokens = list(prompt)
-    model.reset_cache()
-    with torch.no_grad():
-        logits = model(torch.tensor([tokens]), torch.tensor([0]))[0, -1]
-        for _ in range(steps):
-            tokens.append(int(logits.argmax()))
-            logits = model(torch.tensor([tokens[-1:]]), torch.tensor([len(tokens) - 1]))[0, -1]
-    assert ours == tokens[len(prompt):]
+    assert ours == eager_greedy(model, prompt, steps)
