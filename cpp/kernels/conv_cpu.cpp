@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -75,15 +76,17 @@ std::pair<int, int> valid_range(int out, int in, int s, int p, int k) {
   return {std::min(lo, out), std::clamp(hi, std::min(lo, out), out)};
 }
 
-// cols [Cg * KH * KW, OH * OW] for one image and group (x: that group's Cg planes).
-void im2col(const Geometry& g, const float* x, float* cols) {
+// cols [Cg * KH * KW, count * OH * OW] (row stride ld) for images first ..
+// first + count - 1 and group gi: image i fills columns [i * OH * OW, (i + 1) * OH * OW).
+void im2col(const Geometry& g, const float* x, int first, int count, int gi, float* cols, int64_t ld) {
   const int64_t rows = int64_t{g.Cg()} * g.KH * g.KW;
-  cpu_parallel_for(rows, g.P(), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
+  cpu_parallel_for(rows * count, g.P(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t image = t / rows, r = t % rows;
       const int c = static_cast<int>(r / (g.KH * g.KW)), ki = static_cast<int>(r / g.KW % g.KH),
                 kj = static_cast<int>(r % g.KW);
-      const float* plane = x + int64_t{c} * g.H * g.W;
-      float* out = cols + r * g.P();
+      const float* plane = x + ((first + image) * g.C + int64_t{gi} * g.Cg() + c) * g.H * g.W;
+      float* out = cols + r * ld + image * g.P();
       const auto [lo, hi] = valid_range(g.OW, g.W, g.sw, g.pw, kj * g.dw);
       for (int oh = 0; oh < g.OH; ++oh, out += g.OW) {
         const int ih = oh * g.sh - g.ph + ki * g.dh;
@@ -102,6 +105,18 @@ void im2col(const Geometry& g, const float* x, float* cols) {
       }
     }
   });
+}
+
+// Images of fewer output columns than this share one sgemm (their im2col
+// columns side by side): a product 49 columns wide (a 7x7 map) runs far below
+// the BLAS's peak, and each call has a fixed cost.
+// MLX_DELEGATE_CONV_BATCH=0 keeps one sgemm per image (A/B measurements).
+int64_t batch_columns() {
+  static const int64_t v = [] {
+    const char* e = std::getenv("MLX_DELEGATE_CONV_BATCH");
+    return e && std::string(e) == "0" ? int64_t{0} : int64_t{1024};
+  }();
+  return v;
 }
 
 void clamp_range(const Geometry& g, float* y, int64_t n) {
@@ -274,24 +289,56 @@ void run_conv(const ConvCall& c) {
     const bool direct = g.KH == 1 && g.KW == 1 && g.sh == 1 && g.sw == 1 && g.ph == 0 && g.pw == 0 &&
                         g.OH == g.H && g.OW == g.W;
     const int K = g.Cg() * g.KH * g.KW, M = g.Og();
-    const int P = static_cast<int>(g.P());
-    if (!direct) cols.resize(int64_t{K} * P);
-    for (int n = 0; n < g.N; ++n) {
-      for (int gi = 0; gi < g.groups; ++gi) {
-        const float* xg = x + (int64_t{n} * g.C + int64_t{gi} * g.Cg()) * g.H * g.W;
-        const int64_t first = (int64_t{n} * g.O + int64_t{gi} * M) * P;
-        float* yg = y + first;
-        if (!direct) im2col(g, xg, cols.data());
-        // The sgemm adds onto bias + residual (beta 1), so neither costs a pass of its own.
-        if (bias || residual) {
-          cpu_parallel_for(M, residual ? 2 * P : P, 1, [&](int64_t b, int64_t e) {
-            for (int64_t o = b; o < e; ++o)
-              init_plane(g, yg + o * P, bias ? bias[gi * M + o] : 0.f, residual ? residual + first + o * P : nullptr);
+    const int64_t P = g.P();
+    const int nb = static_cast<int>(std::min<int64_t>(g.N, std::max<int64_t>(1, (batch_columns() + P - 1) / P)));
+    if (nb == 1) {  // per image: the sgemm writes the result in place
+      if (!direct) cols.resize(int64_t{K} * P);
+      for (int n = 0; n < g.N; ++n) {
+        for (int gi = 0; gi < g.groups; ++gi) {
+          const float* xg = x + (int64_t{n} * g.C + int64_t{gi} * g.Cg()) * g.H * g.W;
+          const int64_t first = (int64_t{n} * g.O + int64_t{gi} * M) * P;
+          float* yg = y + first;
+          if (!direct) im2col(g, x, n, 1, gi, cols.data(), P);
+          // The sgemm adds onto bias + residual (beta 1), so neither costs a pass of its own.
+          if (bias || residual) {
+            cpu_parallel_for(M, residual ? 2 * P : P, 1, [&](int64_t b, int64_t e) {
+              for (int64_t o = b; o < e; ++o)
+                init_plane(g, yg + o * P, bias ? bias[gi * M + o] : 0.f,
+                           residual ? residual + first + o * P : nullptr);
+            });
+          }
+          sgemm()(kRowMajor, kNoTrans, kNoTrans, M, static_cast<int>(P), K, 1.f, w + int64_t{gi} * M * K, K,
+                  direct ? xg : cols.data(), static_cast<int>(P), bias || residual ? 1.f : 0.f, yg,
+                  static_cast<int>(P));
+          cpu_parallel_for(M, P, 1, [&](int64_t b, int64_t e) { clamp_range(g, yg + b * P, (e - b) * P); });
+        }
+      }
+    } else {  // nb images per sgemm into z [M, nb * P]; one pass moves it to NCHW with bias, residual, clamp
+      cols.resize(int64_t{K} * nb * P);
+      std::vector<float> z(int64_t{M} * nb * P);
+      for (int n0 = 0; n0 < g.N; n0 += nb) {
+        const int count = std::min(nb, g.N - n0);
+        const int64_t ld = count * P;
+        for (int gi = 0; gi < g.groups; ++gi) {
+          im2col(g, x, n0, count, gi, cols.data(), ld);
+          sgemm()(kRowMajor, kNoTrans, kNoTrans, M, static_cast<int>(ld), K, 1.f, w + int64_t{gi} * M * K, K,
+                  cols.data(), static_cast<int>(ld), 0.f, z.data(), static_cast<int>(ld));
+          cpu_parallel_for(int64_t{count} * M, residual ? 3 * P : 2 * P, 1, [&](int64_t b, int64_t e) {
+            for (int64_t t = b; t < e; ++t) {
+              const int64_t image = t / M, o = t % M;
+              const int64_t at = ((n0 + image) * g.O + int64_t{gi} * M + o) * P;
+              const float* src = z.data() + o * ld + image * P;
+              float* dst = y + at;
+              const float bv = bias ? bias[gi * M + o] : 0.f;
+              if (residual) {
+                for (int64_t q = 0; q < P; ++q) dst[q] = src[q] + bv + residual[at + q];
+              } else {
+                for (int64_t q = 0; q < P; ++q) dst[q] = src[q] + bv;
+              }
+              clamp_range(g, dst, P);
+            }
           });
         }
-        sgemm()(kRowMajor, kNoTrans, kNoTrans, M, P, K, 1.f, w + int64_t{gi} * M * K, K,
-                direct ? xg : cols.data(), P, bias || residual ? 1.f : 0.f, yg, P);
-        cpu_parallel_for(M, P, 1, [&](int64_t b, int64_t e) { clamp_range(g, yg + b * P, (e - b) * P); });
       }
     }
   }
