@@ -19,7 +19,7 @@ import torch
 from torch.export import ExportedProgram
 
 from .. import custom_ops  # noqa: F401  (defines mlx_delegate::conv_fused)
-from .common import aten, dtype, erase_dead, is_op, only_user, replace, same_shape, scalar_value
+from .common import aten, dtype, erase_dead, is_op, only_user, replace, same_shape, scalar_value, shape
 
 FUSED = torch.ops.mlx_delegate.conv_fused.default
 INF = math.inf
@@ -33,8 +33,10 @@ def _conv_args(n: torch.fx.Node) -> dict[str, Any] | None:
     if not is_op(n, aten.convolution.default) or n.args[6]:  # transposed
         return None
     x, w, bias, stride, padding, dilation, _, _, groups = n.args
-    return dict(x=x, weight=w, bias=bias, residual=None, stride=list(stride), padding=list(padding),
-                padding_hi=list(padding), dilation=list(dilation), groups=groups, lo=-INF, hi=INF)
+    nd = len(shape(n)) - 2
+    full = lambda v: list(v) * nd if len(v) == 1 else list(v)  # noqa: E731  (one entry: every axis)
+    return dict(x=x, weight=w, bias=bias, residual=None, stride=full(stride), padding=full(padding),
+                padding_hi=full(padding), dilation=full(dilation), groups=groups, lo=-INF, hi=INF)
 
 
 def _rewrite(ep: ExportedProgram, old: torch.fx.Node, conv: torch.fx.Node, args: dict[str, Any]) -> bool:
@@ -79,7 +81,8 @@ def fold_pad(ep: ExportedProgram) -> int:
         amounts = list(pad.args[1])
         value = scalar_value(ep, pad.args[2] if len(pad.args) > 2 else pad.kwargs.get("value", 0.0))
         nd = len(args["stride"])
-        if (value != 0.0 or len(amounts) % 2 or len(amounts) > 2 * nd
+        if (value != 0.0 or len(args["padding"]) != nd or len(args["padding_hi"]) != nd or len(amounts) % 2
+                or len(amounts) > 2 * nd
                 or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in amounts)):
             continue  # not zeros, not only spatial axes, symbolic, or a crop
         amounts += [0] * (2 * nd - len(amounts))
