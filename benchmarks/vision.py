@@ -27,15 +27,17 @@ import gc
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import common
-from common import ENGINES, QUICK, Settings, Workload, fmt_time, format_table, machine_meta
-import mlx_delegate
-import mlx_delegate.partitioner
 import numpy as np
 import torch
+from common import ENGINES, QUICK, Settings, Workload, fmt_time, format_table, machine_meta
+
+import mlx_delegate
+import mlx_delegate.partitioner
 
 
 def _hf(model_cls: str, config_cls: str, **config: Any) -> torch.nn.Module:
@@ -139,7 +141,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     out, last = [], None
     for r in rows:
         wall = r["median_s"]
-        rel = lambda key: "-" if not wall or not by.get((r["case"], key)) else f"{by[(r['case'], key)] / wall:.2f}x"  # noqa: E731
+        rel = lambda key: "-" if not wall or not by.get((r["case"], key)) else f"{by[(r['case'], key)] / wall:.2f}x"
         err = r["max_abs_err"]
         out.append([r["case"] if r["case"] != last else "", r["engine"], fmt_time(wall), fmt_time(r["cpu_s"]),
                     str(r["rounds"] or "-"), rel("eager"), rel("xnnpack"), "-" if err is None else f"{err:.1e}",

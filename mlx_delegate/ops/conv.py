@@ -83,7 +83,7 @@ def conv_fused(b: ProgramBuilder, n: torch.fx.Node) -> None:
         fused |= {"clamp": True, "clamp_min": float(lo), "clamp_max": float(hi)}
     residual = args["residual"]
     if residual is not None:
-        same = lambda s: [str(d) for d in b.shape_of(s)]  # noqa: E731  (symbolic sizes compared unguarded)
+        same = lambda s: [str(d) for d in b.shape_of(s)]  # symbolic sizes compared unguarded
         if same(residual) != same(n) or b.dtype_of(residual) != b.dtype_of(n):
             raise b.unsupported(f"residual {list(b.shape_of(residual))} {b.dtype_of(residual)} does not match the "
                                 f"convolution's output {list(b.shape_of(n))} {b.dtype_of(n)}")

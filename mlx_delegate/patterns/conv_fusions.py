@@ -34,9 +34,9 @@ def _conv_args(n: torch.fx.Node) -> dict[str, Any] | None:
         return None
     x, w, bias, stride, padding, dilation, _, _, groups = n.args
     nd = len(shape(n)) - 2
-    full = lambda v: list(v) * nd if len(v) == 1 else list(v)  # noqa: E731  (one entry: every axis)
-    return dict(x=x, weight=w, bias=bias, residual=None, stride=full(stride), padding=full(padding),
-                padding_hi=full(padding), dilation=full(dilation), groups=groups, lo=-INF, hi=INF)
+    full = lambda v: list(v) * nd if len(v) == 1 else list(v)  # one entry: every axis
+    return {"x": x, "weight": w, "bias": bias, "residual": None, "stride": full(stride), "padding": full(padding),
+            "padding_hi": full(padding), "dilation": full(dilation), "groups": groups, "lo": -INF, "hi": INF}
 
 
 def _rewrite(ep: ExportedProgram, old: torch.fx.Node, conv: torch.fx.Node, args: dict[str, Any]) -> bool:
@@ -51,7 +51,7 @@ def _bounds(act: torch.fx.Node) -> tuple[float, float] | None:
     """[lo, hi] of a ReLU / hardtanh / clamp with number bounds (-inf / inf: none)."""
     if is_op(act, aten.relu.default):
         return 0.0, INF
-    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
     if is_op(act, aten.hardtanh.default):
         lo, hi = (list(act.args[1:3]) + [-1.0, 1.0][len(act.args) - 1:])[:2]
         lo, hi = act.kwargs.get("min_val", lo), act.kwargs.get("max_val", hi)
@@ -103,10 +103,10 @@ def fuse_residual(ep: ExportedProgram) -> int:
             args = isinstance(conv, torch.fx.Node) and _conv_args(conv)
             if (args and args["residual"] is None and _unclamped(args) and only_user(conv, add)
                     and isinstance(other, torch.fx.Node) and other is not conv and same_shape(other, conv)
-                    and same_shape(add, conv) and dtype(other) == dtype(conv) == dtype(add)):
-                if _rewrite(ep, add, conv, args | {"residual": other}):
-                    done += 1
-                    break
+                    and same_shape(add, conv) and dtype(other) == dtype(conv) == dtype(add)
+                    and _rewrite(ep, add, conv, args | {"residual": other})):
+                done += 1
+                break
     return done
 
 
