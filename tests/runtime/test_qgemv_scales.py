@@ -3,7 +3,9 @@ and m under fp32 activations; see `models.gguf`): the CPU kernel reads fp32, fp1
 stored, MLX's kernels (kernels off, and Metal / CUDA) get them widened once per loaded program. Each
 (activation dtype, scales dtype) program matches eager torch, the kernels-off path and the portable
 loop (a subprocess), at K not a multiple of 64, odd output counts (one thread, and split across the
-cores) and 1 to 9 rows (the AVX2 kernel's row blocks of 8 and a partial one)."""
+cores) and 1 to 9 rows (the AVX2 kernel's row blocks of 8 and a partial one). One row in groups of 32
+takes the kernel's eight-groups-at-a-time path (11 groups: one step of eight and three on their own),
+also checked against the general per-group loop."""
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ from mlx_delegate.pipelines.llm import export as llm_export
 from mlx_delegate.testing import (QUANTIZED_TOLERANCE, assert_close, cpu_kernels_active, delegate_summary,
                                   run_in_subprocess, runtime_switches)
 
-K = 160  # 5 groups of 32: not a multiple of 64
+K = 352  # 11 groups of 32: not a multiple of 64
 LAYOUTS = ((4, 37), (8, 37), (4, 389), (8, 389))  # (bits, outputs): odd; 389 x 160 is split across the cores
 ROWS = tuple(range(1, 10))
 # (activation dtype, scales dtype): the GGUF default (fp32 / fp16), bf16 scales, and half activations.
@@ -96,3 +98,10 @@ def test_stored_scales_match_eager_kernels_off_and_portable(pair, programs, port
             assert _runtime.cpu_kernel_calls() == before
         assert_close(off, expected, *tol)
         assert_close(got, off, *tol)
+        if x.shape[1] == 1:
+            _runtime.set_qgemv_group32_path(False)
+            try:
+                general = method.execute([x])
+            finally:
+                _runtime.set_qgemv_group32_path(True)
+            assert_close(got, general, *tol)
