@@ -69,11 +69,14 @@ struct ConvertedConstants {
   std::vector<bool> is_constant;  // by tensor slot
   std::mutex mutex;
   struct Entry {
-    std::uintptr_t source;  // id() of the constant converted (a slot may be recycled after its last read)
+    mx::array source;  // the constant converted (held, so its id() stays its own): a slot may be recycled
     mx::array value;
   };
   std::map<std::pair<uint32_t, int>, Entry> arrays;  // (slot, dtype) -> converted copy
 };
+
+// Constants converted by ExecContext::in_as so far, process-wide (tests prove it happens once per program).
+uint64_t constant_conversions();
 
 struct ExecContext {
   std::vector<std::optional<mx::array>> tensors;

@@ -16,7 +16,7 @@ from mlx_delegate import MLXPartitioner, _runtime
 from mlx_delegate import quantization as Q
 from mlx_delegate.pipelines.llm import export as llm_export
 from mlx_delegate.testing import (QUANTIZED_TOLERANCE, assert_close, cpu_kernels_active, delegate_summary,
-                                  run_in_subprocess, runtime_switches)
+                                  on_cpu_device, run_in_subprocess, runtime_switches)
 
 K = 352  # 11 groups of 32: not a multiple of 64
 LAYOUTS = ((4, 37), (8, 37), (4, 389), (8, 389))  # (bits, outputs): odd; 389 x 160 is split across the cores
@@ -82,6 +82,7 @@ def test_stored_scales_match_eager_kernels_off_and_portable(pair, programs, port
     module, buffer, inputs = programs[pair]
     tol = QUANTIZED_TOLERANCE[pair[0]]
     method = Runtime.get().load_program(buffer).load_method("forward")
+    conversions = _runtime.constant_conversions()
     for x, plain in zip(inputs, portable["outputs"][pair]):
         with torch.no_grad():
             expected = module(x)
@@ -105,3 +106,8 @@ def test_stored_scales_match_eager_kernels_off_and_portable(pair, programs, port
             finally:
                 _runtime.set_qgemv_group32_path(True)
             assert_close(got, general, *tol)
+    # MLX's kernels (kernels off) compute in float32 on the CPU, in x's dtype on a GPU: stored scales and
+    # biases of another dtype were converted once per loaded program, not per call (27+ calls above).
+    target = torch.float32 if on_cpu_device() else pair[0]
+    widened = 2 * len(LAYOUTS) if pair[1] != target else 0
+    assert _runtime.constant_conversions() - conversions == widened
