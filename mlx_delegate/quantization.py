@@ -244,7 +244,7 @@ class _PackedModule(torch.nn.Module):
         self.group_size, self.bits = packed.group_size, packed.bits
         self.dtype = torch.float32
 
-    def _apply(self, fn: Any, recurse: bool = True) -> "_PackedModule":
+    def _apply(self, fn: Any, recurse: bool = True) -> _PackedModule:
         kept = {name: self._buffers[name] for name in ("scales", "biases")}
         super()._apply(fn, recurse)
         probe = fn(torch.zeros((), dtype=self.dtype))  # what the call does to a float tensor

@@ -15,8 +15,15 @@ from torch.export import Dim
 from mlx_delegate import MLXPartitioner, _runtime
 from mlx_delegate import quantization as Q
 from mlx_delegate.pipelines.llm import export as llm_export
-from mlx_delegate.testing import (QUANTIZED_TOLERANCE, assert_close, cpu_kernels_active, delegate_summary,
-                                  on_cpu_device, run_in_subprocess, runtime_switches)
+from mlx_delegate.testing import (
+    QUANTIZED_TOLERANCE,
+    assert_close,
+    cpu_kernels_active,
+    delegate_summary,
+    on_cpu_device,
+    run_in_subprocess,
+    runtime_switches,
+)
 
 K = 352  # 11 groups of 32: not a multiple of 64
 LAYOUTS = ((4, 37), (8, 37), (4, 389), (8, 389))  # (bits, outputs): odd; 389 x 160 is split across the cores
