@@ -21,6 +21,7 @@
 #include "kernels/cpu_parallel.h"
 #include "kernels/qgemv_cpu.h"
 #include "loader.h"
+#include "stream_wait.h"
 
 namespace nb = nanobind;
 using namespace mlxd::rt;
@@ -259,5 +260,17 @@ NB_MODULE(_runtime, m) {
   m.def("cpu_kernels_enabled", &mlxd::rt::cpu_kernels_enabled);
   m.def("cpu_vector_kernels", &mlxd::rt::cpu_use_avx2,
         "Whether the CPU kernels run their vector (AVX2 + FMA) code: kernels on and the CPU has it.");
+  m.def("set_stream_linger", &set_linger_us, nb::arg("us"),
+        "Longest time (us) MLX's CPU stream thread stays awake after a call while calls come back to back "
+        "(0: never; MLX_DELEGATE_LINGER_US sets it at start-up, default 200).");
+  m.def("stream_linger", &linger_us);
+  m.def("stream_wait_stats", [] {
+    auto s = stream_wait_stats();
+    return std::map<std::string, uint64_t>{{"calls", s.calls}, {"held", s.held}, {"lingers", s.lingers},
+                                           {"spins", s.spins}, {"spin_hits", s.spin_hits},
+                                           {"linger_timeouts", s.linger_timeouts}};
+  }, "Process-wide counters of the adaptive wait: evaluations, those that found the stream thread awake (held), "
+     "lingers enqueued, caller spins (and those that saw the result), lingers that ended unused.");
+  m.def("reset_stream_wait_stats", &reset_stream_wait_stats);
   if (!register_backend()) throw std::runtime_error("mlx_delegate: could not register the backend with ExecuTorch");
 }
