@@ -258,6 +258,10 @@ NB_MODULE(_runtime, m) {
   m.def("set_cpu_kernels", &mlxd::rt::set_cpu_kernels_enabled, nb::arg("on"),
         "Turn the CPU element-wise / row kernels on or off for graphs built from now on (A/B runs).");
   m.def("cpu_kernels_enabled", &mlxd::rt::cpu_kernels_enabled);
+  m.def("set_blas_split", &mlxd::rt::set_blas_split, nb::arg("on"),
+        "Cut large fp32 products into single-threaded MKL blocks on the runtime's helper pool (on by default; "
+        "MLX_DELEGATE_BLAS_SPLIT=0 starts with it off) instead of MKL's OpenMP team. Returns whether it is on "
+        "(false when MLX's sgemm is not routed to torch's BLAS).");
   m.def("cpu_vector_kernels", &mlxd::rt::cpu_use_avx2,
         "Whether the CPU kernels run their vector (AVX2 + FMA) code: kernels on and the CPU has it.");
   m.def("set_stream_linger", &set_linger_us, nb::arg("us"),

@@ -13,8 +13,8 @@
 
 #include <mlx/primitives.h>
 #include <mlx/scheduler.h>
+#include <pthread.h>
 #include <sched.h>
-#include <unistd.h>
 
 namespace mlxd::rt {
 namespace {
@@ -98,7 +98,11 @@ struct Linger {
   }
 };
 
-pid_t g_owner = getpid();
+// A forked child has none of the parent's threads (a linger state copied
+// from the parent would be waited on forever): it evaluates plainly.
+std::atomic<bool> g_forked{false};
+[[maybe_unused]] const bool g_atfork = [] { return pthread_atfork(nullptr, nullptr, [] { g_forked.store(true); }) == 0; }();
+bool in_fork_child() { return g_forked.load(std::memory_order_relaxed); }
 std::mutex g_lingers_mutex;
 
 // The stream's state (created on first use, never freed: a stream lives as
@@ -150,7 +154,7 @@ void reset_stream_wait_stats() {
 }
 
 void end_linger() {
-  if (getpid() != g_owner) return;
+  if (in_fork_child()) return;
   auto s = mx::default_stream(mx::Device::cpu);
   linger_for(s)->end();
 }
@@ -161,7 +165,7 @@ namespace {
 // item() read), which keeps the call's linger choice and gap history.
 void eval_impl(std::vector<mx::array>& arrays, EvalPace* pace, bool small) {
   const int64_t cap_ns = linger_us() * 1000;
-  auto stream = cap_ns > 0 && getpid() == g_owner ? cpu_stream(arrays) : std::nullopt;
+  auto stream = cap_ns > 0 && !in_fork_child() ? cpu_stream(arrays) : std::nullopt;
   if (!stream) {
     mx::eval(arrays);
     return;
