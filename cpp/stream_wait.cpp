@@ -53,7 +53,7 @@ struct Linger {
   std::atomic<int64_t> state{0};
   std::atomic<int64_t> next_token{0};
   std::atomic<int64_t> last_done_ns{0};  // when the previous result was seen; 0: never
-  std::atomic<int64_t> last_gap_ns{kNever}, prev_gap_ns{kNever};
+  std::atomic<int64_t> last_gap_ns{kNever};  // the previous call's gap
   std::atomic<int64_t> linger_ns{0};  // chosen by the last call: follow-up evaluations in it reuse it
 
   // Runs on the stream thread, after a call's tasks: stays awake until a
@@ -178,7 +178,6 @@ void eval_impl(std::vector<mx::array>& arrays, EvalPace* pace, bool small) {
     const int64_t last = L->last_done_ns.load(std::memory_order_relaxed);
     const int64_t gap = last ? start - last : kNever;
     const int64_t prev = L->last_gap_ns.exchange(gap, std::memory_order_relaxed);
-    L->prev_gap_ns.store(prev, std::memory_order_relaxed);
     // The next call is expected about as soon after this one as the shorter of
     // the last two gaps; two long gaps in a row (a call every few ms) end it.
     const int64_t recent = std::min(gap, prev);
