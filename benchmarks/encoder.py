@@ -20,7 +20,8 @@ Cases (batch 1, float32, random weights):
 Engines: `mlx_delegate` (stock `executorch.runtime`, compiled graphs as by default), `eager torch`
 (2 threads, `torch.no_grad()`), `ET XNNPACK` (its own export and lowering), and, when asked for,
 `composed` (the delegate with its blocked attention kernel off, `MLX_DELEGATE_SDPA_BLOCKED=0` while its
-graphs are built: the composed matmul + softmax path it replaced). Each is checked against
+graphs are built: the composed matmul + softmax path it replaced) and `unfused-act` (the delegate lowered with
+`disable={"fuse_linear_activation"}`: a linear's bias add and GELU as separate passes). Each is checked against
 eager torch, then the engines take turns call by call (interleaved rounds, the order rotating). Every
 row shows wall time and process CPU time per call (all threads, so 2 busy cores give CPU = 2 x wall).
 
@@ -40,12 +41,13 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Iterator, Sequence
 
 import common
+import mlx_delegate
 from common import ENGINES, Workload, fmt_time, format_table, machine_meta, max_abs_err, one_line, to_numpy
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-ENGINE_KEYS = ("delegate", "composed", "eager", "xnnpack")
+ENGINE_KEYS = ("delegate", "composed", "unfused-act", "eager", "xnnpack")
 DEFAULT_ENGINES = ("delegate", "eager", "xnnpack")
 CASES = ("torch-layer", "bert", "vit", "whisper-encoder", "demo-block", "attention", "llama-prefill")
 LENGTHS = (128, 512, 1500)
@@ -71,7 +73,12 @@ def _composed(w: Workload) -> common.Prepared:
     return replace(p, run=scoped(p.run))
 
 
-LOCAL_ENGINES = {"composed": ("mlx_delegate, attention composed", _composed)}
+LOCAL_ENGINES = {
+    "composed": ("mlx_delegate, attention composed", _composed),
+    # the linear + GELU / SiLU fusion off: bias add and activation as their own passes
+    "unfused-act": ("mlx_delegate, linear act unfused",
+                    common._executorch(lambda: mlx_delegate.MLXPartitioner(disable={"fuse_linear_activation"}))),
+}
 
 
 def engine(key: str) -> tuple[str, Any]:
