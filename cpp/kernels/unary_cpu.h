@@ -12,9 +12,7 @@
 
 namespace mlxd::rt {
 
-// identity: with a bias, a linear's bias add alone (in place, split across the
-// cores; MLX's add runs on one).
-enum class UnaryKernel : uint8_t { exp, sigmoid, silu, gelu_erf, gelu_tanh, erf, identity };
+enum class UnaryKernel : uint8_t { exp, sigmoid, silu, gelu_erf, gelu_tanh, erf };
 
 // Whether unary_cpu takes x (and bias): kernels on (cpu_kernels_active) and a
 // non-empty float32 / bfloat16 / float16 array. Any layout: non-contiguous

@@ -1,7 +1,6 @@
 // Matrix products.
 #include "../ops_common.h"
 #include "kernels/gemm_lowp_cpu.h"
-#include "kernels/unary_cpu.h"
 
 namespace mlxd::rt {
 
@@ -26,8 +25,7 @@ void exec_LinearNode(const mlxd::LinearNode& n, ExecContext& ctx) {
   const auto* b = ctx.maybe_in(n.bias());
   // A fused activation takes the bias along: one pass over the product (in place on the CPU).
   if (n.act()) return ctx.set(n.out(), unary_op(n.act_op(), y, b ? std::optional<mx::array>(*b) : std::nullopt));
-  // The bias alone: in place across the cores on the CPU (MLX's add is one pass on one core).
-  if (b) y = unary_cpu_applies(y, *b) ? unary_cpu(y, UnaryKernel::identity, *b) : mx::add(y, *b);
+  if (b) y = mx::add(y, *b);
   ctx.set(n.out(), y);
 }
 
