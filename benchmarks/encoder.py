@@ -22,7 +22,9 @@ Engines: `mlx_delegate` (stock `executorch.runtime`, compiled graphs as by defau
 `composed` (the delegate with its blocked attention kernel off, `MLX_DELEGATE_SDPA_BLOCKED=0` while its
 graphs are built: the composed matmul + softmax path it replaced) and `omp` (the delegate with its large
 fp32 products as one MKL call on MKL's OpenMP team, `_runtime.set_blas_split(False)` around each call:
-what it did before it cut them into blocks on its own helper pool). Each is checked against
+what it did before it cut them into blocks on its own helper pool) and `unfused-act` (the delegate
+lowered with `disable={"fuse_linear_activation"}`: a linear's bias add and GELU as separate passes).
+Each is checked against
 eager torch, then the engines take turns call by call (interleaved rounds, the order rotating). Every
 row shows wall time and process CPU time per call (all threads, so 2 busy cores give CPU = 2 x wall).
 
@@ -42,12 +44,13 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Iterator, Sequence
 
 import common
+import mlx_delegate
 from common import ENGINES, Workload, fmt_time, format_table, machine_meta, max_abs_err, one_line, to_numpy
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-ENGINE_KEYS = ("delegate", "composed", "omp", "eager", "xnnpack")
+ENGINE_KEYS = ("delegate", "composed", "omp", "unfused-act", "eager", "xnnpack")
 DEFAULT_ENGINES = ("delegate", "eager", "xnnpack")
 CASES = ("torch-layer", "bert", "vit", "whisper-encoder", "demo-block", "attention", "llama-prefill")
 LENGTHS = (128, 512, 1500)
@@ -90,8 +93,13 @@ def _omp_team(w: Workload) -> common.Prepared:
     return replace(p, run=run)
 
 
-LOCAL_ENGINES = {"composed": ("mlx_delegate, attention composed", _composed),
-                 "omp": ("mlx_delegate, products on MKL's OpenMP team", _omp_team)}
+LOCAL_ENGINES = {
+    "composed": ("mlx_delegate, attention composed", _composed),
+    "omp": ("mlx_delegate, products on MKL's OpenMP team", _omp_team),
+    # the linear + GELU / SiLU fusion off: bias add and activation as their own passes
+    "unfused-act": ("mlx_delegate, linear act unfused",
+                    common._executorch(lambda: mlx_delegate.MLXPartitioner(disable={"fuse_linear_activation"}))),
+}
 
 
 def engine(key: str) -> tuple[str, Any]:

@@ -3,6 +3,7 @@
 
 #include <array>
 #include <cstddef>
+#include <optional>
 #include <string>
 
 #include "ops_generated.h"
@@ -40,5 +41,10 @@ const Fn& table_at(const std::array<OpRow<Enum, Fn>, N>& table, Enum e, const ch
   if (i >= N) throw NodeError(std::string("unknown ") + what + " " + std::to_string(i));
   return table[i].fn;
 }
+
+// op(x + bias) (bias optional, broadcast along x's last axis) with the
+// element-wise op table's semantics; on the CPU kernel path one pass, in place
+// when x has no other reader (ops/elementwise.cpp).
+mx::array unary_op(mlxd::UnaryOp op, const mx::array& x, const std::optional<mx::array>& bias = std::nullopt);
 
 }  // namespace mlxd::rt

@@ -117,6 +117,28 @@ def _(x: Tensor, weights: list[Tensor], biases: list[Tensor | None]) -> list[Ten
     return [x.new_empty([*x.shape[:-1], w.shape[0]]) for w in weights]
 
 
+# The activations `linear_act` takes, by name (the `act` argument).
+LINEAR_ACTIVATIONS = {
+    "gelu": lambda y: torch.nn.functional.gelu(y),
+    "gelu_tanh": lambda y: torch.nn.functional.gelu(y, approximate="tanh"),
+    "silu": torch.nn.functional.silu,
+}
+
+
+@torch.library.custom_op("mlx_delegate::linear_act", mutates_args=())
+def linear_act(x: Tensor, weight: Tensor, bias: Tensor | None, act: str) -> Tensor:
+    """act(linear(x, weight, bias)) with act one of LINEAR_ACTIVATIONS: a linear with its activation
+    fused (patterns/linear_activation.py)."""
+    if act not in LINEAR_ACTIVATIONS:
+        raise ValueError(f"linear_act: unknown activation {act!r}; known: {sorted(LINEAR_ACTIVATIONS)}")
+    return LINEAR_ACTIVATIONS[act](torch.nn.functional.linear(x, weight, bias))
+
+
+@linear_act.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None, act: str) -> Tensor:
+    return x.new_empty([*x.shape[:-1], weight.shape[0]])
+
+
 def _conv_fused(x: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int], padding: list[int],
                 padding_hi: list[int], dilation: list[int], groups: int) -> Tensor:
     # padding per spatial axis on the low side, padding_hi on the high side (F.pad lists the last axis first).

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
+#include <vector>
 
 #include <mlx/backend/cpu/encoder.h>
 #include <mlx/primitives.h>
@@ -102,11 +103,33 @@ void run_map(MapFn f, const void* in, void* out, mx::Dtype dtype, int64_t n) {
   });
 }
 
+// f(x + bias) over rows of `cols` elements: per row and chunk, widen to
+// float32 on the stack, add the bias (widened once), map, store.
+void run_map_bias(MapFn f, const void* in, void* out, mx::Dtype dtype, int64_t n, const void* bias,
+                  mx::Dtype bias_dtype, int64_t bias_stride, int64_t cols) {
+  std::vector<float> b(cols);
+  for (int64_t j = 0; j < cols; ++j) cpu_load_f32(bias, bias_dtype, j * bias_stride, 1, b.data() + j);
+  cpu_parallel_for(n / cols, cols, 1, [&](int64_t begin, int64_t end) {
+    float buf[kChunk];
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t c = 0; c < cols; c += kChunk) {
+        const int64_t len = std::min(kChunk, cols - c), at = r * cols + c;
+        cpu_load_f32(in, dtype, at, len, buf);
+        const float* bc = b.data() + c;
+        for (int64_t i = 0; i < len; ++i) buf[i] += bc[i];
+        f(buf, buf, len);
+        cpu_store_f32(buf, dtype, at, len, out);
+      }
+    }
+  });
+}
+
 class UnaryCpu : public mx::UnaryPrimitive {
  public:
   UnaryCpu(mx::Stream s, UnaryKernel kind) : mx::UnaryPrimitive(s), kind_(kind) {}
 
-  // in[0]: any layout, same dtype and shape as out.
+  // in[0]: any layout, same dtype and shape as out; in[1] (optional): the
+  // bias, 1-D along the last axis, any stride.
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     const auto& x = in[0];
     const bool contiguous = x.flags().row_contiguous;
@@ -118,6 +141,19 @@ class UnaryCpu : public mx::UnaryPrimitive {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     encoder.set_input_array(x);
     encoder.set_output_array(out);
+    if (in.size() > 1) {
+      const auto& bias = in[1];
+      encoder.set_input_array(bias);
+      cpu_kernel_note_call("bias_act");
+      encoder.dispatch([f = pick(kind_), src = x.data<void>(), dst = out.data<void>(), dtype = x.dtype(),
+                        n = static_cast<int64_t>(x.size()), shape = x.shape(), strides = x.strides(), contiguous,
+                        itemsize = x.itemsize(), b = bias.data<void>(), bias_dtype = bias.dtype(),
+                        bias_stride = static_cast<int64_t>(bias.strides()[0]), cols = static_cast<int64_t>(bias.size())] {
+        CpuRowMajor xs(src, itemsize, shape, strides, contiguous);
+        run_map_bias(f, xs.data(), dst, dtype, n, b, bias_dtype, bias_stride, cols);
+      });
+      return;
+    }
     cpu_kernel_note_call(info(kind_).name);
     encoder.dispatch([f = pick(kind_), src = x.data<void>(), dst = out.data<void>(), dtype = x.dtype(),
                       n = static_cast<int64_t>(x.size()), shape = x.shape(), strides = x.strides(), contiguous,
@@ -141,11 +177,16 @@ class UnaryCpu : public mx::UnaryPrimitive {
 
 }  // namespace
 
-bool unary_cpu_applies(const mx::array& x) { return cpu_kernels_active() && cpu_kernel_dtype_ok(x); }
+bool unary_cpu_applies(const mx::array& x, const std::optional<mx::array>& bias) {
+  if (!cpu_kernels_active() || !cpu_kernel_dtype_ok(x)) return false;
+  return !bias || (bias->ndim() == 1 && x.ndim() >= 1 && bias->shape(0) == x.shape(-1) && cpu_kernel_dtype_ok(*bias));
+}
 
-mx::array unary_cpu(const mx::array& x, UnaryKernel kind) {
+mx::array unary_cpu(const mx::array& x, UnaryKernel kind, const std::optional<mx::array>& bias) {
   auto stream = mx::default_stream(mx::Device::cpu);
-  return mx::array(x.shape(), x.dtype(), std::make_shared<UnaryCpu>(stream, kind), {x});
+  std::vector<mx::array> inputs{x};
+  if (bias) inputs.push_back(*bias);
+  return mx::array(x.shape(), x.dtype(), std::make_shared<UnaryCpu>(stream, kind), std::move(inputs));
 }
 
 }  // namespace mlxd::rt

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 
 #include <mlx/mlx.h>
 
@@ -13,12 +14,16 @@ namespace mlxd::rt {
 
 enum class UnaryKernel : uint8_t { exp, sigmoid, silu, gelu_erf, gelu_tanh, erf };
 
-// Whether unary_cpu takes x: kernels on (cpu_kernels_active) and a non-empty
-// float32 / bfloat16 / float16 array. Any layout: non-contiguous inputs are
-// copied to row-major first.
-bool unary_cpu_applies(const mlx::core::array& x);
+// Whether unary_cpu takes x (and bias): kernels on (cpu_kernels_active) and a
+// non-empty float32 / bfloat16 / float16 array. Any layout: non-contiguous
+// inputs are copied to row-major first. A bias must be 1-D, as long as x's
+// last axis, of a kernel dtype.
+bool unary_cpu_applies(const mlx::core::array& x, const std::optional<mlx::core::array>& bias = std::nullopt);
 
-// f(x) element-wise in float32 math, returned in x's dtype and shape.
-mlx::core::array unary_cpu(const mlx::core::array& x, UnaryKernel kind);
+// f(x + bias) element-wise in float32 math (bias, optional, along x's last
+// axis: a linear's bias in the same pass as its activation), returned in x's
+// dtype and shape; in place when x is row-major and has no other reader.
+mlx::core::array unary_cpu(const mlx::core::array& x, UnaryKernel kind,
+                           const std::optional<mlx::core::array>& bias = std::nullopt);
 
 }  // namespace mlxd::rt

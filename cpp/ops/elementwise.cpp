@@ -228,11 +228,13 @@ std::optional<UnaryKernel> cpu_kernel_for(mlxd::UnaryOp op) {
 
 }  // namespace
 
-void exec_UnaryNode(const mlxd::UnaryNode& n, ExecContext& ctx) {
-  const auto& x = ctx.in(n.x());
-  if (auto kernel = cpu_kernel_for(n.op()); kernel && unary_cpu_applies(x)) return ctx.set(n.out(), unary_cpu(x, *kernel));
-  ctx.set(n.out(), table_at(kUnary, n.op(), "unary op")(x));
+mx::array unary_op(mlxd::UnaryOp op, const mx::array& x, const std::optional<mx::array>& bias) {
+  const auto& fn = table_at(kUnary, op, "unary op");
+  if (auto kernel = cpu_kernel_for(op); kernel && unary_cpu_applies(x, bias)) return unary_cpu(x, *kernel, bias);
+  return fn(bias ? mx::add(x, *bias) : x);
 }
+
+void exec_UnaryNode(const mlxd::UnaryNode& n, ExecContext& ctx) { ctx.set(n.out(), unary_op(n.op(), ctx.in(n.x()))); }
 
 void exec_BinaryNode(const mlxd::BinaryNode& n, ExecContext& ctx) {
   ctx.set(n.out(), table_at(kBinary, n.op(), "binary op")(ctx.in(n.a()), ctx.in(n.b())));

@@ -22,7 +22,10 @@ void exec_LinearNode(const mlxd::LinearNode& n, ExecContext& ctx) {
   const auto& x = ctx.in(n.x());
   // transpose is a view: the kernel reads the [N, K] weight in place.
   auto y = gemm_lowp_cpu_linear_applies(x, w) ? gemm_lowp_cpu_linear(x, w) : product(x, mx::transpose(w));
-  if (auto* b = ctx.maybe_in(n.bias())) y = mx::add(y, *b);
+  const auto* b = ctx.maybe_in(n.bias());
+  // A fused activation takes the bias along: one pass over the product (in place on the CPU).
+  if (n.act()) return ctx.set(n.out(), unary_op(n.act_op(), y, b ? std::optional<mx::array>(*b) : std::nullopt));
+  if (b) y = mx::add(y, *b);
   ctx.set(n.out(), y);
 }
 

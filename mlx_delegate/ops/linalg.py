@@ -52,6 +52,24 @@ def linear(b: ProgramBuilder, n: torch.fx.Node) -> None:
                         bias=None if bias is None else b.operand(bias, dtype), out=b.out(n)))
 
 
+# `linear_act`'s activation names (custom_ops.LINEAR_ACTIVATIONS) as the LinearNode's act_op.
+LINEAR_ACT_OPS = {"gelu": N.UnaryOp.GeluErf, "gelu_tanh": N.UnaryOp.GeluTanh, "silu": N.UnaryOp.Silu}
+
+
+@register(torch.ops.mlx_delegate.linear_act.default)
+def linear_act(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    """A linear with its activation fused (patterns/linear_activation.py)."""
+    x, w, bias, act = n.args
+    if act not in LINEAR_ACT_OPS:
+        raise b.unsupported(f"linear_act activation {act!r}; known: {sorted(LINEAR_ACT_OPS)}")
+    if len(b.shape_of(w)) != 2:
+        raise b.unsupported("linear with a non-2-D weight")
+    dtype = float_dtype(b, n)
+    b.emit(N.LinearNode(x=b.operand(x, dtype), weight=b.operand(w, dtype),
+                        bias=None if bias is None else b.operand(bias, dtype), out=b.out(n),
+                        act=True, act_op=LINEAR_ACT_OPS[act]))
+
+
 @register(torch.ops.mlx_delegate.linear_group.default)
 def linear_group(b: ProgramBuilder, n: torch.fx.Node) -> None:
     """Linears sharing input x (patterns/linear_group.py): one product over the weights

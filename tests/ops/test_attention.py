@@ -253,12 +253,13 @@ def hidden_rows_mask(lq, lk, first_hidden):
     return make
 
 
-# The blocked kernel (cpp/kernels/attention_cpu, long queries: blocks of 64 query rows on the BLAS).
-# L and S are not multiples of the block; head dims 64 and 80; masks, causal alignments, strided views.
+# The blocked kernel (cpp/kernels/attention_cpu, long queries: blocks of 128 query rows on the BLAS, 64
+# past 2048 keys). L and S are not multiples of the block; head dims 64 and 80; masks, causal alignments,
+# strided views (packed per head).
 BLOCKED = [
     *cases("blocked_l70_d64", sdpa(), qkv(b=2, hq=2, hk=2, lq=70, lk=70, e=64), FLOATS),
     *cases("blocked_l130_s70_d80_gqa", sdpa(enable_gqa=True), qkv(hq=4, hk=2, lq=130, lk=70, e=80), FLOATS),
-    *cases("blocked_causal_l70", sdpa(is_causal=True), qkv(hq=2, hk=2, lq=70, lk=70, e=64), FLOATS),
+    *cases("blocked_causal_l133", sdpa(is_causal=True), qkv(hq=2, hk=2, lq=133, lk=133, e=64), FLOATS),
     *cases("blocked_causal_short_q", sdpa(is_causal=True), qkv(hq=2, hk=2, lq=67, lk=131, e=80), FLOATS),
     *cases("blocked_causal_long_q_gqa", sdpa(is_causal=True, enable_gqa=True),
            qkv(hq=4, hk=2, lq=131, lk=67, e=64), (torch.float32,)),
@@ -272,13 +273,15 @@ BLOCKED = [
     *cases("blocked_float_mask_trailing_inf", sdpa(),
            with_mask(qkv(hq=2, hk=2, lq=33, lk=90, e=80), trailing_inf_mask(33, 90, 50)), FLOATS),
     *cases("blocked_hidden_block", sdpa(),
-           with_mask(qkv(hq=2, hk=2, lq=70, lk=37, e=64), hidden_rows_mask(70, 37, 64)), FLOATS),
+           with_mask(qkv(hq=2, hk=2, lq=140, lk=37, e=64), hidden_rows_mask(140, 37, 128)), FLOATS),
     *cases("blocked_value_dim", sdpa(scale=0.3), qkv(hq=2, hk=2, lq=9, lk=20, e=40, ev=24), (torch.float32,)),
     *cases("blocked_transposed_k", transposed_kv,
            lambda: (torch.randn(1, 2, 70, 64), torch.randn(1, 2, 64, 90), torch.randn(1, 2, 90, 64)), FLOATS),
     *cases("blocked_heads_last", heads_last,
-           lambda: (torch.randn(1, 70, 4, 64), torch.randn(1, 70, 2, 64), torch.randn(1, 70, 2, 64),
-                    position_mask(70, 70, 0)()), FLOATS),
+           lambda: (torch.randn(1, 131, 4, 64), torch.randn(1, 131, 2, 64), torch.randn(1, 131, 2, 64),
+                    position_mask(131, 131, 0)()), FLOATS),
+    # Past 2048 keys the blocks are 64 rows again.
+    *cases("blocked_long_s", sdpa(), qkv(hq=1, hk=1, lq=70, lk=2100, e=64), (torch.float32,)),
 ]
 
 

@@ -34,6 +34,11 @@ CASES = [
     *cases("linear_no_bias", lambda: Linear(bias=False), randn((3, 16)), FLOATS, is_module=True, **LOOSE),
     *cases("linear_fn_1d_input", lambda x, w, b: torch.nn.functional.linear(x, w, b),
            randn((16,), (8, 16), (8,)), FLOATS, **LOOSE),
+    *cases("linear_strided_bias", lambda x, w, b: torch.nn.functional.linear(x, w, b[::2]),
+           randn((3, 7, 16), (5, 16), (10,)), FLOATS, **LOOSE),
+    # fused with its GELU (fuse_linear_activation): the CPU's bias_act pass reads the bias through its stride
+    *cases("linear_gelu_strided_bias", lambda x, w, b: torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b[::2])),
+           randn((3, 7, 16), (5, 16), (10,)), FLOATS, **LOOSE),
     *cases("linear_noncontig_input", lambda x, w: torch.nn.functional.linear(x.transpose(0, 1), w),
            randn((16, 4), (8, 16)), FLOATS, **LOOSE),
     *cases("linear_empty_batch", Linear, randn((0, 16)), (torch.float32,), is_module=True),

@@ -18,7 +18,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 def node_kind(node) -> str:
-    op = getattr(node, "op", None)
+    op = node.act_op if getattr(node, "act", False) else getattr(node, "op", None)  # a LinearNode's fused act
     return type(node).__name__ + (f".{op.name}" if hasattr(op, "name") else "")
 
 
@@ -312,22 +312,22 @@ def test_attention_lookalikes_stay_unfused(module):
 
 # ------------------------------------------------------------------ switches
 class Block(torch.nn.Module):
-    """One of each: LayerNorm, attention, GELU."""
+    """One of each: LayerNorm, attention, GELU, a linear's SiLU."""
 
     def __init__(self, dim=32, heads=4):
         super().__init__()
         self.heads, self.norm = heads, HandLayerNorm(dim, "sqrt")
-        self.qkv, self.fc = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+        self.qkv, self.fc, self.up = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim), torch.nn.Linear(dim, dim)
 
     def forward(self, x, mask):
         b, t, c = x.shape
         q, k, v = self.qkv(self.norm(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
         a = (torch.softmax(scores(q, k, "div") + mask, dim=-1) @ v).transpose(1, 2).reshape(b, t, c)
-        return ACTIVATIONS["gelu_erf"][0](self.fc(a))
+        return ACTIVATIONS["gelu_erf"][0](self.fc(a) + x), torch.nn.functional.silu(self.up(x))
 
 
 FUSED_KIND = {"fuse_layer_norm": "LayerNormNode", "fuse_activations": "UnaryNode.GeluErf",
-              "fuse_attention": "SdpaNode"}
+              "fuse_attention": "SdpaNode", "fuse_linear_activation": "LinearNode.Silu"}
 
 
 def test_switching_fusions_off_restores_the_unfused_ir():
