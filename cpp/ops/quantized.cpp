@@ -2,6 +2,7 @@
 // weights (stored as int32 words, viewed as uint32 here) with per-group scales
 // and biases, w = scales * q + biases along the last axis.
 #include "../ops_common.h"
+#include "kernels/qgemm_cpu.h"
 #include "kernels/qgemv_cpu.h"
 
 #include <array>
@@ -10,8 +11,9 @@
 namespace mlxd::rt {
 namespace {
 
-// The CPU runs our own kernel (kernels/qgemv_cpu.h: any number of rows with
-// AVX2, decode-sized products otherwise) unless MLX_DELEGATE_CPU_KERNELS=0
+// The CPU runs our own kernels (kernels/qgemm_cpu.h: prefill-sized products
+// as dequantized chunks on the BLAS; kernels/qgemv_cpu.h: the rest, any number
+// of rows with AVX2, decode-sized products otherwise) unless MLX_DELEGATE_CPU_KERNELS=0
 // turns it off. Otherwise a few rows run MLX's CPU quantized matmul, a plain
 // loop, in fp32 (it is much slower in bf16/fp16); from this many rows on
 // dequantize + the BLAS matmul is several times faster. GPUs always run
@@ -29,6 +31,8 @@ mx::array packed_words(const mx::array& w) {
 mx::array cpu_product(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                       int group_size, int bits) {
   auto f32 = [](const mx::array& a) { return mx::astype(a, mx::float32); };
+  if (qgemm_cpu_applies(x, group_size, bits))
+    return mx::astype(qgemm_cpu(x, w, scales, biases, group_size, bits), x.dtype());
   if (qgemv_cpu_applies(x, group_size, bits))
     return mx::astype(qgemv_cpu(x, w, scales, biases, group_size, bits), x.dtype());
   int64_t k = x.ndim() ? x.shape(-1) : 0;
