@@ -250,13 +250,16 @@ class LlamaCppRunner(Runner):
 
     def __init__(self, path: Path, n_ctx: int) -> None:
         try:
+            import llama_cpp
             from llama_cpp import Llama
         except ImportError as e:
-            raise RuntimeError("not installed (pip install llama-cpp-python)") from e
+            raise RuntimeError("not installed (benchmarks/README.md: installing the llama.cpp peer)") from e
+        self._llama_cpp = llama_cpp
         threads = torch.get_num_threads()
         self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads,
                          n_threads_batch=threads, verbose=False)
         self.program_bytes = path.stat().st_size
+        self.n_vocab = self.llm.n_vocab()
 
     def step(self, tokens: list[int], pos: int) -> np.ndarray:
         if pos == 0:
@@ -269,7 +272,10 @@ class LlamaCppRunner(Runner):
         if self.llm.n_tokens != pos:
             raise RuntimeError(f"llama.cpp is at position {self.llm.n_tokens}, not {pos}")
         self.llm.eval(tokens)
-        return np.array(self.llm.scores[self.llm.n_tokens - 1], dtype=np.float32)
+        # The last position's logits from the context: llama-cpp-python >= 0.3.x fills `scores` only with
+        # logits_all=True (0.3.36 leaves them stale), and its batch asks for the last position's alone.
+        logits = self._llama_cpp.llama_get_logits_ith(self.llm._ctx.ctx, -1)
+        return np.ctypeslib.as_array(logits, shape=(self.n_vocab,)).copy()
 
 
 # ---------------------------------------------------------------- MLX Python mirror
@@ -604,7 +610,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     started = time.perf_counter()
     meta = machine_meta(bandwidth=not args.no_bandwidth) | {
         "prompt": args.prompt, "decode": args.decode, "rounds": args.rounds,
-        "compile_default": os.environ.get("MLX_DELEGATE_COMPILE", "1")}
+        "compile_default": os.environ.get("MLX_DELEGATE_COMPILE", "1"),
+        # llama.cpp shares torch's libgomp: its barriers spin unless this says PASSIVE (see README)
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "-")}
     bw = meta.get("bandwidth_gbs")
     print("  ".join(f"{k}={v}" for k, v in meta.items()), file=sys.stderr, flush=True)
     rows: list[Row] = []
