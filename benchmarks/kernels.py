@@ -10,6 +10,11 @@ Groups (`--ops`, default all):
 - `rope`: one `mlx_delegate::rope_at` node (position as a tensor, the compiled decode graph's form) at
   SmolLM2-135M's decode shapes (q [1, 9, 1, 64] fp32 and bf16, k [1, 3, 1, 64]) and a 64-token
   prefill; eager torch computes the rotate-half form the Llama model writes.
+- `qgemv`: one decode-step quantized linear (one row of x) at the GGUF default's shapes (SmolLM2-135M
+  Q4_1 gate/up [3072 x 576] and down [576 x 1536], the Q8_0 tied head [49152 x 576]), groups of 32,
+  scales / biases stored fp16 (as the GGUF program keeps them) and fp32 (as it stored them before);
+  path `group-32 path off` runs the kernel's general per-group loop instead of its one-row
+  eight-groups-at-a-time path (`_runtime.set_qgemv_group32_path`).
 - `sdpa`: attention at SmolLM2-135M's shape (9 query heads, 3 key heads, head dim 64) over a
   256-slot cache under the position mask the Llama model uses (`arange(S) <= position`), for 1 to 64
   query rows.
@@ -35,7 +40,7 @@ copies included). `x on`: median over `kernels on`'s median; `x eager`: over eag
 decode calls has shown a bias against the fused copy (one process per path measured it ahead);
 check a surprising `sdpa` row with one process per setting. Nothing fails here.
 
-    python benchmarks/kernels.py [--ops unary,rows,rope,sdpa] [--quick] [--nodes] [--budget S]
+    python benchmarks/kernels.py [--ops unary,rows,rope,qgemv,sdpa] [--quick] [--nodes] [--budget S]
 """
 
 from __future__ import annotations
@@ -55,11 +60,12 @@ import torch.nn.functional as F
 from executorch.runtime import Runtime
 
 from mlx_delegate import _runtime
+from mlx_delegate import quantization as Q
 from mlx_delegate.custom_ops import rope_at
 from mlx_delegate.models.llama import apply_rope
 from mlx_delegate.testing import Lambda, lower
 
-GROUPS = ("unary", "rows", "rope", "sdpa")
+GROUPS = ("unary", "rows", "rope", "qgemv", "sdpa")
 SDPA_ENV = "MLX_DELEGATE_SDPA_FUSED_MAX_L"
 
 
@@ -82,9 +88,11 @@ class RunAs:
     kernels: bool = True
     compiled: bool = True
     env: dict[str, str] = field(default_factory=dict)
+    group32: bool = True  # the quantized GEMV's one-row groups-of-32 path
 
 
-PATHS = {"kernels on": RunAs(), "composed": RunAs(env={SDPA_ENV: "0"}), "kernels off": RunAs(kernels=False)}
+PATHS = {"kernels on": RunAs(), "composed": RunAs(env={SDPA_ENV: "0"}), "kernels off": RunAs(kernels=False),
+         "group-32 path off": RunAs(group32=False)}
 
 
 def shape_text(x: torch.Tensor) -> str:
@@ -158,6 +166,34 @@ def rope_cases(quick: bool) -> Iterator[Case]:
                    lambda m=module, x=x, pos=pos: rope_eager(m, x, pos))
 
 
+class PackedLinear(torch.nn.Module):
+    """One quantized linear on MLX-affine packed weights (`quantization.QuantizedLinear`)."""
+
+    def __init__(self, n: int, k: int, bits: int, scales_dtype: torch.dtype) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        scales = (torch.rand(n, k // 32, generator=gen) + 0.5) * 0.16 / 2**bits
+        biases = -(2 ** (bits - 1) + torch.randn(n, k // 32, generator=gen)) * scales
+        packed = Q.MLXQuantized(Q.pack_words(torch.randint(0, 2**bits, (n, k), generator=gen), bits),
+                                scales.to(scales_dtype), biases.to(scales_dtype), 32, bits)
+        self.linear = Q.QuantizedLinear(packed)
+        self.weight = Q.dequantize_mlx(packed.w, packed.scales, packed.biases, 32, bits, dtype=torch.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def qgemv_cases(quick: bool) -> Iterator[Case]:
+    shapes = [("gate/up Q4_1", 3072, 576, 4), ("down Q4_1", 576, 1536, 4), ("head Q8_0", 49152, 576, 8)]
+    for name, n, k, bits in shapes[:1] if quick else shapes:
+        for scales_dtype in (torch.float16, torch.float32):
+            module = PackedLinear(n, k, bits, scales_dtype).eval()
+            x = torch.randn(1, 1, k)
+            yield Case("qgemv", f"{name} [{n} x {k}], scales {str(scales_dtype).removeprefix('torch.')}", module,
+                       (x,), lambda m=module, x=x: F.linear(x, m.weight),
+                       paths=("kernels on", "group-32 path off", "kernels off"))
+
+
 SDPA_HQ, SDPA_HK, SDPA_D, SDPA_S = 9, 3, 64, 256
 
 
@@ -180,7 +216,7 @@ def sdpa_cases(quick: bool) -> Iterator[Case]:
 
 
 SOURCES: dict[str, Callable[[bool], Iterator[Case]]] = {
-    "unary": unary_cases, "rows": rows_cases, "rope": rope_cases, "sdpa": sdpa_cases}
+    "unary": unary_cases, "rows": rows_cases, "rope": rope_cases, "qgemv": qgemv_cases, "sdpa": sdpa_cases}
 
 
 # ---------------------------------------------------------------- running
@@ -196,6 +232,7 @@ def delegate_run(buffer: bytes, inputs: tuple[torch.Tensor, ...],
         was = _runtime.cpu_kernels_enabled(), _runtime.compile_enabled()
         _runtime.set_cpu_kernels(path.kernels)
         _runtime.set_compile(path.compiled)
+        _runtime.set_qgemv_group32_path(path.group32)
         os.environ.update(path.env)  # read when the graph is built: the first and the tracing call
         try:
             return method.execute(args)
@@ -204,6 +241,7 @@ def delegate_run(buffer: bytes, inputs: tuple[torch.Tensor, ...],
                 os.environ.pop(key, None)
             _runtime.set_cpu_kernels(was[0])
             _runtime.set_compile(was[1])
+            _runtime.set_qgemv_group32_path(True)
 
     return run, program
 

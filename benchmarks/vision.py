@@ -12,6 +12,10 @@ thread counts, so a runtime that spins while waiting shows it). transformers has
 
     python benchmarks/vision.py [--quick] [--models resnet18,mobilenet_v2] [--batches 1,8]
                                 [--engines delegate,eager,xnnpack] [--budget S] [--json out.json]
+                                [--off fold_conv_pad+fuse_conv_residual,fuse_conv_activation]
+
+--off: one more delegate engine per comma-separated entry, lowered with those `MLXPartitioner`
+switches off (`+` joins several in one engine), timed in turn with the others (a fusion's A/B).
 
 --quick: ResNet-18 and MobileNetV2 at batch 1, fewer rounds. Nothing fails here.
 """
@@ -23,13 +27,17 @@ import gc
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import common
-from common import ENGINES, QUICK, Settings, Workload, fmt_time, format_table, machine_meta
 import numpy as np
 import torch
+from common import ENGINES, QUICK, Settings, Workload, fmt_time, format_table, machine_meta
+
+import mlx_delegate
+import mlx_delegate.partitioner
 
 
 def _hf(model_cls: str, config_cls: str, **config: Any) -> torch.nn.Module:
@@ -133,7 +141,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     out, last = [], None
     for r in rows:
         wall = r["median_s"]
-        rel = lambda key: "-" if not wall or not by.get((r["case"], key)) else f"{by[(r['case'], key)] / wall:.2f}x"  # noqa: E731
+        rel = lambda key: "-" if not wall or not by.get((r["case"], key)) else f"{by[(r['case'], key)] / wall:.2f}x"
         err = r["max_abs_err"]
         out.append([r["case"] if r["case"] != last else "", r["engine"], fmt_time(wall), fmt_time(r["cpu_s"]),
                     str(r["rounds"] or "-"), rel("eager"), rel("xnnpack"), "-" if err is None else f"{err:.1e}",
@@ -151,12 +159,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--engines", default=",".join(VISION_ENGINES), help=f"subset of {','.join(ENGINES)}")
     p.add_argument("--budget", type=float, help="timed seconds per engine and case")
     p.add_argument("--json", metavar="PATH", help="also write meta and results as JSON")
+    p.add_argument("--off", help="extra delegate engines with partitioner switches off: a,b+c")
     args = p.parse_args(argv)
     models = args.models.split(",") if args.models else list(QUICK_MODELS if args.quick else MODELS)
     if unknown := set(models) - set(MODELS):
         p.error(f"unknown models {sorted(unknown)}; choose from {list(MODELS)}")
     batches = [int(b) for b in (args.batches or ("1" if args.quick else "1,8")).split(",")]
     engines = [k for k in ENGINES if k in args.engines.split(",")]
+    for entry in filter(None, (args.off or "").split(",")):
+        off = frozenset(entry.split("+"))
+        if unknown := off - set(mlx_delegate.partitioner.SWITCHES):
+            p.error(f"unknown switches {sorted(unknown)}; choose from {mlx_delegate.partitioner.SWITCHES}")
+        key = f"delegate-{entry}-off"
+        ENGINES[key] = (f"mlx_delegate, {entry} off",
+                        common._executorch(lambda off=off: mlx_delegate.MLXPartitioner(disable=off)))
+        engines.insert(1, key)
     settings = replace(QUICK if args.quick else Settings(budget_s=6.0, max_rounds=30), warmup=2)
     if args.budget is not None:
         settings = replace(settings, budget_s=args.budget)

@@ -125,6 +125,7 @@ std::vector<mx::array> Handle::trace(const std::vector<mx::array>& in, Graph& gr
   ctx.values = ctx_.values;  // scalar inputs
   graph.guards.clear();
   ctx.guards = &graph.guards;
+  ctx.converted = lp.converted.get();
   size_t k = 0;
   size_t n_in = p->inputs() ? p->inputs()->size() : 0;
   for (size_t i = 0; i < n_in; ++i)

@@ -117,6 +117,7 @@ void copy_result(const mx::array& a, void* dst) {
 }  // namespace
 
 Handle::Handle(std::shared_ptr<const LoadedProgram> program) : program_(std::move(program)) {
+  ctx_.converted = program_->converted.get();
   reset_buffers();
   plan_compile();
 }

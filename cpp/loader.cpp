@@ -270,6 +270,9 @@ std::shared_ptr<const LoadedProgram> load_program(const void* data, size_t size,
       lp->constants.push_back({c->tid()->idx(), load_named(named_data, c->key(), c->dtype(), c->shape(), what)});
       checker.tensor_defined[c->tid()->idx()] = true;
     }
+  lp->converted = std::make_unique<ConvertedConstants>();
+  lp->converted->is_constant.assign(nt, false);
+  for (const auto& c : lp->constants) lp->converted->is_constant[c.tid] = true;
   if (p->buffers())
     for (const auto* b : *p->buffers()) {
       std::string what = "mutable buffer '" + payload_name(b->name()) + "'";

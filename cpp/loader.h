@@ -39,6 +39,7 @@ struct LoadedProgram {
   // Tensor slots whose value is dead after instruction i (released early).
   std::vector<std::vector<uint32_t>> release_after;
   std::vector<BoundConstant> constants;
+  std::unique_ptr<ConvertedConstants> converted;  // filled on demand by ExecContext::in_as
   std::vector<BufferSlot> buffers;
   std::string method;
 };

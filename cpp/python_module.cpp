@@ -251,6 +251,12 @@ NB_MODULE(_runtime, m) {
   m.def("reset_profile", &reset_profile);
   m.def("cpu_kernel_calls", &mlxd::rt::qgemv_cpu_calls,
         "How many times the CPU quantized GEMV kernel has run (MLX_DELEGATE_CPU_KERNELS=0 turns it off).");
+  m.def("constant_conversions", &mlxd::rt::constant_conversions,
+        "How many constants (e.g. fp16 quantization scales for MLX's kernels) the runtime has converted to "
+        "another dtype: once per loaded program and dtype, never per call.");
+  m.def("set_qgemv_group32_path", &mlxd::rt::qgemv_cpu_set_group32_path, nb::arg("on"),
+        "Turn the quantized GEMV's one-row path for groups of 32 on (default) or off, from the next call "
+        "on (parity tests, A/B timings).");
   m.def("cpu_kernel_call_counts", &mlxd::rt::cpu_kernel_call_counts,
         "Calls of the CPU element-wise / row kernels by name (softmax, rms_norm, silu, ...); "
         "MLX_DELEGATE_CPU_KERNELS=0 turns them off.");

@@ -91,6 +91,28 @@ void check_index_guard(const mx::array& index, const IndexGuard& guard) {
                     std::to_string(guard.hi) + "]");
 }
 
+namespace {
+std::atomic<uint64_t> g_constant_conversions{0};
+}  // namespace
+
+uint64_t constant_conversions() { return g_constant_conversions.load(std::memory_order_relaxed); }
+
+mx::array ExecContext::in_as(const mlxd::Tid* tid, mx::Dtype dtype) {
+  const mx::array& a = in(tid);
+  if (a.dtype() == dtype) return a;
+  if (converted == nullptr || !converted->is_constant[tid->idx()]) return mx::astype(a, dtype);
+  std::lock_guard<std::mutex> lock(converted->mutex);
+  auto key = std::make_pair(tid->idx(), static_cast<int>(dtype.val()));
+  auto it = converted->arrays.find(key);
+  if (it != converted->arrays.end() && it->second.source.id() == a.id()) return it->second.value;
+  if (it != converted->arrays.end()) return mx::astype(a, dtype);  // the slot holds something else now
+  mx::array c = mx::astype(a, dtype);
+  mx::eval(c);  // a constant, not a traced value: allowed while a graph is being compiled
+  converted->arrays.emplace(key, ConvertedConstants::Entry{a, c});
+  g_constant_conversions.fetch_add(1, std::memory_order_relaxed);
+  return c;
+}
+
 void ExecContext::guard_index(const mlxd::Tid* tid, int64_t lo, int64_t hi, std::string what) {
   IndexGuard guard{tid->idx(), lo, hi, std::move(what)};
   check_index_guard(in(tid), guard);

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -62,6 +64,20 @@ struct IndexGuard {
 // Throws NodeError when `index`'s value (host memory) is outside [lo, hi].
 void check_index_guard(const mx::array& index, const IndexGuard& guard);
 
+// Constants converted to another dtype, once per loaded program and kept (ExecContext::in_as).
+struct ConvertedConstants {
+  std::vector<bool> is_constant;  // by tensor slot
+  std::mutex mutex;
+  struct Entry {
+    mx::array source;  // the constant converted (held, so its id() stays its own): a slot may be recycled
+    mx::array value;
+  };
+  std::map<std::pair<uint32_t, int>, Entry> arrays;  // (slot, dtype) -> converted copy
+};
+
+// Constants converted by ExecContext::in_as so far, process-wide (tests prove it happens once per program).
+uint64_t constant_conversions();
+
 struct ExecContext {
   std::vector<std::optional<mx::array>> tensors;
   std::vector<Value> values;
@@ -78,6 +94,12 @@ struct ExecContext {
     if (!slot) throw NodeError("tensor slot " + std::to_string(tid->idx()) + " read before it was written");
     return *slot;
   }
+  // A tensor in `dtype`. A constant is converted once per loaded program, evaluated and kept
+  // (e.g. fp16 quantization scales for MLX's quantized kernels, which want the activations'
+  // dtype): no conversion node per call, in compiled graphs either. Anything else: mx::astype.
+  mx::array in_as(const mlxd::Tid* tid, mx::Dtype dtype);
+  ConvertedConstants* converted = nullptr;
+
   // Optional tensor field (e.g. bias): nullptr when absent.
   const mx::array* maybe_in(const mlxd::Tid* tid) const { return tid ? &in(tid) : nullptr; }
 

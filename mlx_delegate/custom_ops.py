@@ -117,20 +117,32 @@ def _(x: Tensor, weights: list[Tensor], biases: list[Tensor | None]) -> list[Ten
     return [x.new_empty([*x.shape[:-1], w.shape[0]]) for w in weights]
 
 
-@torch.library.custom_op("mlx_delegate::conv_clamp", mutates_args=())
-def conv_clamp(x: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int], padding: list[int],
-               dilation: list[int], groups: int, lo: float, hi: float) -> Tensor:
-    """A convolution with its activation (ReLU, ReLU6, hardtanh, clamp) fused: the result clamped to
-    [lo, hi] (patterns/conv_activation.py)."""
-    y = torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, False, [0] * len(stride), groups)
+def _conv_fused(x: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int], padding: list[int],
+                padding_hi: list[int], dilation: list[int], groups: int) -> Tensor:
+    # padding per spatial axis on the low side, padding_hi on the high side (F.pad lists the last axis first).
+    pads = [p for lo, hi in zip(reversed(padding), reversed(padding_hi)) for p in (lo, hi)]
+    return torch.ops.aten.convolution(torch.nn.functional.pad(x, pads), weight, bias, stride, [0] * len(stride),
+                                      dilation, False, [0] * len(stride), groups)
+
+
+@torch.library.custom_op("mlx_delegate::conv_fused", mutates_args=())
+def conv_fused(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None, stride: list[int],
+               padding: list[int], padding_hi: list[int], dilation: list[int], groups: int, lo: float,
+               hi: float) -> Tensor:
+    """A convolution with what follows it fused (patterns/conv_fusions.py): zero padding of its input
+    (asymmetric: `padding` low, `padding_hi` high side per axis), a residual added to its result,
+    then an activation (ReLU, ReLU6, hardtanh, clamp) as the bounds [lo, hi] (-inf / inf: none)."""
+    y = _conv_fused(x, weight, bias, stride, padding, padding_hi, dilation, groups)
+    if residual is not None:
+        y = y + residual
     return y.clamp(lo, hi)
 
 
-@conv_clamp.register_fake
-def _(x: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int], padding: list[int],
-      dilation: list[int], groups: int, lo: float, hi: float) -> Tensor:
-    y = torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, False, [0] * len(stride), groups)
-    return torch.empty_like(y)
+@conv_fused.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None, stride: list[int],
+      padding: list[int], padding_hi: list[int], dilation: list[int], groups: int, lo: float,
+      hi: float) -> Tensor:
+    return torch.empty_like(_conv_fused(x, weight, bias, stride, padding, padding_hi, dilation, groups))
 
 
 @torch.library.custom_op("mlx_delegate::grouped_mm", mutates_args=())

@@ -16,6 +16,7 @@ linear and embedding layers (the LLM path's `--quantize`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -149,13 +150,15 @@ def _microscaled_scales(scales: Tensor, mode: str) -> Tensor:
 
 def dequantize_mlx(w: Tensor, scales: Tensor, biases: Tensor | None, group_size: int, bits: int,
                    mode: str = "affine", dtype: torch.dtype | None = None) -> Tensor:
-    """Reference for MLX's `dequantize`: [N, K] in `dtype` (default: the scales' dtype for affine, fp32 else)."""
+    """Reference for MLX's `dequantize`: [N, K] in `dtype` (default: the scales' dtype for affine, fp32 else).
+    Affine computes in the wider of the scales' dtype and `dtype` (fp16 scales into fp32: exact)."""
     u = unpack_words(w, bits)
     n, k = u.shape
     u = u.reshape(n, k // group_size, group_size)
     if mode == "affine":
-        u = u.to(scales.dtype)
-        out = (scales[..., None] * u + biases[..., None]).reshape(n, k)
+        compute = scales.dtype if dtype is None else torch.promote_types(scales.dtype, dtype)
+        u = u.to(compute)
+        out = (scales.to(compute)[..., None] * u + biases.to(compute)[..., None]).reshape(n, k)
     elif mode in MICROSCALED:
         out = (_microscaled_values(u, mode) * _microscaled_scales(scales, mode)[..., None]).reshape(n, k)
     else:
@@ -170,9 +173,9 @@ def dequantize_mlx(w: Tensor, scales: Tensor, biases: Tensor | None, group_size:
 @torch.library.custom_op("mlx_delegate::quantized_linear", mutates_args=())
 def quantized_linear(x: Tensor, w: Tensor, scales: Tensor, biases: Tensor | None, bias: Tensor | None,
                      group_size: int, bits: int, mode: str = "affine", global_scale: float = 1.0) -> Tensor:
-    """(x @ W.T) * global_scale (+ bias), W the dequantized [N, K] weight."""
-    weight = dequantize_mlx(w, scales, biases, group_size, bits, mode)
-    y = torch.nn.functional.linear(x, weight.to(x.dtype))
+    """(x @ W.T) * global_scale (+ bias), W the dequantized [N, K] weight (in x's dtype)."""
+    weight = dequantize_mlx(w, scales, biases, group_size, bits, mode, x.dtype)
+    y = torch.nn.functional.linear(x, weight)
     y = y * global_scale if global_scale != 1.0 else y
     return y + bias if bias is not None else y
 
@@ -214,9 +217,10 @@ def _(x: Tensor, ws: list[Tensor], scales: list[Tensor], biases: list[Tensor], b
 def quantized_embedding(w: Tensor, scales: Tensor, biases: Tensor | None, indices: Tensor, group_size: int,
                         bits: int, mode: str = "affine", global_scale: float = 1.0,
                         dtype: torch.dtype | None = None) -> Tensor:
-    """Rows `indices` of the dequantized [N, K] table (times global_scale), in `dtype` (affine: the scales')."""
+    """Rows `indices` of the dequantized [N, K] table (times global_scale), in `dtype` (default for affine:
+    the scales')."""
     if mode == "affine":
-        return dequantize_mlx(w, scales, biases, group_size, bits)[indices]
+        return dequantize_mlx(w, scales, biases, group_size, bits, dtype=dtype)[indices]
     return dequantize(w, scales, biases, group_size, bits, mode, global_scale, dtype)[indices]
 
 
@@ -227,24 +231,10 @@ def _(w: Tensor, scales: Tensor, biases: Tensor | None, indices: Tensor, group_s
 
 
 # ------------------------------------------------------------ modules on packed weights
-class QuantizedLinear(torch.nn.Module):
-    """A linear layer on a weight already in MLX's affine format (e.g. a GGUF file's own blocks):
-    calls `mlx_delegate::quantized_linear`, which the delegate runs on MLX's quantized kernels."""
-
-    def __init__(self, packed: MLXQuantized, bias: Tensor | None = None) -> None:
-        super().__init__()
-        self.register_buffer("w", packed.w)
-        self.register_buffer("scales", packed.scales)
-        self.register_buffer("biases", packed.biases)
-        self.bias = torch.nn.Parameter(bias, requires_grad=False) if bias is not None else None
-        self.group_size, self.bits = packed.group_size, packed.bits
-
-    def forward(self, x: Tensor) -> Tensor:
-        return quantized_linear(x, self.w, self.scales, self.biases, self.bias, self.group_size, self.bits)
-
-
-class QuantizedEmbedding(torch.nn.Module):
-    """An embedding table in MLX's affine format; `attend` is the tied output projection on the same table."""
+class _PackedModule(torch.nn.Module):
+    """Holds a weight in MLX's affine format. Its scales and biases are part of the format and keep
+    their dtype when the model moves to another (`.to(dtype)`): GGUF's fp16 d / m stay fp16 (exact),
+    and the runtime reads or widens them. `dtype` follows the model: the activations' dtype."""
 
     def __init__(self, packed: MLXQuantized) -> None:
         super().__init__()
@@ -252,9 +242,36 @@ class QuantizedEmbedding(torch.nn.Module):
         self.register_buffer("scales", packed.scales)
         self.register_buffer("biases", packed.biases)
         self.group_size, self.bits = packed.group_size, packed.bits
+        self.dtype = torch.float32
+
+    def _apply(self, fn: Any, recurse: bool = True) -> _PackedModule:
+        kept = {name: self._buffers[name] for name in ("scales", "biases")}
+        super()._apply(fn, recurse)
+        probe = fn(torch.zeros((), dtype=self.dtype))  # what the call does to a float tensor
+        self.dtype = probe.dtype
+        for name, t in kept.items():
+            self._buffers[name] = t.to(probe.device) if t is not None else None
+        return self
+
+
+class QuantizedLinear(_PackedModule):
+    """A linear layer on a weight already in MLX's affine format (e.g. a GGUF file's own blocks):
+    calls `mlx_delegate::quantized_linear`, which the delegate runs on MLX's quantized kernels."""
+
+    def __init__(self, packed: MLXQuantized, bias: Tensor | None = None) -> None:
+        super().__init__(packed)
+        self.bias = torch.nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return quantized_linear(x, self.w, self.scales, self.biases, self.bias, self.group_size, self.bits)
+
+
+class QuantizedEmbedding(_PackedModule):
+    """An embedding table in MLX's affine format; `attend` is the tied output projection on the same table."""
 
     def forward(self, indices: Tensor) -> Tensor:
-        return quantized_embedding(self.w, self.scales, self.biases, indices, self.group_size, self.bits)
+        return quantized_embedding(self.w, self.scales, self.biases, indices, self.group_size, self.bits,
+                                   dtype=self.dtype)
 
     def attend(self, x: Tensor) -> Tensor:
         return quantized_linear(x, self.w, self.scales, self.biases, None, self.group_size, self.bits)

@@ -23,6 +23,8 @@
 #   OUT         the results directory (gpu-check-results/<UTC date-time>)
 #   TESTS       what pytest runs (tests)
 #   JOBS        pytest-xdist workers (4; 0 runs in one process)
+#   TEST_TIMEOUT seconds after which the test step is stopped (none), so the benchmarks still run
+#   BENCHES     which benchmarks run ("llm speech"); LLM_ARGS / SPEECH_ARGS: extra arguments for them
 #   QUICK=1     the benchmarks' --quick smoke mode
 #   SKIP_TESTS=1 / SKIP_BENCH=1   leave out a part
 # Exits non-zero when a step fails; the later steps still run and summary.md says which failed.
@@ -74,11 +76,27 @@ note "- MLX: mlx-cuda-$CUDA_MAJOR==$MLX_VERSION"
 # count the CPU build's mlx, visible through --system-site-packages, as already there.
 [ -x "$VENV/bin/python" ] || "$PY" -m venv --system-site-packages "$VENV" || die "cannot create $VENV"
 case $VENV in /*) VPY=$VENV/bin/python ;; *) VPY=$ROOT/$VENV/bin/python ;; esac
+VSITE=$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+# When $PY is itself a virtual environment, --system-site-packages reaches only its base interpreter:
+# a .pth file makes $PY's own packages (torch, ...) visible too.
+"$PY" -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)' \
+  && "$PY" -c 'import site; print("\n".join(site.getsitepackages()))' >"$VSITE/_gpu_check_base.pth"
+# MLX's CUDA libraries find cuBLAS, cuDNN, NVRTC, ... through an RPATH into the nvidia-* wheels next to
+# them; where those wheels live in the base environment, link them in.
+BASE_NVIDIA=$("$PY" -c 'import nvidia, os; print(list(nvidia.__path__)[0])' 2>/dev/null)
+[ -n "$BASE_NVIDIA" ] && [ ! -e "$VSITE/nvidia" ] && ln -s "$BASE_NVIDIA" "$VSITE/nvidia"
 PIP_SOURCE=()
-[ -n "${WHEELS:-}" ] && PIP_SOURCE=(--no-index --find-links "$WHEELS")
+# Offline: the wheels directory holds mlx and mlx-cuda; their nvidia-* dependencies must already be
+# installed (step 3 checks that MLX's CUDA backend loads).
+[ -n "${WHEELS:-}" ] && PIP_SOURCE=(--no-index --find-links "$WHEELS" --no-deps)
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 "$VPY" -m pip install -q "${PIP_SOURCE[@]}" --ignore-installed "mlx==$MLX_VERSION" "mlx-cuda-$CUDA_MAJOR==$MLX_VERSION" \
   || die "cannot install mlx-cuda-$CUDA_MAJOR==$MLX_VERSION (no network? set WHEELS)"
+
+# MLX's CMake package looks for cuDNN; with the nvidia-cudnn wheel (no system cuDNN) point it there.
+if [ -n "$BASE_NVIDIA" ] && [ -d "$BASE_NVIDIA/cudnn/include" ]; then
+  export CMAKE_ARGS="${CMAKE_ARGS:-} -DCUDNN_INCLUDE_PATH=$BASE_NVIDIA/cudnn/include -DCUDNN_LIBRARY_PATH=$BASE_NVIDIA/cudnn/lib"
+fi
 
 # 2. mlx_delegate built against that MLX, in its own build directory. An editable install of the
 # checkout in the base Python would still redirect `import mlx_delegate` to its CPU build: its import
@@ -119,13 +137,19 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   xdist=()
   [ "$JOBS" != 0 ] && xdist=(-n "$JOBS")
   # shellcheck disable=SC2086
-  step tests bash -c "\"$VPY\" -m pytest ${xdist[*]} -q -rfE --junitxml=\"$OUT/junit.xml\" $TESTS >\"$OUT/pytest.log\" 2>&1"
+  limit=()
+  [ -n "${TEST_TIMEOUT:-}" ] && limit=(timeout "$TEST_TIMEOUT")
+  step tests "${limit[@]}" bash -c "\"$VPY\" -m pytest ${xdist[*]} -q -rfE --junitxml=\"$OUT/junit.xml\" $TESTS >\"$OUT/pytest.log\" 2>&1"
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   quick=()
   [ "${QUICK:-0}" = 1 ] && quick=(--quick)
-  step llm bash -c "\"$VPY\" benchmarks/llm.py ${quick[*]} --json \"$OUT/llm.json\" >\"$OUT/llm.txt\" 2>\"$OUT/llm.err\""
-  step speech bash -c "\"$VPY\" benchmarks/speech.py ${quick[*]} --json \"$OUT/speech.json\" >\"$OUT/speech.txt\" 2>\"$OUT/speech.err\""
+  for b in ${BENCHES:-llm speech}; do
+    case $b in llm) args=${LLM_ARGS:-} ;; speech) args=${SPEECH_ARGS:-} ;; *) die "unknown benchmark $b" ;; esac
+    # The benchmarks import their own helpers from benchmarks/ (the script's folder), which
+    # PYTHONSAFEPATH would drop from sys.path; the script's folder is not the source tree.
+    step "$b" env -u PYTHONSAFEPATH bash -c "\"$VPY\" benchmarks/$b.py ${quick[*]} $args --json \"$OUT/$b.json\" >\"$OUT/$b.txt\" 2>\"$OUT/$b.err\""
+  done
 fi
 
 note ""

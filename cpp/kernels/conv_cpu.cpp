@@ -1,19 +1,24 @@
 // Convolution on the CPU (see conv_cpu.h): im2col + sgemm per image and
-// group, or a direct loop for depthwise (one input channel per group).
+// group, or a direct loop for depthwise (one input channel per group; AVX2
+// rows for strides 1 and 2).
 #include "kernels/conv_cpu.h"
 
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include <mlx/backend/cpu/encoder.h>
 #include <mlx/primitives.h>
 
 #include "kernels/cpu_parallel.h"
+#include "kernels/vec_math_cpu.h"
 
 namespace mlxd::rt {
 namespace mx = mlx::core;
@@ -71,15 +76,17 @@ std::pair<int, int> valid_range(int out, int in, int s, int p, int k) {
   return {std::min(lo, out), std::clamp(hi, std::min(lo, out), out)};
 }
 
-// cols [Cg * KH * KW, OH * OW] for one image and group (x: that group's Cg planes).
-void im2col(const Geometry& g, const float* x, float* cols) {
+// cols [Cg * KH * KW, count * OH * OW] (row stride ld) for images first ..
+// first + count - 1 and group gi: image i fills columns [i * OH * OW, (i + 1) * OH * OW).
+void im2col(const Geometry& g, const float* x, int first, int count, int gi, float* cols, int64_t ld) {
   const int64_t rows = int64_t{g.Cg()} * g.KH * g.KW;
-  cpu_parallel_for(rows, g.P(), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
+  cpu_parallel_for(rows * count, g.P(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t image = t / rows, r = t % rows;
       const int c = static_cast<int>(r / (g.KH * g.KW)), ki = static_cast<int>(r / g.KW % g.KH),
                 kj = static_cast<int>(r % g.KW);
-      const float* plane = x + int64_t{c} * g.H * g.W;
-      float* out = cols + r * g.P();
+      const float* plane = x + ((first + image) * g.C + int64_t{gi} * g.Cg() + c) * g.H * g.W;
+      float* out = cols + r * ld + image * g.P();
       const auto [lo, hi] = valid_range(g.OW, g.W, g.sw, g.pw, kj * g.dw);
       for (int oh = 0; oh < g.OH; ++oh, out += g.OW) {
         const int ih = oh * g.sh - g.ph + ki * g.dh;
@@ -100,47 +107,164 @@ void im2col(const Geometry& g, const float* x, float* cols) {
   });
 }
 
+// Images of fewer output columns than this share one sgemm (their im2col
+// columns side by side): a product 49 columns wide (a 7x7 map) runs far below
+// the BLAS's peak, and each call has a fixed cost.
+// MLX_DELEGATE_CONV_BATCH=0 keeps one sgemm per image (A/B measurements).
+int64_t batch_columns() {
+  static const int64_t v = [] {
+    const char* e = std::getenv("MLX_DELEGATE_CONV_BATCH");
+    return e && std::string(e) == "0" ? int64_t{0} : int64_t{1024};
+  }();
+  return v;
+}
+
 void clamp_range(const Geometry& g, float* y, int64_t n) {
   if (!g.clamp) return;
   for (int64_t i = 0; i < n; ++i) y[i] = std::min(std::max(y[i], g.lo), g.hi);
 }
 
+// The output plane's starting values: the bias, plus the residual's plane when there is one.
+void init_plane(const Geometry& g, float* out, float bias, const float* residual) {
+  if (residual) {
+    for (int64_t i = 0; i < g.P(); ++i) out[i] = residual[i] + bias;
+  } else {
+    std::fill(out, out + g.P(), bias);
+  }
+}
+
+// One output plane of a depthwise convolution, row by row and tap by tap
+// (the compiler vectorises the stride-1 row loops): any stride and dilation.
+void depthwise_plane(const Geometry& g, const float* plane, const float* k, float* out) {
+  for (int kj = 0; kj < g.KW; ++kj) {
+    const auto [lo, hi] = valid_range(g.OW, g.W, g.sw, g.pw, kj * g.dw);
+    if (lo >= hi) continue;
+    for (int oh = 0; oh < g.OH; ++oh) {
+      float* orow = out + int64_t{oh} * g.OW;
+      for (int ki = 0; ki < g.KH; ++ki) {
+        const int ih = oh * g.sh - g.ph + ki * g.dh;
+        if (ih < 0 || ih >= g.H) continue;
+        const float wv = k[ki * g.KW + kj];
+        const float* row = plane + int64_t{ih} * g.W - g.pw + kj * g.dw;
+        if (g.sw == 1) {
+          for (int ow = lo; ow < hi; ++ow) orow[ow] += wv * row[ow];
+        } else {
+          for (int ow = lo; ow < hi; ++ow) orow[ow] += wv * row[int64_t{ow} * g.sw];
+        }
+      }
+    }
+  }
+  clamp_range(g, out, g.P());
+}
+
+#ifdef MLXD_CPU_X86
+// Eight inputs at stride S from p (S = 2 reads p[0..15] and keeps the even ones).
+template <int S>
+MLXD_AVX2 inline __m256 load_strided(const float* p) {
+  if constexpr (S == 1) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m256 even = _mm256_shuffle_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), 0x88);  // a0 a2 b0 b2 | a4 a6 b4 b6
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), 0xD8));
+  }
+}
+
+// One output plane of a depthwise convolution at width stride S: each output
+// row accumulates its taps in registers (four vectors of eight columns at a
+// time, so the FMA chains overlap) from the starting values already in `out`,
+// clamps, and is written once. Columns whose window reaches into the padding
+// take the scalar path.
+template <int S>
+MLXD_AVX2 void depthwise_plane_avx2(const Geometry& g, const float* plane, const float* k, float* out) {
+  // Columns [c0, c1): every tap's input column inside [0, W), loads included (S = 2 reads one past).
+  const int span = (g.KW - 1) * g.dw + (S - 1);
+  int c0 = (g.pw + S - 1) / S, c1 = g.W - 1 + g.pw - span >= 0 ? (g.W - 1 + g.pw - span) / S + 1 : 0;
+  c1 = std::min(c1, g.OW);
+  c0 = std::min(c0, c1);
+  const __m256 vlo = _mm256_set1_ps(g.clamp ? g.lo : -INFINITY), vhi = _mm256_set1_ps(g.clamp ? g.hi : INFINITY);
+  const int taps = g.KH * g.KW;
+  std::vector<const float*> rows(g.KH);
+  std::vector<float> wv(taps);
+  for (int oh = 0; oh < g.OH; ++oh) {
+    float* orow = out + int64_t{oh} * g.OW;
+    int nrows = 0;  // the rows inside the input, with their weights
+    for (int ki = 0; ki < g.KH; ++ki) {
+      const int ih = oh * g.sh - g.ph + ki * g.dh;
+      if (ih < 0 || ih >= g.H) continue;
+      rows[nrows] = plane + int64_t{ih} * g.W - g.pw;
+      for (int kj = 0; kj < g.KW; ++kj) wv[nrows * g.KW + kj] = k[ki * g.KW + kj];
+      ++nrows;
+    }
+    auto scalar = [&](int ow) {
+      float acc = orow[ow];
+      for (int r = 0; r < nrows; ++r)
+        for (int kj = 0; kj < g.KW; ++kj) {
+          const int iw = ow * S - g.pw + kj * g.dw;
+          if (iw >= 0 && iw < g.W) acc += wv[r * g.KW + kj] * rows[r][g.pw + iw];
+        }
+      orow[ow] = g.clamp ? std::min(std::max(acc, g.lo), g.hi) : acc;
+    };
+    for (int ow = 0; ow < c0; ++ow) scalar(ow);
+    int ow = c0;
+    for (; ow + 32 <= c1; ow += 32) {
+      __m256 a0 = _mm256_loadu_ps(orow + ow), a1 = _mm256_loadu_ps(orow + ow + 8);
+      __m256 a2 = _mm256_loadu_ps(orow + ow + 16), a3 = _mm256_loadu_ps(orow + ow + 24);
+      for (int r = 0; r < nrows; ++r)
+        for (int kj = 0; kj < g.KW; ++kj) {
+          const __m256 w = _mm256_set1_ps(wv[r * g.KW + kj]);
+          const float* p = rows[r] + int64_t{ow} * S + kj * g.dw;
+          a0 = _mm256_fmadd_ps(w, load_strided<S>(p), a0);
+          a1 = _mm256_fmadd_ps(w, load_strided<S>(p + 8 * S), a1);
+          a2 = _mm256_fmadd_ps(w, load_strided<S>(p + 16 * S), a2);
+          a3 = _mm256_fmadd_ps(w, load_strided<S>(p + 24 * S), a3);
+        }
+      // max(lo, a) / min(hi, a) keep a NaN (the second operand), as std::max(a, lo) does.
+      _mm256_storeu_ps(orow + ow, _mm256_min_ps(vhi, _mm256_max_ps(vlo, a0)));
+      _mm256_storeu_ps(orow + ow + 8, _mm256_min_ps(vhi, _mm256_max_ps(vlo, a1)));
+      _mm256_storeu_ps(orow + ow + 16, _mm256_min_ps(vhi, _mm256_max_ps(vlo, a2)));
+      _mm256_storeu_ps(orow + ow + 24, _mm256_min_ps(vhi, _mm256_max_ps(vlo, a3)));
+    }
+    for (; ow + 8 <= c1; ow += 8) {
+      __m256 a = _mm256_loadu_ps(orow + ow);
+      for (int r = 0; r < nrows; ++r)
+        for (int kj = 0; kj < g.KW; ++kj)
+          a = _mm256_fmadd_ps(_mm256_set1_ps(wv[r * g.KW + kj]),
+                              load_strided<S>(rows[r] + int64_t{ow} * S + kj * g.dw), a);
+      _mm256_storeu_ps(orow + ow, _mm256_min_ps(vhi, _mm256_max_ps(vlo, a)));
+    }
+    for (; ow < g.OW; ++ow) scalar(ow);
+  }
+}
+#endif
+
 // One output plane per (image, channel) of a convolution with one input channel per group.
-void depthwise(const Geometry& g, const float* x, const float* w, const float* bias, float* y) {
+void depthwise(const Geometry& g, const float* x, const float* w, const float* bias, const float* residual,
+               float* y) {
   const int m = g.Og();  // output channels per input channel
+#ifdef MLXD_CPU_X86
+  const bool vec = cpu_use_avx2() && (g.sw == 1 || g.sw == 2);
+#endif
   cpu_parallel_for(int64_t{g.N} * g.O, g.P() * g.KH * g.KW, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int o = static_cast<int>(p % g.O);
       const float* plane = x + (p / g.O * g.C + o / m) * int64_t{g.H} * g.W;
       const float* k = w + int64_t{o} * g.KH * g.KW;
       float* out = y + p * g.P();
-      std::fill(out, out + g.P(), bias ? bias[o] : 0.f);
-      for (int kj = 0; kj < g.KW; ++kj) {
-        const auto [lo, hi] = valid_range(g.OW, g.W, g.sw, g.pw, kj * g.dw);
-        if (lo >= hi) continue;
-        for (int oh = 0; oh < g.OH; ++oh) {
-          float* orow = out + int64_t{oh} * g.OW;
-          for (int ki = 0; ki < g.KH; ++ki) {
-            const int ih = oh * g.sh - g.ph + ki * g.dh;
-            if (ih < 0 || ih >= g.H) continue;
-            const float wv = k[ki * g.KW + kj];
-            const float* row = plane + int64_t{ih} * g.W - g.pw + kj * g.dw;
-            if (g.sw == 1) {
-              for (int ow = lo; ow < hi; ++ow) orow[ow] += wv * row[ow];
-            } else {
-              for (int ow = lo; ow < hi; ++ow) orow[ow] += wv * row[int64_t{ow} * g.sw];
-            }
-          }
-        }
+      init_plane(g, out, bias ? bias[o] : 0.f, residual ? residual + p * g.P() : nullptr);
+#ifdef MLXD_CPU_X86
+      if (vec) {
+        (g.sw == 1 ? depthwise_plane_avx2<1> : depthwise_plane_avx2<2>)(g, plane, k, out);
+        continue;
       }
-      clamp_range(g, out, g.P());
+#endif
+      depthwise_plane(g, plane, k, out);
     }
   });
 }
 
 struct ConvCall {
   Tensor x, w;
-  std::optional<Tensor> bias;
+  std::optional<Tensor> bias, residual;
   void* y;
   mx::Dtype out_dtype;
   Geometry g;
@@ -148,10 +272,11 @@ struct ConvCall {
 
 void run_conv(const ConvCall& c) {
   const Geometry& g = c.g;
-  std::vector<float> xs, ws, bs, ys, cols;
+  std::vector<float> xs, ws, bs, rs, ys, cols;
   const float* x = as_f32(c.x, xs);
   const float* w = as_f32(c.w, ws);
   const float* bias = c.bias ? as_f32(*c.bias, bs) : nullptr;
+  const float* residual = c.residual ? as_f32(*c.residual, rs) : nullptr;
   const int64_t out_n = int64_t{g.N} * g.O * g.P();
   float* y = static_cast<float*>(c.y);
   if (c.out_dtype != mx::float32) {
@@ -159,23 +284,61 @@ void run_conv(const ConvCall& c) {
     y = ys.data();
   }
   if (g.Cg() == 1) {
-    depthwise(g, x, w, bias, y);
+    depthwise(g, x, w, bias, residual, y);
   } else {
-    const bool direct = g.KH == 1 && g.KW == 1 && g.sh == 1 && g.sw == 1 && g.ph == 0 && g.pw == 0;
+    const bool direct = g.KH == 1 && g.KW == 1 && g.sh == 1 && g.sw == 1 && g.ph == 0 && g.pw == 0 &&
+                        g.OH == g.H && g.OW == g.W;
     const int K = g.Cg() * g.KH * g.KW, M = g.Og();
-    const int P = static_cast<int>(g.P());
-    if (!direct) cols.resize(int64_t{K} * P);
-    for (int n = 0; n < g.N; ++n) {
-      for (int gi = 0; gi < g.groups; ++gi) {
-        const float* xg = x + (int64_t{n} * g.C + int64_t{gi} * g.Cg()) * g.H * g.W;
-        float* yg = y + (int64_t{n} * g.O + int64_t{gi} * M) * P;
-        if (!direct) im2col(g, xg, cols.data());
-        if (bias) {
-          for (int o = 0; o < M; ++o) std::fill(yg + int64_t{o} * P, yg + int64_t{o + 1} * P, bias[gi * M + o]);
+    const int64_t P = g.P();
+    const int nb = static_cast<int>(std::min<int64_t>(g.N, std::max<int64_t>(1, (batch_columns() + P - 1) / P)));
+    if (nb == 1) {  // per image: the sgemm writes the result in place
+      if (!direct) cols.resize(int64_t{K} * P);
+      for (int n = 0; n < g.N; ++n) {
+        for (int gi = 0; gi < g.groups; ++gi) {
+          const float* xg = x + (int64_t{n} * g.C + int64_t{gi} * g.Cg()) * g.H * g.W;
+          const int64_t first = (int64_t{n} * g.O + int64_t{gi} * M) * P;
+          float* yg = y + first;
+          if (!direct) im2col(g, x, n, 1, gi, cols.data(), P);
+          // The sgemm adds onto bias + residual (beta 1), so neither costs a pass of its own.
+          if (bias || residual) {
+            cpu_parallel_for(M, residual ? 2 * P : P, 1, [&](int64_t b, int64_t e) {
+              for (int64_t o = b; o < e; ++o)
+                init_plane(g, yg + o * P, bias ? bias[gi * M + o] : 0.f,
+                           residual ? residual + first + o * P : nullptr);
+            });
+          }
+          sgemm()(kRowMajor, kNoTrans, kNoTrans, M, static_cast<int>(P), K, 1.f, w + int64_t{gi} * M * K, K,
+                  direct ? xg : cols.data(), static_cast<int>(P), bias || residual ? 1.f : 0.f, yg,
+                  static_cast<int>(P));
+          cpu_parallel_for(M, P, 1, [&](int64_t b, int64_t e) { clamp_range(g, yg + b * P, (e - b) * P); });
         }
-        sgemm()(kRowMajor, kNoTrans, kNoTrans, M, P, K, 1.f, w + int64_t{gi} * M * K, K,
-                direct ? xg : cols.data(), P, bias ? 1.f : 0.f, yg, P);
-        cpu_parallel_for(M, P, 1, [&](int64_t b, int64_t e) { clamp_range(g, yg + b * P, (e - b) * P); });
+      }
+    } else {  // nb images per sgemm into z [M, nb * P]; one pass moves it to NCHW with bias, residual, clamp
+      cols.resize(int64_t{K} * nb * P);
+      std::vector<float> z(int64_t{M} * nb * P);
+      for (int n0 = 0; n0 < g.N; n0 += nb) {
+        const int count = std::min(nb, g.N - n0);
+        const int64_t ld = count * P;
+        for (int gi = 0; gi < g.groups; ++gi) {
+          im2col(g, x, n0, count, gi, cols.data(), ld);
+          sgemm()(kRowMajor, kNoTrans, kNoTrans, M, static_cast<int>(ld), K, 1.f, w + int64_t{gi} * M * K, K,
+                  cols.data(), static_cast<int>(ld), 0.f, z.data(), static_cast<int>(ld));
+          cpu_parallel_for(int64_t{count} * M, residual ? 3 * P : 2 * P, 1, [&](int64_t b, int64_t e) {
+            for (int64_t t = b; t < e; ++t) {
+              const int64_t image = t / M, o = t % M;
+              const int64_t at = ((n0 + image) * g.O + int64_t{gi} * M + o) * P;
+              const float* src = z.data() + o * ld + image * P;
+              float* dst = y + at;
+              const float bv = bias ? bias[gi * M + o] : 0.f;
+              if (residual) {
+                for (int64_t q = 0; q < P; ++q) dst[q] = src[q] + bv + residual[at + q];
+              } else {
+                for (int64_t q = 0; q < P; ++q) dst[q] = src[q] + bv;
+              }
+              clamp_range(g, dst, P);
+            }
+          });
+        }
       }
     }
   }
@@ -184,9 +347,11 @@ void run_conv(const ConvCall& c) {
 
 class ConvCpu : public mx::UnaryPrimitive {
  public:
-  ConvCpu(mx::Stream s, Geometry g, bool has_bias) : mx::UnaryPrimitive(s), g_(g), has_bias_(has_bias) {}
+  ConvCpu(mx::Stream s, Geometry g, bool has_bias, bool has_residual)
+      : mx::UnaryPrimitive(s), g_(g), has_bias_(has_bias), has_residual_(has_residual) {}
 
-  // in: x [N, C, H, W], w [O, C/g, KH, KW], then the bias [O] when present; any strides.
+  // in: x [N, C, H, W], w [O, C/g, KH, KW], then the bias [O] and the
+  // residual [N, O, OH, OW] when present; any strides.
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
@@ -194,8 +359,9 @@ class ConvCpu : public mx::UnaryPrimitive {
     encoder.set_output_array(out);
     Geometry g = g_;
     g.N = in[0].shape(0);
-    ConvCall c{tensor(in[0]), tensor(in[1]), std::nullopt, out.data<void>(), out.dtype(), g};
+    ConvCall c{tensor(in[0]), tensor(in[1]), std::nullopt, std::nullopt, out.data<void>(), out.dtype(), g};
     if (has_bias_) c.bias = tensor(in[2]);
+    if (has_residual_) c.residual = tensor(in[has_bias_ ? 3 : 2]);
     cpu_kernel_note_call(g.Cg() == 1 ? "conv_depthwise" : "conv_gemm");
     encoder.dispatch([c = std::move(c)] { run_conv(c); });
   }
@@ -207,7 +373,8 @@ class ConvCpu : public mx::UnaryPrimitive {
     const auto& o = static_cast<const ConvCpu&>(other);
     // The ints compared as one block (no padding among them), then the clamp.
     return std::memcmp(&g_, &o.g_, offsetof(Geometry, clamp)) == 0 && g_.clamp == o.g_.clamp &&
-           g_.lo == o.g_.lo && g_.hi == o.g_.hi && has_bias_ == o.has_bias_;
+           g_.lo == o.g_.lo && g_.hi == o.g_.hi && has_bias_ == o.has_bias_ &&
+           has_residual_ == o.has_residual_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     return {{in[0].shape(0), g_.O, g_.OH, g_.OW}};
@@ -215,48 +382,60 @@ class ConvCpu : public mx::UnaryPrimitive {
 
  private:
   Geometry g_;
-  bool has_bias_;
+  bool has_bias_, has_residual_;
 };
 
-int out_size(int in, int k, int s, int p, int d) { return (in + 2 * p - d * (k - 1) - 1) / s + 1; }
+int out_size(int in, int k, int s, int lo, int hi, int d) { return (in + lo + hi - d * (k - 1) - 1) / s + 1; }
 
 }  // namespace
 
-bool conv_cpu_applies(const mx::array& x, const mx::array& w, const mx::array* bias, int groups) {
+bool conv_cpu_applies(const mx::array& x, const mx::array& w, const mx::array* bias, int groups,
+                      const mx::array* residual) {
   if (!cpu_kernels_active() || sgemm() == nullptr || groups < 1) return false;
   if (!cpu_kernel_dtype_ok(x) || w.dtype() != x.dtype() || w.size() == 0) return false;
   if ((x.ndim() != 3 && x.ndim() != 4) || w.ndim() != x.ndim()) return false;
+  if (residual && (residual->dtype() != x.dtype() || residual->ndim() != x.ndim())) return false;
   return !bias || (cpu_kernel_dtype_ok(*bias) && bias->size() == static_cast<size_t>(w.shape(0)));
 }
 
 mx::array conv_cpu(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias,
                    const std::vector<int>& stride, const std::vector<int>& padding, const std::vector<int>& dilation,
-                   int groups, std::optional<std::pair<float, float>> clamp) {
-  if (!conv_cpu_applies(x, w, bias ? &*bias : nullptr, groups))
+                   int groups, std::optional<std::pair<float, float>> clamp, const std::vector<int>& padding_hi,
+                   const std::optional<mx::array>& residual) {
+  if (!conv_cpu_applies(x, w, bias ? &*bias : nullptr, groups, residual ? &*residual : nullptr))
     throw std::invalid_argument("conv_cpu: operands it does not take");
   const bool one_d = x.ndim() == 3;
   const size_t nd = one_d ? 1 : 2;
-  if (stride.size() != nd || padding.size() != nd || dilation.size() != nd)
+  const std::vector<int>& pad_hi = padding_hi.empty() ? padding : padding_hi;
+  if (stride.size() != nd || padding.size() != nd || dilation.size() != nd || pad_hi.size() != nd)
     throw std::invalid_argument("conv: stride, padding and dilation need one entry per spatial axis");
   // A 1-D convolution is a 2-D one over a height-1 image.
   auto at = [&](const std::vector<int>& v, int axis, int fill) { return one_d ? (axis ? v[0] : fill) : v[axis]; };
+  // ph / pw: the low side's padding; the high side's only sets the output size (the kernel
+  // bounds every read by the input's extent).
   Geometry g{x.shape(0), x.shape(1), one_d ? 1 : x.shape(2), x.shape(-1), w.shape(0), one_d ? 1 : w.shape(2),
              w.shape(-1), 0, 0, at(stride, 0, 1), at(stride, 1, 1), at(padding, 0, 0), at(padding, 1, 0),
              at(dilation, 0, 1), at(dilation, 1, 1), groups, clamp.has_value(), clamp ? clamp->first : 0.f,
              clamp ? clamp->second : 0.f};
+  const int phh = at(pad_hi, 0, 0), pwh = at(pad_hi, 1, 0);
   if (g.C % groups || g.O % groups || w.shape(1) != g.C / groups)
     throw std::invalid_argument("conv: weight " + std::to_string(w.shape(0)) + "x" + std::to_string(w.shape(1)) +
                                 " does not fit " + std::to_string(g.C) + " input channels in " +
                                 std::to_string(groups) + " groups");
-  if (std::min({g.sh, g.sw, g.dh, g.dw}) < 1 || std::min(g.ph, g.pw) < 0)
+  if (std::min({g.sh, g.sw, g.dh, g.dw}) < 1 || std::min({g.ph, g.pw, phh, pwh}) < 0)
     throw std::invalid_argument("conv: stride and dilation must be positive, padding non-negative");
-  g.OH = out_size(g.H, g.KH, g.sh, g.ph, g.dh);
-  g.OW = out_size(g.W, g.KW, g.sw, g.pw, g.dw);
-  if (g.OH < 1 || g.OW < 1 || g.H + 2 * g.ph < g.dh * (g.KH - 1) + 1 || g.W + 2 * g.pw < g.dw * (g.KW - 1) + 1)
+  if (g.H + g.ph + phh < g.dh * (g.KH - 1) + 1 || g.W + g.pw + pwh < g.dw * (g.KW - 1) + 1)
     throw std::invalid_argument("conv: kernel is larger than the padded input");
+  g.OH = out_size(g.H, g.KH, g.sh, g.ph, phh, g.dh);
+  g.OW = out_size(g.W, g.KW, g.sw, g.pw, pwh, g.dw);
   std::vector<mx::array> inputs{x, w};
   if (bias) inputs.push_back(mx::flatten(*bias));
-  auto prim = std::make_shared<ConvCpu>(mx::default_stream(mx::Device::cpu), g, bias.has_value());
+  if (residual) {
+    const mx::Shape want = one_d ? mx::Shape{g.N, g.O, g.OW} : mx::Shape{g.N, g.O, g.OH, g.OW};
+    if (residual->shape() != want) throw std::invalid_argument("conv: the residual does not have the output's shape");
+    inputs.push_back(one_d ? mx::reshape(*residual, {g.N, g.O, g.OH, g.OW}) : *residual);
+  }
+  auto prim = std::make_shared<ConvCpu>(mx::default_stream(mx::Device::cpu), g, bias.has_value(), residual.has_value());
   auto y = mx::array({g.N, g.O, g.OH, g.OW}, x.dtype(), std::move(prim), std::move(inputs));
   return one_d ? mx::reshape(y, {g.N, g.O, g.OW}) : y;
 }

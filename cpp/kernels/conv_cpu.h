@@ -20,16 +20,21 @@ namespace mlxd::rt {
 // Whether conv_cpu takes these: kernels on (cpu_kernels_active), an sgemm
 // found, x [N, C, (H,) W] and w [O, C/groups, (kh,) kw] of the same float32 /
 // bfloat16 / float16 dtype, non-empty, and a bias (when given) of O elements.
+// A residual (when given) of x's dtype; its shape is checked by conv_cpu.
 bool conv_cpu_applies(const mlx::core::array& x, const mlx::core::array& w, const mlx::core::array* bias,
-                      int groups);
+                      int groups, const mlx::core::array* residual = nullptr);
 
 // torch.nn.functional.conv{1,2}d(x, w, bias, stride, padding, dilation,
-// groups) with symmetric padding; parameters have one entry per spatial axis.
-// `clamp` (lo, hi): the result clamped to [lo, hi] in the same pass (a fused
-// ReLU / ReLU6). The result has x's dtype.
+// groups); parameters have one entry per spatial axis, `padding` on the low
+// side and `padding_hi` (empty: the same) on the high side. `residual` (the
+// result's shape) is added and then `clamp` (lo, hi) applied in the passes
+// that write the result (a fused residual add, ReLU / ReLU6). The result has
+// x's dtype.
 mlx::core::array conv_cpu(const mlx::core::array& x, const mlx::core::array& w,
                           const std::optional<mlx::core::array>& bias, const std::vector<int>& stride,
                           const std::vector<int>& padding, const std::vector<int>& dilation, int groups,
-                          std::optional<std::pair<float, float>> clamp = std::nullopt);
+                          std::optional<std::pair<float, float>> clamp = std::nullopt,
+                          const std::vector<int>& padding_hi = {},
+                          const std::optional<mlx::core::array>& residual = std::nullopt);
 
 }  // namespace mlxd::rt

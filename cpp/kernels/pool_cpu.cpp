@@ -1,4 +1,5 @@
-// Max pooling on the CPU (see pool_cpu.h).
+// Max pooling on the CPU (see pool_cpu.h): per output plane, AVX2 rows for
+// width strides 1 and 2, a scalar loop otherwise and at the padded edges.
 #include "kernels/pool_cpu.h"
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <mlx/primitives.h>
 
 #include "kernels/cpu_parallel.h"
+#include "kernels/vec_math_cpu.h"
 
 namespace mlxd::rt {
 namespace mx = mlx::core;
@@ -32,10 +34,87 @@ struct PoolCall {
   Window w;
 };
 
+// The maximum of output (oh, ow)'s window; NaN propagates, as in torch: once
+// m is NaN, nothing replaces it.
+inline float window_max(const Window& w, const float* x, int oh, int ow) {
+  const int h0 = oh * w.sh - w.ph, w0 = ow * w.sw - w.pw;
+  float m = -std::numeric_limits<float>::infinity();
+  for (int ki = 0; ki < w.kh; ++ki) {
+    const int ih = h0 + ki * w.dh;
+    if (ih < 0 || ih >= w.H) continue;
+    const float* row = x + int64_t{ih} * w.W;
+    for (int kj = 0; kj < w.kw; ++kj) {
+      const int iw = w0 + kj * w.dw;
+      if (iw >= 0 && iw < w.W && (row[iw] > m || std::isnan(row[iw]))) m = row[iw];
+    }
+  }
+  return m;
+}
+
+void pool_plane(const Window& w, const float* x, float* y) {
+  for (int oh = 0; oh < w.OH; ++oh)
+    for (int ow = 0; ow < w.OW; ++ow) y[int64_t{oh} * w.OW + ow] = window_max(w, x, oh, ow);
+}
+
+#ifdef MLXD_CPU_X86
+// Eight inputs at stride S from p (S = 2 reads p[0..15] and keeps the even ones).
+template <int S>
+MLXD_AVX2 inline __m256 load_strided(const float* p) {
+  if constexpr (S == 1) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m256 even = _mm256_shuffle_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), 0x88);  // a0 a2 b0 b2 | a4 a6 b4 b6
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), 0xD8));
+  }
+}
+
+// One plane at width stride S: eight output columns at a time over the columns
+// whose windows lie inside the row (loads included: S = 2 reads one past);
+// the edges take window_max. NaNs are tracked apart (max_ps drops them).
+template <int S>
+MLXD_AVX2 void pool_plane_avx2(const Window& w, const float* x, float* y) {
+  const int span = (w.kw - 1) * w.dw + (S - 1);
+  int c1 = w.W - 1 + w.pw - span >= 0 ? (w.W - 1 + w.pw - span) / S + 1 : 0;
+  c1 = std::min(c1, w.OW);
+  const int c0 = std::min((w.pw + S - 1) / S, c1);
+  for (int oh = 0; oh < w.OH; ++oh) {
+    float* yrow = y + int64_t{oh} * w.OW;
+    const float* rows[64];
+    int nrows = 0;
+    for (int ki = 0; ki < w.kh && nrows < 64; ++ki) {
+      const int ih = oh * w.sh - w.ph + ki * w.dh;
+      if (ih >= 0 && ih < w.H) rows[nrows++] = x + int64_t{ih} * w.W - w.pw;
+    }
+    if (nrows == 64 || nrows == 0) {  // very tall windows, or none inside: the scalar loop
+      for (int ow = 0; ow < w.OW; ++ow) yrow[ow] = window_max(w, x, oh, ow);
+      continue;
+    }
+    for (int ow = 0; ow < c0; ++ow) yrow[ow] = window_max(w, x, oh, ow);
+    int ow = c0;
+    for (; ow + 8 <= c1; ow += 8) {
+      __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), nan = _mm256_setzero_ps();
+      for (int r = 0; r < nrows; ++r)
+        for (int kj = 0; kj < w.kw; ++kj) {
+          const __m256 v = load_strided<S>(rows[r] + int64_t{ow} * S + kj * w.dw);
+          m = _mm256_max_ps(m, v);
+          nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+      _mm256_storeu_ps(yrow + ow, _mm256_blendv_ps(m, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()), nan));
+    }
+    for (; ow < w.OW; ++ow) yrow[ow] = window_max(w, x, oh, ow);
+  }
+}
+#endif
+
 void run_max_pool(const PoolCall& c) {
   const Window& w = c.w;
   CpuRowMajor packed(c.x, mx::size_of(c.dtype), c.shape, c.strides, c.contiguous);
   const int64_t in_plane = int64_t{w.H} * w.W, out_plane = int64_t{w.OH} * w.OW;
+  auto plane_fn = pool_plane;
+#ifdef MLXD_CPU_X86
+  if (cpu_use_avx2() && w.sw == 1) plane_fn = pool_plane_avx2<1>;
+  if (cpu_use_avx2() && w.sw == 2) plane_fn = pool_plane_avx2<2>;
+#endif
   cpu_parallel_for(c.planes, out_plane * w.kh * w.kw, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> src(c.dtype == mx::float32 ? 0 : in_plane), dst(out_plane);
     for (int64_t p = begin; p < end; ++p) {
@@ -45,24 +124,7 @@ void run_max_pool(const PoolCall& c) {
         x = src.data();
       }
       float* y = c.dtype == mx::float32 ? static_cast<float*>(c.y) + p * out_plane : dst.data();
-      for (int oh = 0; oh < w.OH; ++oh) {
-        const int h0 = oh * w.sh - w.ph;
-        for (int ow = 0; ow < w.OW; ++ow) {
-          const int w0 = ow * w.sw - w.pw;
-          float m = -std::numeric_limits<float>::infinity();
-          for (int ki = 0; ki < w.kh; ++ki) {
-            const int ih = h0 + ki * w.dh;
-            if (ih < 0 || ih >= w.H) continue;
-            const float* row = x + int64_t{ih} * w.W;
-            for (int kj = 0; kj < w.kw; ++kj) {
-              const int iw = w0 + kj * w.dw;
-              // NaN propagates, as in torch: once m is NaN, nothing replaces it.
-              if (iw >= 0 && iw < w.W && (row[iw] > m || std::isnan(row[iw]))) m = row[iw];
-            }
-          }
-          y[int64_t{oh} * w.OW + ow] = m;
-        }
-      }
+      plane_fn(w, x, y);
       if (c.dtype != mx::float32) cpu_store_f32(dst.data(), c.dtype, p * out_plane, out_plane, c.y);
     }
   });

@@ -13,6 +13,7 @@
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 #include <utility>
 #include <vector>
@@ -30,14 +31,38 @@ namespace mx = mlx::core;
 namespace {
 
 std::atomic<uint64_t> g_calls{0};
+// The one-row group-32 path (block_avx2_g32); switchable for A/B measurements in one process.
+std::atomic<bool> g_group32_path{true};
+
+// How scales and biases are stored. They are read where they lie, one value per group of
+// weights, never converted per call: GGUF's d and m are fp16, so a program keeps them fp16
+// (exact) and the kernel reads half the bytes an fp32 copy would take.
+enum ScaleKind : int { kScaleF32 = 0, kScaleF16 = 1, kScaleBF16 = 2 };
+constexpr int kScaleKinds = 3;
+
+int scale_kind(mx::Dtype d) { return d == mx::float16 ? kScaleF16 : d == mx::bfloat16 ? kScaleBF16 : kScaleF32; }
+
+float bf16_bits_to_f32(uint16_t b) {
+  const uint32_t u = uint32_t{b} << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+template <int S>
+inline float scale_portable(const void* p, int64_t i) {
+  if constexpr (S == kScaleF16) return static_cast<float>(static_cast<const mx::float16_t*>(p)[i]);
+  else if constexpr (S == kScaleBF16) return bf16_bits_to_f32(static_cast<const uint16_t*>(p)[i]);
+  else return static_cast<const float*>(p)[i];
+}
 
 // Everything one call needs; workers read it, each writing its own columns of y.
 struct Problem {
   const float* x;       // [M, K]
   const float* xsums;   // [M, G]: sum of x over each group
   const uint32_t* w;    // [N, K * bits / 32]
-  const float* scales;  // [N, G]
-  const float* biases;  // [N, G]
+  const void* scales;   // [N, G], stored as ScaleKind
+  const void* biases;   // [N, G], same kind
   float* y;             // [M, N]
   int64_t n_rows, k, groups, group_size, words_per_row;
   // The AVX2 kernel's activations (see quantize_x): x as int16 in blocks of
@@ -49,7 +74,7 @@ struct Problem {
 
 // ---- Portable kernel: scalar, any M <= 8 -------------------------------------
 
-template <int Bits, int M>
+template <int Bits, int M, int S>
 void rows_portable(const Problem& p, int64_t n0, int64_t n1) {
   constexpr int per_word = 32 / Bits;
   constexpr uint32_t mask = (1u << Bits) - 1;
@@ -64,7 +89,7 @@ void rows_portable(const Problem& p, int64_t n0, int64_t n1) {
         float q = static_cast<float>((wn[e / per_word] >> (Bits * (e % per_word))) & mask);
         for (int m = 0; m < M; ++m) acc[m] += q * p.x[m * p.k + e];
       }
-      const float s = p.scales[n * p.groups + g], b = p.biases[n * p.groups + g];
+      const float s = scale_portable<S>(p.scales, n * p.groups + g), b = scale_portable<S>(p.biases, n * p.groups + g);
       for (int m = 0; m < M; ++m) total[m] += s * acc[m] + b * p.xsums[m * p.groups + g];
     }
     for (int m = 0; m < M; ++m) p.y[m * p.n_rows + n] = total[m];
@@ -74,6 +99,15 @@ void rows_portable(const Problem& p, int64_t n0, int64_t n1) {
 // ---- AVX2 + FMA kernel: 8 weights per step, converted once for all M rows ----
 
 #ifdef MLXD_QGEMV_X86
+
+// AVX2 + FMA, and F16C for fp16 scales (every AVX2 CPU has it; pick_kernel checks).
+#define MLXD_QGEMV_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+template <int S>
+MLXD_QGEMV_AVX2 inline float scale_avx2(const void* p, int64_t i) {
+  if constexpr (S == kScaleF16) return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
+  else return scale_portable<S>(p, i);
+}
 
 // The weights stay integers: x is rounded to int16 per block of x_block
 // elements (scale = max|x| / 32767, so the rounding error is at most 2^-16 of
@@ -115,7 +149,7 @@ void quantize_x(const float* x, int64_t m, int64_t k, int64_t block, int16_t* q,
 // 32 weights of one row from element e (a multiple of 32) as two vectors of
 // 16-bit lanes, in the order quantize_x stores x.
 template <int Bits>
-MLXD_AVX2 inline void load_w32(const uint32_t* wn, int64_t e, __m256i& lo, __m256i& hi) {
+MLXD_QGEMV_AVX2 inline void load_w32(const uint32_t* wn, int64_t e, __m256i& lo, __m256i& hi) {
   const auto* bytes = reinterpret_cast<const uint8_t*>(wn);
   if constexpr (Bits == 4) {
     __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + e / 2)));
@@ -134,8 +168,8 @@ template <int M>
 constexpr int kBlockRows = M == 1 ? 4 : M == 2 ? 2 : 1;
 
 // Outputs n0 .. n0 + NB of every row of x.
-template <int Bits, int M, int NB>
-MLXD_AVX2 void block_avx2(const Problem& p, int64_t n0) {
+template <int Bits, int M, int NB, int S>
+MLXD_QGEMV_AVX2 void block_avx2(const Problem& p, int64_t n0) {
   const uint32_t* wn[NB];
   for (int j = 0; j < NB; ++j) wn[j] = p.w + (n0 + j) * p.words_per_row;
   __m256 total[M][NB];
@@ -145,7 +179,7 @@ MLXD_AVX2 void block_avx2(const Problem& p, int64_t n0) {
   const int64_t blocks_per_group = p.group_size / p.x_block, blocks_per_row = p.k / p.x_block;
   for (int64_t g = 0; g < p.groups; ++g) {
     float sw[NB];
-    for (int j = 0; j < NB; ++j) sw[j] = p.scales[(n0 + j) * p.groups + g];
+    for (int j = 0; j < NB; ++j) sw[j] = scale_avx2<S>(p.scales, (n0 + j) * p.groups + g);
     for (int64_t xb = g * blocks_per_group; xb < (g + 1) * blocks_per_group; ++xb) {
       __m256i acc[M][NB];
       for (int m = 0; m < M; ++m)
@@ -176,7 +210,7 @@ MLXD_AVX2 void block_avx2(const Problem& p, int64_t n0) {
       }
     }
     for (int j = 0; j < NB; ++j) {
-      const float b = p.biases[(n0 + j) * p.groups + g];
+      const float b = scale_avx2<S>(p.biases, (n0 + j) * p.groups + g);
       for (int m = 0; m < M; ++m) bias_part[m][j] += b * p.xsums[m * p.groups + g];
     }
   }
@@ -184,50 +218,142 @@ MLXD_AVX2 void block_avx2(const Problem& p, int64_t n0) {
     for (int j = 0; j < NB; ++j) p.y[m * p.n_rows + n0 + j] = vmath::hsum8(total[m][j]) + bias_part[m][j];
 }
 
-template <int Bits, int M>
-MLXD_AVX2 void rows_avx2(const Problem& p, int64_t n0, int64_t n1) {
+// ---- One row of x, groups of 32 (GGUF's blocks): eight groups per scale step --
+
+// The eight sums of eight int32 vectors, lane i the total of a[i].
+MLXD_QGEMV_AVX2 inline __m256i sums_of_8(const __m256i a[8]) {
+  const __m256i t0 = _mm256_hadd_epi32(a[0], a[1]), t1 = _mm256_hadd_epi32(a[2], a[3]);
+  const __m256i t2 = _mm256_hadd_epi32(a[4], a[5]), t3 = _mm256_hadd_epi32(a[6], a[7]);
+  const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);  // halves of a0-a3, a4-a7
+  return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+// Eight consecutive scales / biases as float32.
+template <int S>
+MLXD_QGEMV_AVX2 inline __m256 load8_scales(const void* p, int64_t i) {
+  if constexpr (S == kScaleF32) {
+    return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
+    if constexpr (S == kScaleF16) return _mm256_cvtph_ps(h);
+    else return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+// Outputs n0 .. n0 + NB of a decode step (one row of x) when a group is 32 weights, one x block
+// (x_block 32). The per-group path scales each group's integer dot product on its own (a convert, a
+// broadcast product and an FMA per group and output, and a scalar bias term); here the dot
+// products of eight groups are reduced into one vector and scaled, biased and accumulated with
+// one vector op each: fewer instructions per weight where a step reads every weight once.
+template <int Bits, int NB, int S>
+MLXD_QGEMV_AVX2 void block_avx2_g32(const Problem& p, int64_t n0) {
+  constexpr int64_t kChunk = 8 * 32;  // elements per eight groups
+  constexpr int64_t kLine = 512 / Bits;  // elements per 64-byte line of packed weights
+  const int64_t chunks = p.groups / 8;
+  for (int j = 0; j < NB; ++j) {
+    const int64_t n = n0 + j;
+    const uint32_t* wn = p.w + n * p.words_per_row;
+    const void* scales = p.scales;
+    __m256 total = _mm256_setzero_ps(), bias = _mm256_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t e0 = c * kChunk;
+      // The same columns NB rows on: the next block's (see block_avx2).
+      for (int64_t e = e0; e < e0 + kChunk; e += kLine)
+        _mm_prefetch(reinterpret_cast<const char*>(wn + NB * p.words_per_row) + e * Bits / 8, _MM_HINT_T0);
+      __m256i acc[8];
+      for (int g = 0; g < 8; ++g) {
+        const int64_t e = e0 + 32 * g;
+        __m256i lo, hi;
+        load_w32<Bits>(wn, e, lo, hi);
+        const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.x16 + e));
+        const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.x16 + e + 16));
+        acc[g] = _mm256_add_epi32(_mm256_madd_epi16(lo, xlo), _mm256_madd_epi16(hi, xhi));
+      }
+      const int64_t g0 = n * p.groups + 8 * c;
+      const __m256 scale = _mm256_mul_ps(load8_scales<S>(scales, g0), _mm256_loadu_ps(p.x16_scales + 8 * c));
+      total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums_of_8(acc)), scale, total);
+      bias = _mm256_fmadd_ps(load8_scales<S>(p.biases, g0), _mm256_loadu_ps(p.xsums + 8 * c), bias);
+    }
+    float y = vmath::hsum8(_mm256_add_ps(total, bias));
+    for (int64_t g = chunks * 8; g < p.groups; ++g) {  // the last groups % 8, one at a time
+      __m256i lo, hi;
+      load_w32<Bits>(wn, 32 * g, lo, hi);
+      const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.x16 + 32 * g));
+      const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.x16 + 32 * g + 16));
+      const __m256i acc = _mm256_add_epi32(_mm256_madd_epi16(lo, xlo), _mm256_madd_epi16(hi, xhi));
+      const float dot = static_cast<float>(vmath::hsum8(_mm256_cvtepi32_ps(acc)));
+      y += dot * p.x16_scales[g] * scale_avx2<S>(scales, n * p.groups + g) +
+           scale_avx2<S>(p.biases, n * p.groups + g) * p.xsums[g];
+    }
+    p.y[n] = y;
+  }
+}
+
+template <int Bits, int M, int S>
+MLXD_QGEMV_AVX2 void rows_avx2(const Problem& p, int64_t n0, int64_t n1) {
   constexpr int NB = kBlockRows<M>;
   int64_t n = n0;
-  for (; n + NB <= n1; n += NB) block_avx2<Bits, M, NB>(p, n);
-  for (; n < n1; ++n) block_avx2<Bits, M, 1>(p, n);
+  if (M == 1 && p.group_size == 32 && p.x_block == 32 && g_group32_path.load(std::memory_order_relaxed)) {
+    for (; n + NB <= n1; n += NB) block_avx2_g32<Bits, NB, S>(p, n);
+    for (; n < n1; ++n) block_avx2_g32<Bits, 1, S>(p, n);
+    return;
+  }
+  for (; n + NB <= n1; n += NB) block_avx2<Bits, M, NB, S>(p, n);
+  for (; n < n1; ++n) block_avx2<Bits, M, 1, S>(p, n);
 }
 
 #endif
 
-// ---- Kernel table: [bits is 8][rows - 1] -------------------------------------
+// ---- Kernel table: [scale kind][bits is 8][rows - 1] ---------------------------
 
 using RowsFn = void (*)(const Problem&, int64_t, int64_t);
 
-template <template <int, int> class Pick, int Bits, int... Ms>
+template <template <int, int, int> class Pick, int Bits, int S, int... Ms>
 constexpr std::array<RowsFn, sizeof...(Ms)> row_table(std::integer_sequence<int, Ms...>) {
-  return {Pick<Bits, Ms + 1>::fn...};
+  return {Pick<Bits, Ms + 1, S>::fn...};
 }
 
-template <int Bits, int M>
+template <int Bits, int M, int S>
 struct Portable {
-  static constexpr RowsFn fn = rows_portable<Bits, M>;
+  static constexpr RowsFn fn = rows_portable<Bits, M, S>;
 };
 #ifdef MLXD_QGEMV_X86
-template <int Bits, int M>
+template <int Bits, int M, int S>
 struct Avx2 {
-  static constexpr RowsFn fn = rows_avx2<Bits, M>;
+  static constexpr RowsFn fn = rows_avx2<Bits, M, S>;
 };
 #endif
 
-template <template <int, int> class Pick>
-constexpr std::array<std::array<RowsFn, kQgemvMaxRows>, 2> kernel_table() {
+using BitsTable = std::array<std::array<RowsFn, kQgemvMaxRows>, 2>;
+
+template <template <int, int, int> class Pick, int S>
+constexpr BitsTable bits_table() {
   auto rows = std::make_integer_sequence<int, kQgemvMaxRows>{};
-  return {row_table<Pick, 4>(rows), row_table<Pick, 8>(rows)};
+  return {row_table<Pick, 4, S>(rows), row_table<Pick, 8, S>(rows)};
 }
 
-RowsFn pick_kernel(int bits, int64_t m) {
+template <template <int, int, int> class Pick>
+constexpr std::array<BitsTable, kScaleKinds> kernel_table() {
+  return {bits_table<Pick, kScaleF32>(), bits_table<Pick, kScaleF16>(), bits_table<Pick, kScaleBF16>()};
+}
+
+bool use_avx2_kernels() {
+#ifdef MLXD_QGEMV_X86
+  static const bool on = cpu_use_avx2() && __builtin_cpu_supports("f16c");
+  return on;
+#else
+  return false;
+#endif
+}
+
+RowsFn pick_kernel(int scales, int bits, int64_t m) {
   static const auto table = [] {
 #ifdef MLXD_QGEMV_X86
-    if (cpu_use_avx2()) return kernel_table<Avx2>();
+    if (use_avx2_kernels()) return kernel_table<Avx2>();
 #endif
     return kernel_table<Portable>();
   }();
-  return table[bits == 8][m - 1];
+  return table[scales][bits == 8][m - 1];
 }
 
 // ---- Rows of w (N) split across the cores (the shared pool in cpu_parallel.h) --
@@ -249,11 +375,11 @@ Problem from_row(Problem p, int64_t r0) {
 // in the core's cache.
 constexpr int64_t kRowsChunk = 64;
 
-void run_problem(Problem p, int bits, int64_t m) {
+void run_problem(Problem p, int scales, int bits, int64_t m) {
   std::vector<int16_t> x16;
   std::vector<float> x16_scales;
 #ifdef MLXD_QGEMV_X86
-  if (cpu_use_avx2()) {
+  if (use_avx2_kernels()) {
     p.x_block = x_block_for(p.group_size);
     x16.resize(static_cast<size_t>(m * p.k));
     x16_scales.resize(static_cast<size_t>(m * p.k / p.x_block));
@@ -263,7 +389,7 @@ void run_problem(Problem p, int bits, int64_t m) {
   }
 #endif
   if (m <= kQgemvMaxRows) {
-    RowsFn kernel = pick_kernel(bits, m);
+    RowsFn kernel = pick_kernel(scales, bits, m);
     cpu_parallel_for(p.n_rows, p.k * m, 4, [&](int64_t begin, int64_t end) { kernel(p, begin, end); });
     return;
   }
@@ -271,7 +397,7 @@ void run_problem(Problem p, int bits, int64_t m) {
     for (int64_t n0 = begin; n0 < end; n0 += kRowsChunk)
       for (int64_t r0 = 0; r0 < m; r0 += kQgemvMaxRows) {
         const int64_t rows = std::min(kQgemvMaxRows, m - r0);
-        pick_kernel(bits, rows)(from_row(p, r0), n0, std::min(end, n0 + kRowsChunk));
+        pick_kernel(scales, bits, rows)(from_row(p, r0), n0, std::min(end, n0 + kRowsChunk));
       }
   });
 }
@@ -304,7 +430,7 @@ class QGemvCpu : public mx::UnaryPrimitive {
   QGemvCpu(mx::Stream s, int group_size, int bits) : mx::UnaryPrimitive(s), group_size_(group_size), bits_(bits) {}
 
   // inputs: x [..., K] (float32 / bfloat16 / float16), w [N, K * bits / 32] uint32, scales and
-  // biases [N, G] (float dtypes); any layout. Output [..., N] float32.
+  // biases [N, G] (one float dtype, read as stored); any layout. Output [..., N] float32.
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
@@ -315,9 +441,11 @@ class QGemvCpu : public mx::UnaryPrimitive {
               in[1].shape(1)};
     g_calls.fetch_add(1, std::memory_order_relaxed);
     encoder.dispatch([p, m, bits = bits_, in]() mutable {
-      F32RowMajor x(in[0]), scales(in[2]), biases(in[3]);
-      CpuRowMajor w(in[1].data<void>(), in[1].itemsize(), in[1].shape(), in[1].strides(),
-                    in[1].flags().row_contiguous);
+      F32RowMajor x(in[0]);
+      auto row_major = [](const mx::array& a) {
+        return CpuRowMajor(a.data<void>(), a.itemsize(), a.shape(), a.strides(), a.flags().row_contiguous);
+      };
+      CpuRowMajor w = row_major(in[1]), scales = row_major(in[2]), biases = row_major(in[3]);
       std::vector<float> xsums(static_cast<size_t>(m * p.groups));
       p.x = x.data();
       for (int64_t r = 0; r < m; ++r)
@@ -331,7 +459,7 @@ class QGemvCpu : public mx::UnaryPrimitive {
       p.w = static_cast<const uint32_t*>(w.data());
       p.scales = scales.data();
       p.biases = biases.data();
-      run_problem(p, bits, m);
+      run_problem(p, scale_kind(in[2].dtype()), bits, m);
     });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -361,7 +489,7 @@ bool qgemv_cpu_applies(const mx::array& x, int group_size, int bits) {
   int64_t rows = static_cast<int64_t>(x.size()) / x.shape(-1);
   // The integer AVX2 kernel takes any number of rows (blocks of kQgemvMaxRows over cached
   // chunks of w); the portable loop only decode-sized products.
-  return rows >= 1 && (rows <= kQgemvMaxRows || cpu_use_avx2());
+  return rows >= 1 && (rows <= kQgemvMaxRows || use_avx2_kernels());
 }
 
 mx::array qgemv_cpu(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
@@ -375,6 +503,8 @@ mx::array qgemv_cpu(const mx::array& x, const mx::array& w, const mx::array& sca
   for (const auto* a : {&scales, &biases})
     if (!mx::issubdtype(a->dtype(), mx::floating) || a->dtype() == mx::float64)
       throw std::invalid_argument("qgemv_cpu: scales and biases must be float32, bfloat16 or float16");
+  if (scales.dtype() != biases.dtype())
+    throw std::invalid_argument("qgemv_cpu: scales and biases must have one dtype");
   auto shape = x.shape();
   shape.back() = n;
   return mx::array(std::move(shape), mx::float32,
@@ -383,5 +513,7 @@ mx::array qgemv_cpu(const mx::array& x, const mx::array& w, const mx::array& sca
 }
 
 uint64_t qgemv_cpu_calls() { return g_calls.load(std::memory_order_relaxed); }
+
+void qgemv_cpu_set_group32_path(bool on) { g_group32_path.store(on, std::memory_order_relaxed); }
 
 }  // namespace mlxd::rt

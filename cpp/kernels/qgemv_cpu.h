@@ -27,4 +27,8 @@ mlx::core::array qgemv_cpu(const mlx::core::array& x, const mlx::core::array& w,
 // How many times the kernel has run (eval_cpu calls): tests use it to prove it ran.
 uint64_t qgemv_cpu_calls();
 
+// The one-row path for groups of 32 (on by default): off runs those products on the general
+// per-group loop, for parity tests and A/B timings in one process.
+void qgemv_cpu_set_group32_path(bool on);
+
 }  // namespace mlxd::rt

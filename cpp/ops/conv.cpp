@@ -292,30 +292,38 @@ void exec_ConvNode(const mlxd::ConvNode& n, ExecContext& ctx) {
   size_t nd = x.ndim() - 2;
   auto stride = per_axis(n.stride(), nd, 1, "stride");
   auto padding = per_axis(n.padding(), nd, 0, "padding");
+  auto padding_hi = n.padding_hi() ? per_axis(n.padding_hi(), nd, 0, "padding_hi") : padding;
   auto dilation = per_axis(n.dilation(), nd, 1, "dilation");
   int groups = n.groups();
   if (groups < 1) throw NodeError("groups must be positive");
+  if (n.transpose() && padding_hi != padding) throw NodeError("a transposed convolution has symmetric padding");
   const auto* bias = ctx.maybe_in(n.bias());
-  if (!n.transpose() && conv_cpu_applies(x, w, bias, groups)) {  // channels-first, no transposes
-    std::optional<mx::array> b;
+  const auto* residual = ctx.maybe_in(n.residual());
+  std::optional<std::pair<float, float>> clamp;
+  if (n.clamp()) clamp = {n.clamp_min(), n.clamp_max()};
+  if (!n.transpose() && conv_cpu_applies(x, w, bias, groups, residual)) {  // channels-first, no transposes
+    std::optional<mx::array> b, r;
     if (bias) b = *bias;
-    std::optional<std::pair<float, float>> clamp;
-    if (n.clamp()) clamp = {n.clamp_min(), n.clamp_max()};
-    ctx.set(n.out(), conv_cpu(x, w, b, stride, padding, dilation, groups, clamp));
+    if (residual) r = *residual;
+    ctx.set(n.out(), conv_cpu(x, w, b, stride, padding, dilation, groups, clamp, padding_hi, r));
     return;
   }
   auto xl = channels_last(x);
   mx::array y = n.transpose()
                     ? conv_transpose(xl, w, stride, padding, dilation,
                                      per_axis(n.output_padding(), nd, 0, "output_padding"), groups)
-                    : grouped_conv(xl, channels_last(w), {stride, padding, padding, dilation, {}, groups, false});
+                    : grouped_conv(xl, channels_last(w), {stride, padding, padding_hi, dilation, {}, groups, false});
   y = channels_first(y);
   if (bias) {
     mx::Shape bshape(y.ndim() - 1, 1);
     bshape[0] = -1;
     y = mx::add(y, mx::reshape(*bias, bshape));
   }
-  if (n.clamp()) y = mx::clip(y, mx::array(n.clamp_min(), y.dtype()), mx::array(n.clamp_max(), y.dtype()));
+  if (residual) {
+    if (residual->shape() != y.shape()) throw NodeError("conv residual does not have the output's shape");
+    y = mx::add(y, *residual);
+  }
+  if (clamp) y = mx::clip(y, mx::array(clamp->first, y.dtype()), mx::array(clamp->second, y.dtype()));
   ctx.set(n.out(), mx::astype(y, x.dtype()));
 }
 

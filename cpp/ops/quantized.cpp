@@ -28,19 +28,22 @@ mx::array packed_words(const mx::array& w) {
   return w.dtype() == mx::uint32 ? w : mx::view(w, mx::uint32);
 }
 
-mx::array cpu_product(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                      int group_size, int bits) {
-  auto f32 = [](const mx::array& a) { return mx::astype(a, mx::float32); };
+// Scales and biases may be stored in a dtype other than x's (GGUF's fp16 d and m under fp32
+// activations): our CPU kernels read them as stored; MLX's kernels get a copy in the dtype they
+// compute in, converted once per loaded program (ExecContext::in_as), not per call.
+mx::array cpu_product(ExecContext& ctx, const mlxd::QuantizedLinearNode& n, const mx::array& x, const mx::array& w) {
+  const int group_size = n.group_size(), bits = n.bits();
   if (qgemm_cpu_applies(x, group_size, bits))
-    return mx::astype(qgemm_cpu(x, w, scales, biases, group_size, bits), x.dtype());
+    return mx::astype(qgemm_cpu(x, w, ctx.in(n.scales()), ctx.in(n.biases()), group_size, bits), x.dtype());
   if (qgemv_cpu_applies(x, group_size, bits))
-    return mx::astype(qgemv_cpu(x, w, scales, biases, group_size, bits), x.dtype());
+    return mx::astype(qgemv_cpu(x, w, ctx.in(n.scales()), ctx.in(n.biases()), group_size, bits), x.dtype());
+  auto scales = ctx.in_as(n.scales(), mx::float32), biases = ctx.in_as(n.biases(), mx::float32);
+  auto xf = mx::astype(x, mx::float32);
   int64_t k = x.ndim() ? x.shape(-1) : 0;
   int64_t rows = k ? static_cast<int64_t>(x.size()) / k : 0;
   auto y = rows >= kCpuDequantizeRows
-               ? mx::matmul(f32(x), mx::transpose(mx::dequantize(w, f32(scales), f32(biases), group_size, bits,
-                                                                 "affine")))
-               : mx::quantized_matmul(f32(x), w, f32(scales), f32(biases), true, group_size, bits, "affine");
+               ? mx::matmul(xf, mx::transpose(mx::dequantize(w, scales, biases, group_size, bits, "affine")))
+               : mx::quantized_matmul(xf, w, scales, biases, true, group_size, bits, "affine");
   return mx::astype(y, x.dtype());
 }
 
@@ -83,10 +86,10 @@ void exec_QuantizedLinearNode(const mlxd::QuantizedLinearNode& n, ExecContext& c
     ctx.set(n.out(), y);
     return;
   }
-  const auto &scales = ctx.in(n.scales()), &biases = ctx.in(n.biases());
   auto y = mx::default_device() == mx::Device::cpu
-               ? cpu_product(x, w, scales, biases, n.group_size(), n.bits())
-               : mx::quantized_matmul(x, w, scales, biases, /*transpose=*/true, n.group_size(), n.bits(), "affine");
+               ? cpu_product(ctx, n, x, w)
+               : mx::quantized_matmul(x, w, ctx.in_as(n.scales(), x.dtype()), ctx.in_as(n.biases(), x.dtype()),
+                                      /*transpose=*/true, n.group_size(), n.bits(), "affine");
   if (auto* b = ctx.maybe_in(n.bias())) y = mx::add(y, *b);
   ctx.set(n.out(), y);
 }
@@ -105,16 +108,27 @@ void exec_QuantizedEmbeddingNode(const mlxd::QuantizedEmbeddingNode& n, ExecCont
 }
 
 // A whole packed weight (or gathered rows of one) back to floating point; biases only for affine.
-// The microscaled modes decode in float32 and then cast: asked for bf16 directly, MLX 0.32's CPU compile
-// fuses float32 and bf16 operands into one kernel that the C++ compiler rejects.
+// MLX's affine dequantize computes in the scales' dtype, so it runs in the wider of the scales'
+// dtype and `dtype` (fp16 scales under fp32: exact) and casts after; a constant's widened scales
+// are converted once per program. The microscaled modes decode in float32 and then cast: asked for
+// bf16 directly, MLX 0.32's CPU compile fuses float32 and bf16 operands into one kernel that the
+// C++ compiler rejects.
 void exec_DequantizeNode(const mlxd::DequantizeNode& n, ExecContext& ctx) {
-  std::optional<mx::array> biases;
-  if (auto* b = ctx.maybe_in(n.biases())) biases = *b;
-  auto dtype = to_mlx(n.dtype());
-  bool affine = n.mode() == mlxd::QuantMode::Affine;
-  auto y = mx::dequantize(packed_words(ctx.in(n.w())), ctx.in(n.scales()), biases, n.group_size(), n.bits(),
-                          mode_name(n.mode()), std::nullopt, affine ? dtype : mx::float32);
-  ctx.set(n.out(), affine ? y : mx::astype(y, dtype));
+  const auto dtype = to_mlx(n.dtype());
+  auto w = packed_words(ctx.in(n.w()));
+  mx::array y = w;
+  if (n.mode() == mlxd::QuantMode::Affine) {
+    if (!n.biases()) throw NodeError("affine dequantize needs biases");
+    const auto compute = mx::promote_types(ctx.in(n.scales()).dtype(), dtype);
+    y = mx::dequantize(w, ctx.in_as(n.scales(), compute), ctx.in_as(n.biases(), compute), n.group_size(), n.bits(),
+                       "affine", std::nullopt, compute);
+  } else {
+    std::optional<mx::array> biases;
+    if (auto* b = ctx.maybe_in(n.biases())) biases = *b;
+    y = mx::dequantize(w, ctx.in(n.scales()), biases, n.group_size(), n.bits(), mode_name(n.mode()), std::nullopt,
+                       mx::float32);
+  }
+  ctx.set(n.out(), y.dtype() == dtype ? y : mx::astype(y, dtype));
 }
 
 }  // namespace mlxd::rt

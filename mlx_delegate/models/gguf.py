@@ -10,7 +10,9 @@ Q4_0, Q4_1, Q8_0 and Q4_K blocks are MLX affine quantization with groups of 32
 
 d, m, dmin are fp16 and sc_j, m_j 6-bit integers, so every product above is
 exact in float32 and MLX's dequantize gives the same float32 values as
-gguf's own dequantizer. Other types (Q5_*, Q6_K, Q2_K, Q3_K, IQ*, ...) use
+gguf's own dequantizer. Scales and biases are stored fp16 wherever that is
+exact (Q4_0, Q4_1, Q8_0: d, m, -8 d, -128 d; Q4_K's d * sc_j usually is not):
+half the bytes of fp32, which a memory-bound decode step reads once per token. Other types (Q5_*, Q6_K, Q2_K, Q3_K, IQ*, ...) use
 5/6/3-bit values or groups of 16, which MLX's kernels or this packing do not
 take: they are dequantized to float (`docs/quantization.md`).
 
@@ -88,13 +90,22 @@ def pack(u: np.ndarray, bits: int) -> np.ndarray:
     return u.view("<i4").astype(np.int32)
 
 
+def _stored(scale: np.ndarray, bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Scales and biases in fp16 when both survive the round trip exactly, else float32."""
+    half = scale.astype(np.float16), bias.astype(np.float16)
+    exact = all(np.array_equal(h.astype(np.float32), f) for h, f in zip(half, (scale, bias)))
+    return half if exact else (scale, bias)
+
+
 def repack(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> MLXQuantized:
-    """A 2-D GGUF tensor's raw blocks ([N, bytes per row] uint8) in MLX's affine format, float32 scales / biases."""
+    """A 2-D GGUF tensor's raw blocks ([N, bytes per row] uint8) in MLX's affine format; scales / biases
+    fp16 where exact (see `_stored`), else float32."""
     per_block, nbytes, unpack = REPACKABLE[type_name]
     n, k = shape
     if k % per_block or raw.shape != (n, k // per_block * nbytes):
         raise ValueError(f"{type_name} data {raw.shape} does not hold a [{n}, {k}] weight")
     u, scale, bias, bits = unpack(raw.reshape(n, k // per_block, nbytes))
+    scale, bias = _stored(scale, bias)
     return MLXQuantized(torch.from_numpy(pack(u.reshape(n, k), bits)),
                         torch.from_numpy(np.ascontiguousarray(scale.reshape(n, k // GROUP))),
                         torch.from_numpy(np.ascontiguousarray(bias.reshape(n, k // GROUP))), GROUP, bits)

@@ -9,11 +9,12 @@ around MLX's convolution.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import torch
 
-from .. import custom_ops  # noqa: F401  (defines mlx_delegate::conv_clamp)
+from .. import custom_ops  # noqa: F401  (defines mlx_delegate::conv_fused)
 from ..builder import ProgramBuilder
 from ..ir import nodes as N
 from ..registry import register
@@ -44,7 +45,7 @@ def int_list(b: ProgramBuilder, v: Any, count: int, name: str) -> list[int]:
 
 # ---------------------------------------------------------------- convolution
 def _conv(b: ProgramBuilder, n: torch.fx.Node, args: dict[str, Any], transposed: bool,
-          clamp: tuple[float, float] | None = None) -> None:
+          fused: dict[str, Any] | None = None) -> None:
     x, w, bias = args["input"] if "input" in args else args["x"], args["weight"], args["bias"]
     dtype = float_dtype(b, n)
     rank = len(b.shape_of(x))
@@ -55,10 +56,9 @@ def _conv(b: ProgramBuilder, n: torch.fx.Node, args: dict[str, Any], transposed:
     if not isinstance(groups, int) or groups < 1:
         raise b.unsupported(f"groups must be a positive int, got {groups!r}")
     lists = {k: int_list(b, args.get(k, 0), nd, k) for k in ("stride", "padding", "dilation", "output_padding")}
-    fused = {} if clamp is None else {"clamp": True, "clamp_min": clamp[0], "clamp_max": clamp[1]}
     b.emit(N.ConvNode(x=b.operand(x, dtype), weight=b.operand(w, dtype),
                       bias=None if bias is None else b.operand(bias, dtype), groups=groups,
-                      transpose=transposed, out=b.out(n), **lists, **fused))
+                      transpose=transposed, out=b.out(n), **lists, **(fused or {})))
 
 
 @register(aten.convolution.default)
@@ -67,14 +67,28 @@ def convolution(b: ProgramBuilder, n: torch.fx.Node) -> None:
     _conv(b, n, args, bool(args["transposed"]))
 
 
-@register(torch.ops.mlx_delegate.conv_clamp.default)
-def conv_clamp(b: ProgramBuilder, n: torch.fx.Node) -> None:
-    """A convolution with its activation fused (patterns/conv_activation.py)."""
+@register(torch.ops.mlx_delegate.conv_fused.default)
+def conv_fused(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    """A convolution with a zero pad, a residual add and an activation fused (patterns/conv_fusions.py)."""
     args = b.args(n)
     lo, hi = args["lo"], args["hi"]
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (lo, hi)) or not lo <= hi:
-        raise b.unsupported(f"conv_clamp bounds must be numbers with lo <= hi, got {lo!r}, {hi!r}")
-    _conv(b, n, args, False, (float(lo), float(hi)))
+        raise b.unsupported(f"conv_fused bounds must be numbers with lo <= hi, got {lo!r}, {hi!r}")
+    nd = len(b.shape_of(args["x"])) - 2
+    low, high = (int_list(b, args[k], nd, k) for k in ("padding", "padding_hi"))
+    if min(low + high, default=0) < 0:
+        raise b.unsupported(f"negative padding {low} / {high}")
+    fused: dict[str, Any] = {"padding_hi": high}
+    if (lo, hi) != (-math.inf, math.inf):
+        fused |= {"clamp": True, "clamp_min": float(lo), "clamp_max": float(hi)}
+    residual = args["residual"]
+    if residual is not None:
+        same = lambda s: [str(d) for d in b.shape_of(s)]  # symbolic sizes compared unguarded
+        if same(residual) != same(n) or b.dtype_of(residual) != b.dtype_of(n):
+            raise b.unsupported(f"residual {list(b.shape_of(residual))} {b.dtype_of(residual)} does not match the "
+                                f"convolution's output {list(b.shape_of(n))} {b.dtype_of(n)}")
+        fused["residual"] = b.tensor(residual)
+    _conv(b, n, args, False, fused)
 
 
 # ----------------------------------------------------------------- resampling

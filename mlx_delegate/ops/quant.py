@@ -41,15 +41,17 @@ QUANT_MODES = {"affine": N.QuantMode.Affine, "mxfp4": N.QuantMode.Mxfp4, "nvfp4"
 def _packed(b: ProgramBuilder, w: Any, scales: Any, biases: Any, group_size: int, bits: int,
             dtype: torch.dtype, mode: str = "affine") -> int:
     """Validate a packed weight and its scales / biases; returns the unpacked row length K.
-    `dtype` is the float dtype affine scales / biases must have (the activations')."""
+    `dtype` is the activations' float dtype. Affine scales / biases share one float dtype of their own
+    (GGUF's fp16 d / m stay fp16 under fp32 activations: the runtime reads or widens them)."""
     if mode not in QUANT_MODES:
         raise b.unsupported(f"quantization mode {mode!r} is not one of {', '.join(QUANT_MODES)}")
     if mode == "affine":
         if group_size not in q.MLX_GROUP_SIZES or bits not in q.PACKABLE_BITS:
             raise b.unsupported(f"group size {group_size} / {bits} bits is not an MLX affine layout")
-        if dtype not in FLOAT_DTYPES or biases is None or b.dtype_of(scales) != dtype \
-                or b.dtype_of(biases) != dtype:
-            raise b.unsupported(f"scales / biases must be in the activations' float dtype {dtype}")
+        if dtype not in FLOAT_DTYPES or biases is None or b.dtype_of(scales) not in FLOAT_DTYPES \
+                or b.dtype_of(biases) != b.dtype_of(scales):
+            raise b.unsupported(f"scales / biases must share one float dtype, got {b.dtype_of(scales)} / "
+                                f"{b.dtype_of(biases) if biases is not None else None}")
     else:
         if (group_size, bits) != q.MICROSCALED[mode]:
             raise b.unsupported(f"{mode} takes groups of {q.MICROSCALED[mode][0]} at {q.MICROSCALED[mode][1]} bits, "
@@ -75,7 +77,8 @@ def _scaled(b: ProgramBuilder, y: Any, global_scale: float, dtype: torch.dtype) 
 def quantized_linear(b: ProgramBuilder, n: torch.fx.Node) -> None:
     """mx::quantized_matmul (* global scale) (+ bias); affine (groups 32/64/128, 2/4/8 bits) or nvfp4 / mxfp8 / mxfp4.
 
-    Affine scales / biases are in the input's dtype; the other modes have uint8 scales and no biases."""
+    Affine scales / biases are in any float dtype (the runtime reads or widens them); the other modes
+    have uint8 scales and no biases."""
     a = b.args(n)
     x, bias, mode, global_scale = a["x"], a["bias"], a["mode"], float(a["global_scale"])
     dtype = b.dtype_of(x)
@@ -108,6 +111,10 @@ def quantized_linear_group(b: ProgramBuilder, n: torch.fx.Node) -> None:
     ks = {_packed(b, *parts, group_size, bits, dtype) for parts in zip(ws, scales, biases)}
     if len(ks) != 1 or not b.shape_of(x) or b.shape_of(x)[-1] != ks.pop():
         raise b.unsupported("quantized_linear_group needs one input size matching x's last axis")
+    scale_dtypes = {b.dtype_of(t) for t in scales}
+    if len(scale_dtypes) != 1:
+        raise b.unsupported(f"quantized_linear_group needs one scales dtype, got {sorted(map(str, scale_dtypes))}")
+    scale_dtype = scale_dtypes.pop()
     if any(t is not None and (b.dtype_of(t) != dtype or len(b.shape_of(t)) != 1) for t in bias):
         raise b.unsupported("bias must be 1-D in the input's dtype")
     sizes = [b.shape_of(w)[0] for w in ws]
@@ -116,7 +123,8 @@ def quantized_linear_group(b: ProgramBuilder, n: torch.fx.Node) -> None:
         stacked_bias = b.concat_constant([t if t is not None else size for t, size in zip(bias, sizes)], dtype)
     full = b.temp()
     b.emit(N.QuantizedLinearNode(x=b.tensor(x), w=b.concat_constant(ws, torch.int32),
-                                 scales=b.concat_constant(scales, dtype), biases=b.concat_constant(biases, dtype),
+                                 scales=b.concat_constant(scales, scale_dtype),
+                                 biases=b.concat_constant(biases, scale_dtype),
                                  bias=stacked_bias, group_size=group_size, bits=bits, out=full))
     split_last_axis(b, n, full, sizes)
 
@@ -125,30 +133,35 @@ def quantized_linear_group(b: ProgramBuilder, n: torch.fx.Node) -> None:
 def quantized_embedding(b: ProgramBuilder, n: torch.fx.Node) -> None:
     """Gathers packed rows, then mx::dequantize; affine (groups 32/64/128, 2/4/8 bits) or nvfp4 / mxfp8 / mxfp4.
 
-    Affine is one QuantizedEmbeddingNode; the other modes take rows of w and scales, then DequantizeNode
-    (* global scale)."""
+    Affine in the scales' dtype is one QuantizedEmbeddingNode; otherwise (another mode, or affine
+    scales narrower or wider than the output, e.g. GGUF's fp16 under fp32) rows of w, scales (and
+    biases) are taken, then DequantizeNode to the output dtype (* global scale)."""
     a = b.args(n)
     w, scales, biases, indices, mode = a["w"], a["scales"], a["biases"], a["indices"], a["mode"]
-    if mode == "affine":
-        _packed(b, w, scales, biases, a["group_size"], a["bits"], b.dtype_of(scales))
+    dtype = b.dtype_of(n)
+    if dtype not in FLOAT_DTYPES:
+        raise b.unsupported(f"{mode} embedding needs a float output dtype, got {dtype}")
+    k = _packed(b, w, scales, biases, a["group_size"], a["bits"], dtype, mode)
+    if mode == "affine" and b.dtype_of(scales) == dtype:
         b.emit(N.QuantizedEmbeddingNode(w=b.tensor(w), scales=b.tensor(scales), biases=b.tensor(biases),
                                         indices=index_tensor(b, indices), group_size=a["group_size"],
                                         bits=a["bits"], out=b.out(n)))
         return
-    dtype = a["dtype"]
-    if dtype not in FLOAT_DTYPES:
-        raise b.unsupported(f"{mode} embedding needs a float output dtype, got {dtype}")
-    k = _packed(b, w, scales, biases, a["group_size"], a["bits"], dtype, mode)
     flat = _reshape(b, index_tensor(b, indices), [-1])
     rows = []
-    for t in (w, scales):
+    for t in (w, scales, biases) if biases is not None else (w, scales):
         rows.append(b.temp())
         b.emit(N.TakeNode(x=b.tensor(t), indices=flat, axis=0, out=rows[-1]))
     y = b.temp()
-    b.emit(N.DequantizeNode(w=rows[0], scales=rows[1], biases=None, group_size=a["group_size"], bits=a["bits"],
+    b.emit(N.DequantizeNode(w=rows[0], scales=rows[1], biases=rows[2] if len(rows) > 2 else None,
+                            group_size=a["group_size"], bits=a["bits"],
                             mode=QUANT_MODES[mode], dtype=b.ir_dtype(dtype), out=y))
     y = _scaled(b, y, float(a["global_scale"]), dtype)
-    b.emit(N.ReshapeNode(x=y, shape=[b.int_or_vid(d) for d in [*b.shape_of(indices), k]], out=b.out(n)))
+    # Back to the indices' shape: a dynamic size (a prompt's length) is the one the rows fill.
+    dims = [d if isinstance(d, int) else -1 for d in b.shape_of(indices)]
+    if dims.count(-1) > 1:
+        raise b.unsupported(f"indices {b.shape_of(indices)} have more than one dynamic dimension")
+    b.emit(N.ReshapeNode(x=y, shape=[b.int_or_vid(d) for d in [*dims, k]], out=b.out(n)))
 
 
 @register(mlxd.dequantize.default)

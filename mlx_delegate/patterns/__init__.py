@@ -22,7 +22,7 @@ from executorch.exir.pass_base import ExportedProgramPassBase, ExportedProgramPa
 from torch.export import ExportedProgram
 
 from .. import custom_ops  # noqa: F401  (the fused ops)
-from . import activations, attention, conv_activation, conv_batch_norm, layer_norm, linear_group, quantized_linear, rms_norm, rope
+from . import activations, attention, conv_batch_norm, conv_fusions, layer_norm, linear_group, quantized_linear, rms_norm, rope
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +33,11 @@ PATTERN_SWITCHES = sorted({*PATTERNS, "rope_at"})
 
 # Fusions into ops the delegate already lowers (aten.layer_norm, gelu, silu, SDPA; linears
 # sharing an input into one `linear_group`; eval-mode BatchNorm folded into the convolution
-# before it, then the convolution's ReLU / ReLU6 / clamp fused into it). They run on each delegated graph in
-# `MLXDelegateBackend.preprocess`, so every lowering gets them;
+# before it, then a zero pad before the convolution, a residual add and a ReLU / ReLU6 / clamp
+# after it fused into it). They run on each delegated graph in `MLXDelegateBackend.preprocess`, so every lowering gets them;
 # `MLXPartitioner(disable={name})` switches one off, disable={"fusions"} all of them.
-FUSIONS = {"fold_batch_norm": conv_batch_norm.apply, "fuse_conv_activation": conv_activation.apply,
+FUSIONS = {"fold_batch_norm": conv_batch_norm.apply, "fold_conv_pad": conv_fusions.fold_pad,
+           "fuse_conv_residual": conv_fusions.fuse_residual, "fuse_conv_activation": conv_fusions.fuse_activation,
            "fuse_layer_norm": layer_norm.apply,
            "fuse_activations": activations.apply, "fuse_attention": attention.apply,
            "fuse_linears": linear_group.apply}

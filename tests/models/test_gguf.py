@@ -34,10 +34,15 @@ def test_repacked_blocks_dequantize_exactly(qtype):
     raw = raw_blocks(qtype, np.random.default_rng(qtype.value))
     packed = G.repack(raw, qtype.name, (ROWS, COLS))
     assert packed.group_size == 32 and packed.bits == (8 if qtype == QT.Q8_0 else 4)
-    ours = mx.dequantize(mx.array(packed.w.numpy().view(np.uint32)), mx.array(packed.scales.numpy()),
-                         mx.array(packed.biases.numpy()), group_size=packed.group_size, bits=packed.bits)
+    # fp16 d / m (and -8 d, -128 d) are stored as they are; Q4_K's d * sc_j needs float32 here.
+    assert packed.scales.dtype == packed.biases.dtype == (torch.float32 if qtype == QT.Q4_K else torch.float16)
+    # MLX computes in the scales' dtype: the runtime widens narrow ones first (cpp/ops/quantized.cpp).
+    ours = mx.dequantize(mx.array(packed.w.numpy().view(np.uint32)), mx.array(packed.scales.float().numpy()),
+                         mx.array(packed.biases.float().numpy()), group_size=packed.group_size, bits=packed.bits)
     expected = gguf.quants.dequantize(raw, qtype)
     assert np.array_equal(np.array(ours), expected)  # bit for bit, in float32
+    reference = dequantize_mlx(packed.w, packed.scales, packed.biases, 32, packed.bits, dtype=torch.float32)
+    assert np.array_equal(reference.numpy(), expected)
     with pytest.raises(ValueError, match="does not hold"):
         G.repack(raw, qtype.name, (ROWS, COLS * 2))
 
@@ -107,23 +112,34 @@ def tiny_gguf(tmp_path_factory):
     return path
 
 
-def test_tiny_gguf_llama_matches_eager_on_the_dequantized_weights(tiny_gguf):
+@pytest.fixture(scope="module")
+def tiny_program(tiny_gguf):
+    """(HF config, HF eager model on the dequantized weights, the delegate's .pte bytes), lowered once."""
     # The reference: transformers' own GGUF reader (dequantizes; undoes the Q/K permutation).
     config, reference = loading.read_gguf(tiny_gguf)
     _, floats, packed = G.read(tiny_gguf)
     assert set(packed) == {k for k in reference if "down_proj" not in k and "norm" not in k}
     for name, q in packed.items():
-        assert torch.equal(dequantize_mlx(q.w, q.scales, q.biases, q.group_size, q.bits), reference[name]), name
+        assert q.scales.dtype == torch.float16, name  # Q4_0 / Q4_1 / Q8_0: exact in fp16
+        assert torch.equal(dequantize_mlx(q.w, q.scales, q.biases, q.group_size, q.bits, dtype=torch.float32),
+                           reference[name]), name
     assert all(torch.equal(t, reference[k]) for k, t in floats.items())
 
     model = loading.model_from_gguf(tiny_gguf, max_seq_len=MAX_SEQ_LEN).eval()
     assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
     assert sum(isinstance(m, QuantizedLinear) for m in model.modules()) == 6 * config.num_hidden_layers
+    model.to_dtype(torch.float32)  # what loading does: the packed scales stay fp16
+    assert all(m.scales.dtype == torch.float16 for m in model.modules() if isinstance(m, QuantizedLinear))
     edge = llm_export.lower(llm_export.export_model(model), constant_methods=llm_export.metadata(model))
     assert delegate_summary(edge) == (1, [])
     hf = LlamaForCausalLM(config).eval()
     hf.load_state_dict(reference, strict=False)  # lm_head is tied to the embedding
-    gen = Generator(edge.to_executorch().buffer, eos_token_ids=[])
+    return config, hf, edge.to_executorch().buffer
+
+
+def test_tiny_gguf_llama_matches_eager_on_the_dequantized_weights(tiny_program, runtime_path):
+    _, hf, buffer = tiny_program
+    gen = Generator(buffer, eos_token_ids=[])
     assert_steps_match_hf(gen, hf, PROMPT, 4)
     gen.reset()
     assert list(gen.generate_ids(PROMPT, 12)) == hf_greedy(hf, PROMPT, 12)

@@ -50,6 +50,16 @@ CONV_LAYERS = [
      (1, 3, 9, 7)),
     ("conv2d_depthwise", lambda: torch.nn.Conv2d(6, 6, 3, padding=1, groups=6), (2, 6, 7, 7)),
     ("conv2d_groups", lambda: torch.nn.Conv2d(4, 6, 3, padding=1, groups=2), (1, 4, 6, 6)),
+    # Depthwise widths that reach each part of the CPU kernel's AVX2 rows (32- and 8-column blocks,
+    # scalar edges), stride 2, a channel multiplier, dilation, and stride 3 (the row-loop fallback).
+    ("conv2d_depthwise_wide", lambda: torch.nn.Conv2d(3, 3, 3, padding=1, groups=3), (2, 3, 5, 60)),
+    ("conv2d_depthwise_s2", lambda: torch.nn.Conv2d(4, 4, (3, 5), stride=2, padding=(1, 2), groups=4, bias=False),
+     (1, 4, 9, 70)),
+    ("conv2d_depthwise_5x5_dil_mult", lambda: torch.nn.Conv2d(3, 6, 5, padding=4, dilation=2, groups=3),
+     (1, 3, 11, 45)),
+    # Three images of 552 output columns: the CPU kernel's batched sgemm takes two, then one.
+    ("conv2d_batched_groups", lambda: torch.nn.Conv2d(4, 6, 3, padding=1, groups=2), (3, 4, 23, 24)),
+    ("conv2d_depthwise_s3", lambda: torch.nn.Conv2d(2, 2, 3, stride=3, groups=2), (1, 2, 7, 40)),
     ("conv2d_same", lambda: torch.nn.Conv2d(3, 4, 3, padding="same"), (1, 3, 7, 7)),
     ("conv2d_1x1", lambda: torch.nn.Conv2d(8, 4, 1), (2, 8, 5, 5)),
     ("conv3d", lambda: torch.nn.Conv3d(2, 4, 3, padding=1), (1, 2, 5, 5, 5)),

@@ -44,6 +44,12 @@ MAX_POOLS = [
     ("max_pool2d_dilation", lambda x: F.max_pool2d(x, (2, 3), stride=1, dilation=(2, 1)), (1, 2, 7, 7)),
     ("max_pool2d_rect", lambda x: F.max_pool2d(x, (3, 1), stride=(1, 2), padding=(1, 0)), (2, 2, 5, 6)),
     ("max_pool2d_unbatched", lambda x: F.max_pool2d(x, 2), (3, 6, 6)),
+    # Wide enough for the CPU kernel's AVX2 rows (stride 2 and 1, dilation), edges scalar; the
+    # input's one zero becomes a NaN (0 / 0), which the window maxima must keep.
+    ("max_pool2d_k3s2p1_wide", lambda x: F.max_pool2d(x, 3, stride=2, padding=1), (1, 2, 5, 41)),
+    ("max_pool2d_s1_dil_wide", lambda x: F.max_pool2d(x, (2, 3), stride=1, padding=(0, 1), dilation=(1, 2)),
+     (1, 1, 4, 30)),
+    ("max_pool2d_nan_wide", lambda x: F.max_pool2d(x / x * x, 3, stride=2, padding=1), (1, 1, 6, 40)),
     ("max_pool2d_noncontig", lambda x: F.max_pool2d(x.transpose(2, 3), 2), (1, 2, 6, 8)),
     ("max_pool3d", lambda x: F.max_pool3d(x, 2), (1, 2, 4, 4, 4)),
     ("max_pool3d_pad_ceil", lambda x: F.max_pool3d(x, 3, stride=2, padding=1, ceil_mode=True), (1, 1, 5, 6, 5)),

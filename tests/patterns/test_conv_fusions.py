@@ -133,3 +133,74 @@ def test_fuse_conv_activation(dtype: torch.dtype) -> None:
         off = fused.fresh_method().execute([x.to(dtype)])
     assert_close([g.float() for g in got], [o.float() for o in off], rtol, atol)
     assert_close([g.float() for g in got], [k.float() for k in kept.method().execute([x.to(dtype)])], rtol, atol)
+
+
+class PadResidual(nn.Module):
+    """Zero pads folded into the next convolution (asymmetric TF-style "same", a 1-D pad, dilation
+    and groups) and residual adds fused into it (then ReLU, or nothing); and look-alikes that stay:
+    a non-zero pad, a pad also read elsewhere, an add that broadcasts, a ReLU before the add."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dw = nn.Conv2d(6, 6, 3, stride=2, groups=6)          # after ZeroPad2d((0, 1, 0, 1))
+        self.grouped = nn.Conv2d(6, 4, 3, dilation=2, groups=2)   # after F.pad((1, 2, 2, 1))
+        self.res = nn.Conv2d(6, 6, 3, padding=1)                  # relu(res(a) + a)
+        self.res_plain = nn.Conv2d(6, 6, 1, bias=False)           # res_plain(a) + a, no activation
+        self.c1 = nn.Conv1d(6, 6, 3, padding=1)                   # 1-D pad (2, 0), then + residual
+        self.kept = nn.Conv2d(6, 6, 3)                            # non-zero pad, broadcast add, relu before add
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        a = self.dw(F.pad(x, (0, 1, 0, 1)))
+        b = self.grouped(F.pad(a, (1, 2, 2, 1)))
+        c = torch.relu(self.res(a) + a)
+        d = self.res_plain(c) + c
+        e = self.c1(F.pad(d.flatten(2), (2, 0))) + d.flatten(2)[..., :1].expand(-1, -1, d.shape[2] * d.shape[3] + 2)
+        shared = F.pad(a, (1, 1, 1, 1))
+        f = torch.relu(self.kept(F.pad(a, (1, 1, 1, 1), value=0.5))) + a
+        g = self.kept(shared) + shared.mean((2, 3), keepdim=True)
+        return [b, c, d, e, f, g]
+
+
+def conv_inputs(lowered) -> Counter:
+    data, _ = delegate_payload(lowered.edge)
+    kinds = Counter()
+    for i in N.deserialize(data).instructions:
+        node = i.node
+        kinds[type(node).__name__] += 1
+        if type(node).__name__ == "ConvNode":
+            kinds["padding_hi"] += node.padding_hi is not None and list(node.padding_hi) != list(node.padding or [])
+            kinds["residual"] += node.residual is not None
+            kinds["clamp"] += bool(node.clamp)
+    return kinds
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_fold_pad_and_residual(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    model = PadResidual().eval()
+    x = torch.randn(2, 6, 13, 11, generator=torch.Generator().manual_seed(1))
+    module = PadResidual().eval()
+    module.load_state_dict(model.state_dict())
+    module = module.to(dtype)
+    fused = lower(module, (x.to(dtype),))
+    kept = lower(module, (x.to(dtype),), partitioner=MLXPartitioner(disable={"fold_conv_pad", "fuse_conv_residual"}))
+    assert fused.summary[1] == [] and kept.summary[1] == []
+    kinds, before = conv_inputs(fused), conv_inputs(kept)
+    # Pads left: the non-zero one and the shared one; asymmetric padding on dw, grouped and c1.
+    assert kinds["PadNode"] == 2 and before["PadNode"] == 5
+    assert kinds["padding_hi"] == 3 and before["padding_hi"] == 0
+    # Residuals on res, res_plain and c1 (e's expand is the right shape); the kept adds stay.
+    assert kinds["residual"] == 3 and before["residual"] == 0
+    assert kinds["clamp"] == 2 and before["clamp"] == 1  # relu(res + a) joins kept's relu
+
+    with torch.no_grad():
+        expected = PadResidual().eval()
+        expected.load_state_dict({k: v.to(dtype).float() for k, v in model.state_dict().items()})
+        reference = expected(x.to(dtype).float())
+    rtol, atol = fp32_tolerance(108) if dtype == torch.float32 else FP32_REFERENCE_TOLERANCE[dtype]
+    got = fused.method().execute([x.to(dtype)])
+    assert_close([g.float() for g in got], reference, rtol, atol)
+    with runtime_switches(cpu_kernels=False):  # MLX's convolution with pad_lo != pad_hi, then add and clip
+        off = fused.fresh_method().execute([x.to(dtype)])
+    assert_close([g.float() for g in got], [o.float() for o in off], rtol, atol)
+    assert_close([g.float() for g in got], [k.float() for k in kept.method().execute([x.to(dtype)])], rtol, atol)
