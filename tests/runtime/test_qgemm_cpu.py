@@ -122,3 +122,37 @@ def test_qgemm_portable_dequantize(cases, tmp_path):
         for x, plain in zip(case.inputs[1:], portable["outputs"][dtype]):
             with torch.no_grad():
                 assert_close(plain, case.module(x), *QUANTIZED_TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("scales_dtype", (torch.float16, torch.bfloat16), ids=str)
+def test_qgemm_reads_stored_half_scales(scales_dtype, monkeypatch):
+    """Scales / biases stored in a half type under fp32 activations (a GGUF file's fp16 d and m) are
+    widened inside the kernel: eager torch of the same stored values and the GEMV agree."""
+    gen = torch.Generator().manual_seed(0)
+    layers = []
+    for bits, n in ((4, 37), (8, 130)):
+        u = torch.randint(0, 2**bits, (n, K), generator=gen)
+        scales = (torch.rand(n, K // 32, generator=gen) + 0.5) * 0.16 / 2**bits
+        biases = -(2 ** (bits - 1) + torch.randn(n, K // 32, generator=gen)) * scales
+        packed = Q.MLXQuantized(Q.pack_words(u, bits), scales.to(scales_dtype), biases.to(scales_dtype), 32, bits)
+        layers.append(Q.QuantizedLinear(packed))
+    class Both(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linears = torch.nn.ModuleList(layers)
+
+        def forward(self, x):
+            return [linear(x) for linear in self.linears]
+
+    both = Both().eval()
+    ep = torch.export.export(both, (torch.randn(1, 4, K),), dynamic_shapes=({1: Dim("L", min=2, max=64)},),
+                             strict=True)
+    buffer = llm_export.lower(ep, partitioner=MLXPartitioner(disable={"fuse_linears"})).to_executorch().buffer
+    case = Case(both, buffer, [])
+    x = torch.randn(1, 2 * MIN_ROWS, K)
+    before = qgemm_calls()
+    got = run(case, x, True, monkeypatch)
+    assert qgemm_calls() - before == len(layers) * served()
+    with torch.no_grad():
+        assert_close(got, both(x), *QUANTIZED_TOLERANCE[torch.float32])
+    assert_close(got, run(case, x, False, monkeypatch), *QUANTIZED_TOLERANCE[torch.float32])
