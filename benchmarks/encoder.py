@@ -20,7 +20,9 @@ Cases (batch 1, float32, random weights):
 Engines: `mlx_delegate` (stock `executorch.runtime`, compiled graphs as by default), `eager torch`
 (2 threads, `torch.no_grad()`), `ET XNNPACK` (its own export and lowering), and, when asked for,
 `composed` (the delegate with its blocked attention kernel off, `MLX_DELEGATE_SDPA_BLOCKED=0` while its
-graphs are built: the composed matmul + softmax path it replaced). Each is checked against
+graphs are built: the composed matmul + softmax path it replaced) and `omp` (the delegate with its large
+fp32 products as one MKL call on MKL's OpenMP team, `_runtime.set_blas_split(False)` around each call:
+what it did before it cut them into blocks on its own helper pool). Each is checked against
 eager torch, then the engines take turns call by call (interleaved rounds, the order rotating). Every
 row shows wall time and process CPU time per call (all threads, so 2 busy cores give CPU = 2 x wall).
 
@@ -45,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ENGINE_KEYS = ("delegate", "composed", "eager", "xnnpack")
+ENGINE_KEYS = ("delegate", "composed", "omp", "eager", "xnnpack")
 DEFAULT_ENGINES = ("delegate", "eager", "xnnpack")
 CASES = ("torch-layer", "bert", "vit", "whisper-encoder", "demo-block", "attention", "llama-prefill")
 LENGTHS = (128, 512, 1500)
@@ -71,7 +73,25 @@ def _composed(w: Workload) -> common.Prepared:
     return replace(p, run=scoped(p.run))
 
 
-LOCAL_ENGINES = {"composed": ("mlx_delegate, attention composed", _composed)}
+def _omp_team(w: Workload) -> common.Prepared:
+    """The delegate with large fp32 products as one MKL call on MKL's OpenMP team (as before the
+    runtime cut them into blocks on its own helper pool: `_runtime.set_blas_split(False)`)."""
+    from mlx_delegate import _runtime
+
+    p = ENGINES["delegate"][1](w)
+
+    def run() -> Any:
+        _runtime.set_blas_split(False)
+        try:
+            return p.run()
+        finally:
+            _runtime.set_blas_split(True)
+
+    return replace(p, run=run)
+
+
+LOCAL_ENGINES = {"composed": ("mlx_delegate, attention composed", _composed),
+                 "omp": ("mlx_delegate, products on MKL's OpenMP team", _omp_team)}
 
 
 def engine(key: str) -> tuple[str, Any]:

@@ -7,7 +7,9 @@ through the stock runtime with ExecuTorch's portable kernels and no delegate,
 i.e. what ExecuTorch's Python `execute` (argument conversion, output tensors)
 costs before any backend runs. Under the table it splits the delegate's call
 into that floor, MLX Python's own evaluation of the graph, and the rest (ours),
-and (without --quick) the CPU time each call costs at 100 Hz, delegate beside eager.
+and (without --quick) the CPU time each call costs at 100 Hz, delegate beside eager. The
+`wait off` row is the delegate with its adaptive wait on MLX's stream thread switched off
+(`_runtime.set_stream_linger(0)` around each call; the switch costs well under a microsecond).
 
     python benchmarks/overhead.py [--quick] [--json out.json] [--engines ...]
 """
@@ -55,9 +57,29 @@ def _et_floor(w: Workload) -> Prepared:
     return Prepared(lambda: method.execute(args), "portable kernels, no delegate", keep=program)
 
 
+def _no_linger(w: Workload) -> Prepared:
+    """The delegate with the adaptive wait off (MLX_DELEGATE_LINGER_US=0) during its calls: every
+    call hands its graph to a sleeping MLX stream thread and sleeps until the result, as MLX does."""
+    from mlx_delegate import _runtime
+
+    p = common.ENGINES["delegate"][1](w)
+
+    def run() -> Any:
+        was = _runtime.stream_linger()
+        _runtime.set_stream_linger(0)
+        try:
+            return p.run()
+        finally:
+            _runtime.set_stream_linger(was)
+
+    return replace(p, run=run, note="adaptive wait off")
+
+
 FLOOR = "et_floor"
+NO_LINGER = "no_linger"
 common.ENGINES[FLOOR] = ("ExecuTorch floor", _et_floor)
-DEFAULT = ["delegate", "nodes", FLOOR, "mlx", "eager"]  # also the table order
+common.ENGINES[NO_LINGER] = ("mlx_delegate, wait off", _no_linger)
+DEFAULT = ["delegate", NO_LINGER, "nodes", FLOOR, "mlx", "eager"]  # also the table order
 
 
 def breakdown(results: Sequence[Result]) -> list[str]:
@@ -67,7 +89,7 @@ def breakdown(results: Sequence[Result]) -> list[str]:
     rows = []
     for case in dict.fromkeys(r.case for r in results):
         floor, mlx = by.get((case, floor_name)), by.get((case, mlx_name))
-        for key in ("delegate", "nodes"):
+        for key in ("delegate", NO_LINGER, "nodes"):
             total = by.get((case, common.ENGINES[key][0]))
             if total is None or floor is None or mlx is None:
                 continue
@@ -81,7 +103,7 @@ def breakdown(results: Sequence[Result]) -> list[str]:
     return ["", "Breakdown (medians of this run): call = ExecuTorch floor + MLX Python + ours", table]
 
 
-IDLE_KEYS = ("delegate", "eager")
+IDLE_KEYS = ("delegate", NO_LINGER, "eager")
 IDLE_GAP_S = 0.01  # a call every ~10 ms: an app polling a small model at 100 Hz
 
 

@@ -12,6 +12,7 @@
 // is absent (no shim, MLX_DELEGATE_BLAS=reference, or a torch without MKL).
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 
@@ -39,11 +40,25 @@ static std::atomic<cblas_sgemm_fn> g_ref_sgemm{nullptr};
 static std::atomic<cblas_dgemm_fn> g_ref_dgemm{nullptr};
 static std::atomic<cblas_gemm_lowp_fn> g_gemm_lowp[2]{{nullptr}, {nullptr}};  // [0] bfloat16, [1] float16
 static std::atomic<uint64_t> g_fast_calls{0};
+static std::atomic<uint64_t> g_split_calls{0};  // sgemms cut into blocks on the runtime's pool
 // MKL's per-thread thread count (Fortran mkl_set_num_threads_local_, by
 // pointer): small products run on the calling thread, since waking MKL's
 // OpenMP team costs more than they do.
 using set_threads_local_fn = int (*)(const int*);
 static std::atomic<set_threads_local_fn> g_set_threads_local{nullptr};
+
+// A parallel-for the runtime registers (its CPU helper pool): runs part(ctx, i)
+// for i in [0, parts), each part claimed by whichever of the calling thread and
+// the helpers is free, so a helper that is not scheduled never stalls a call.
+using parallel_fn = void (*)(int parts, void (*part)(void*, int), void* ctx);
+static std::atomic<parallel_fn> g_parallel{nullptr};
+static std::atomic<int> g_parallel_threads{1};
+
+// Registers the runtime's parallel-for (nullptr: none); `threads` is its thread count.
+__attribute__((visibility("default"))) void mlxd_blas_set_parallel(parallel_fn fn, int threads) {
+  g_parallel_threads = threads;
+  g_parallel = fn;
+}
 
 // Loads the Fortran gemm symbols from `fast_lib` and the reference CBLAS
 // from `reference_lib`. Returns 1 when the fast path is active.
@@ -66,6 +81,7 @@ int mlxd_blas_init(const char* fast_lib, const char* reference_lib) {
 }
 
 uint64_t mlxd_blas_fast_calls() { return g_fast_calls.load(); }
+uint64_t mlxd_blas_split_calls() { return g_split_calls.load(); }
 
 // Whether mlxd_gemm_lowp serves `dtype` (0 bfloat16, 1 float16).
 __attribute__((visibility("default"))) int mlxd_gemm_lowp_ready(int dtype) {
@@ -116,6 +132,69 @@ static void gemm(Fortran f, int order, int ta, int tb, int m, int n, int k, T al
   else f(&ca, &cb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
 }
 
+// A large row-major sgemm cut into column (or row) blocks, each one
+// single-threaded MKL call on the runtime's pool, instead of one call on MKL's
+// OpenMP team. That team belongs to the calling thread (MLX's stream thread),
+// and its workers spin-wait between products: on a loaded machine a worker
+// that is not scheduled holds up the whole product at a barrier (a ~2 ms
+// transformer block took 60-80 ms at load average 11), where the pool's
+// parts are taken by whoever is running.
+struct SplitSgemm {
+  sgemm_fn f;
+  int ta, tb, m, n, k;
+  float alpha, beta;
+  const float *a, *b;
+  float* c;
+  int lda, ldb, ldc, parts;
+  bool by_rows;
+
+  // Block boundaries, multiples of 16 (whole vector widths) except the end.
+  int bound(int i, int extent) const {
+    if (i >= parts) return extent;
+    int x = static_cast<int>(static_cast<int64_t>(extent) * i / parts);
+    return x - x % 16;
+  }
+  void run(int i) const {
+    const int extent = by_rows ? m : n, lo = bound(i, extent), hi = bound(i + 1, extent);
+    if (lo >= hi) return;
+    if (by_rows) {
+      const float* ap = ta == CblasNoTrans ? a + static_cast<int64_t>(lo) * lda : a + lo;
+      gemm(f, CblasRowMajor, ta, tb, hi - lo, n, k, alpha, ap, lda, b, ldb, beta, c + static_cast<int64_t>(lo) * ldc,
+           ldc);
+    } else {
+      const float* bp = tb == CblasNoTrans ? b + lo : b + static_cast<int64_t>(lo) * ldb;
+      gemm(f, CblasRowMajor, ta, tb, m, hi - lo, k, alpha, a, lda, bp, ldb, beta, c + lo, ldc);
+    }
+  }
+  static void part(void* self, int i) {
+    auto set_local = g_set_threads_local.load();
+    const int one = 1;
+    const int previous = set_local(&one);
+    static_cast<SplitSgemm*>(self)->run(i);
+    set_local(&previous);
+  }
+};
+
+// Splits the product over the runtime's pool when one is registered and the
+// product is large; false: the caller runs it as one call.
+static bool split_sgemm(sgemm_fn f, int order, int ta, int tb, int m, int n, int k, float alpha, const float* a,
+                        int lda, const float* b, int ldb, float beta, float* c, int ldc) {
+  auto parallel = g_parallel.load();
+  const int threads = g_parallel_threads.load();
+  if (parallel == nullptr || threads < 2 || g_set_threads_local.load() == nullptr || order != CblasRowMajor ||
+      static_cast<double>(m) * n * k < kSerialMacs)
+    return false;
+  // Cut the longer of the output's two axes; two parts per thread even out a late thread.
+  const bool by_rows = m > n;
+  const int extent = by_rows ? m : n;
+  const int parts = std::min(2 * threads, extent / 32);
+  if (parts < 2) return false;
+  SplitSgemm s{f, ta, tb, m, n, k, alpha, beta, a, b, c, lda, ldb, ldc, parts, by_rows};
+  g_split_calls.fetch_add(1, std::memory_order_relaxed);
+  parallel(parts, &SplitSgemm::part, &s);
+  return true;
+}
+
 extern "C" {
 
 __attribute__((visibility("default"))) void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha,
@@ -123,6 +202,7 @@ __attribute__((visibility("default"))) void cblas_sgemm(int order, int ta, int t
                                                         float beta, float* c, int ldc) {
   if (auto f = g_sgemm.load()) {
     g_fast_calls.fetch_add(1, std::memory_order_relaxed);
+    if (split_sgemm(f, order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)) return;
     sized_call(m, n, k, [&] { gemm(f, order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc); });
   } else if (auto r = g_ref_sgemm.load()) {
     r(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);

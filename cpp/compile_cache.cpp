@@ -29,8 +29,10 @@ int64_t value_word(const Value& v) {
 // What exec_ItemNode would produce, read from an evaluated tensor.
 Value item_value(const mx::array& x) {
   if (x.size() != 1) throw NodeError("item() needs a one-element tensor");
-  if (mx::issubdtype(x.dtype(), mx::floating)) return static_cast<double>(mx::astype(x, mx::float32).item<float>());
-  return mx::astype(x, mx::int64).item<int64_t>();
+  mx::array v = mx::astype(x, mx::issubdtype(x.dtype(), mx::floating) ? mx::float32 : mx::int64);
+  eval_follow_up({v});  // ahead of the stream's linger (stream_wait.h)
+  if (v.dtype() == mx::float32) return static_cast<double>(v.item<float>());
+  return v.item<int64_t>();
 }
 
 bool env_compile_enabled() {

@@ -7,6 +7,8 @@
 #include <executorch/runtime/core/exec_aten/util/dim_order_util.h>
 #include <executorch/runtime/core/exec_aten/util/tensor_util.h>
 
+#include "stream_wait.h"
+
 namespace mlxd::rt {
 namespace {
 
@@ -94,7 +96,7 @@ mx::array bind_tensor(const Tensor& t, mx::Dtype dtype) {
 // pointing at caller memory after the call).
 mx::array owned_copy(const mx::array& a) {
   mx::array c = mx::contiguous(a);
-  mx::eval(c);
+  eval_follow_up({c});
   mx::array out(mx::allocator::malloc(c.nbytes()), c.shape(), c.dtype());
   std::memcpy(out.data<uint8_t>(), c.data<uint8_t>(), c.nbytes());
   return out;
@@ -110,9 +112,13 @@ void copy_result(const mx::array& a, void* dst) {
     return;
   }
   mx::array c = mx::contiguous(a);
-  mx::eval(c);
+  eval_follow_up({c});
   std::memcpy(dst, c.data<uint8_t>(), c.nbytes());
 }
+
+// Programs up to this many nodes enqueue their graph in microseconds: a
+// lingering stream thread is kept awake through it (stream_wait.h).
+constexpr size_t kSmallGraphNodes = 32;
 
 }  // namespace
 
@@ -228,9 +234,9 @@ void Handle::finish(Span<EValue*> args, std::vector<mx::array> results, std::vec
   for (const auto& b : program_->buffers)
     if (b.update_tid >= 0) buffers_[&b - program_->buffers.data()] = b.initial;
   try {
-    // A plain eval: parking MLX's stream thread in a spin across the hand-off (tried for small
-    // graphs) cost 2-4 ms per call after an idle gap of a few ms, and CPU time while waiting.
-    mx::eval(all);
+    // Spins across the hand-offs to MLX's stream thread only while calls come back to back
+    // (stream_wait.h): an unconditional spin cost 2-4 ms per call after idle gaps of a few ms.
+    eval_adaptive(all, pace_, program_->nodes.size() <= kSmallGraphNodes);
   } catch (...) {
     // The old contents may have been consumed in place: start over from the
     // initial values rather than keep half-written state.
@@ -278,7 +284,7 @@ void Handle::finish(Span<EValue*> args, std::vector<mx::array> results, std::vec
     // The output's memory holds its axes in dim-order sequence.
     std::vector<int> order(out.dim_order().begin(), out.dim_order().end());
     mx::array physical = mx::transpose(a, order);
-    mx::eval(physical);  // a view of the evaluated result: copy_result reads its strides
+    eval_follow_up({physical});  // a view of the evaluated result: copy_result reads its strides
     copy_result(physical, out.mutable_data_ptr());
   }
 }

@@ -21,6 +21,7 @@
 #include <executorch/runtime/core/span.h>
 
 #include "loader.h"
+#include "stream_wait.h"
 
 namespace mlxd::rt {
 
@@ -106,6 +107,7 @@ class Handle {
   std::string not_compilable_;
   std::string trace_error_;  // set when tracing failed in this call
   std::map<Signature, Graph> graphs_;
+  EvalPace pace_;  // how long this method's evaluations took lately (stream_wait.h)
 };
 
 }  // namespace mlxd::rt

@@ -59,6 +59,7 @@ void Handle::run_nodes_profiled() {
     ExecContext& c;
     ~Reset() { c.produced = nullptr; }
   } reset{ctx_};
+  end_linger();  // every node is evaluated on its own: none should queue behind a linger
   for (size_t i = 0; i < lp.nodes.size(); ++i) {
     produced.clear();
     auto t0 = std::chrono::steady_clock::now();

@@ -21,6 +21,7 @@
 #include "kernels/cpu_parallel.h"
 #include "kernels/qgemv_cpu.h"
 #include "loader.h"
+#include "stream_wait.h"
 
 namespace nb = nanobind;
 using namespace mlxd::rt;
@@ -263,7 +264,23 @@ NB_MODULE(_runtime, m) {
   m.def("set_cpu_kernels", &mlxd::rt::set_cpu_kernels_enabled, nb::arg("on"),
         "Turn the CPU element-wise / row kernels on or off for graphs built from now on (A/B runs).");
   m.def("cpu_kernels_enabled", &mlxd::rt::cpu_kernels_enabled);
+  m.def("set_blas_split", &mlxd::rt::set_blas_split, nb::arg("on"),
+        "Cut large fp32 products into single-threaded MKL blocks on the runtime's helper pool (on by default; "
+        "MLX_DELEGATE_BLAS_SPLIT=0 starts with it off) instead of MKL's OpenMP team. Returns whether it is on "
+        "(false when MLX's sgemm is not routed to torch's BLAS).");
   m.def("cpu_vector_kernels", &mlxd::rt::cpu_use_avx2,
         "Whether the CPU kernels run their vector (AVX2 + FMA) code: kernels on and the CPU has it.");
+  m.def("set_stream_linger", &set_linger_us, nb::arg("us"),
+        "Longest time (us) MLX's CPU stream thread stays awake after a call while calls come back to back "
+        "(0: never; MLX_DELEGATE_LINGER_US sets it at start-up, default 200).");
+  m.def("stream_linger", &linger_us);
+  m.def("stream_wait_stats", [] {
+    auto s = stream_wait_stats();
+    return std::map<std::string, uint64_t>{{"calls", s.calls}, {"held", s.held}, {"lingers", s.lingers},
+                                           {"spins", s.spins}, {"spin_hits", s.spin_hits},
+                                           {"linger_timeouts", s.linger_timeouts}};
+  }, "Process-wide counters of the adaptive wait: evaluations, those that found the stream thread awake (held), "
+     "lingers enqueued, caller spins (and those that saw the result), lingers that ended unused.");
+  m.def("reset_stream_wait_stats", &reset_stream_wait_stats);
   if (!register_backend()) throw std::runtime_error("mlx_delegate: could not register the backend with ExecuTorch");
 }

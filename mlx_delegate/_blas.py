@@ -54,6 +54,7 @@ def install() -> str:
     lib = ctypes.CDLL(str(shim), mode=os.RTLD_LOCAL)
     lib.mlxd_blas_init.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
     lib.mlxd_blas_fast_calls.restype = ctypes.c_uint64
+    lib.mlxd_blas_split_calls.restype = ctypes.c_uint64
     lib.mlxd_gemm_lowp_ready.argtypes = [ctypes.c_int]
     if lib.mlxd_blas_init(str(fast).encode(), str(reference).encode() if reference else None) != 1:
         _state["mode"] = "reference"
@@ -70,6 +71,11 @@ def mode() -> str:
 def fast_calls() -> int:
     """Number of gemm calls served by the fast BLAS so far."""
     return int(_state["lib"].mlxd_blas_fast_calls()) if _state["lib"] is not None else 0
+
+
+def split_calls() -> int:
+    """Number of fp32 gemms cut into single-threaded blocks on the runtime's helper pool so far."""
+    return int(_state["lib"].mlxd_blas_split_calls()) if _state["lib"] is not None else 0
 
 
 def lowp_gemm_ready() -> dict[str, bool]:

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <thread>
 
+#include <dlfcn.h>
 #include <unistd.h>
 
 namespace mlxd::rt {
@@ -137,6 +138,31 @@ class Pool {
   std::atomic<int> sleeping_{0};  // helpers waiting on wake_ (changed under m_)
 };
 
+// The BLAS shim's parallel-for (blas_shim.cpp: large sgemms cut into blocks
+// on this pool rather than on MKL's OpenMP team of the calling thread).
+void pool_parallel(int parts, void (*part)(void*, int), void* ctx) {
+  Pool::get().run(parts, [&](int i) { part(ctx, i); });
+}
+using BlasSetParallel = void (*)(void (*)(int, void (*)(void*, int), void*), int);
+
+BlasSetParallel blas_set_parallel() {
+  static auto fn = reinterpret_cast<BlasSetParallel>(dlsym(RTLD_DEFAULT, "mlxd_blas_set_parallel"));
+  return fn;
+}
+
+int pool_threads() {
+  unsigned hw = std::thread::hardware_concurrency();
+  return hw > 1 ? static_cast<int>(std::min(hw, 8u)) : 1;
+}
+
+// On unless MLX_DELEGATE_BLAS_SPLIT=0; applied when the extension loads (the
+// shim, when used, is loaded before it).
+[[maybe_unused]] const bool g_blas_split_init = [] {
+  const char* v = std::getenv("MLX_DELEGATE_BLAS_SPLIT");
+  set_blas_split(!(v && std::strcmp(v, "0") == 0));
+  return true;
+}();
+
 std::atomic<bool> g_enabled{true};
 std::mutex g_counts_mutex;
 std::map<std::string, uint64_t>& counts() {
@@ -172,6 +198,13 @@ CpuKernelMode cpu_kernel_mode() {
     return v && std::strcmp(v, "portable") == 0 ? CpuKernelMode::portable : CpuKernelMode::best;
   }();
   return mode;
+}
+
+bool set_blas_split(bool on) {
+  auto set = blas_set_parallel();
+  if (set == nullptr) return false;
+  set(on ? &pool_parallel : nullptr, on ? pool_threads() : 1);
+  return on;
 }
 
 bool cpu_kernels_active() { return cpu_kernels_enabled() && mx::default_device() == mx::Device::cpu; }

@@ -29,6 +29,12 @@ bool cpu_kernels_active();
 void set_cpu_kernels_enabled(bool on);
 bool cpu_kernels_enabled();
 
+// Large fp32 products on the BLAS shim (MLX's cblas_sgemm served by torch's
+// MKL) cut into single-threaded blocks on this pool instead of MKL's OpenMP
+// team. On unless MLX_DELEGATE_BLAS_SPLIT=0; this switch is for A/B runs in
+// one process. Returns whether splitting is now on (false without the shim).
+bool set_blas_split(bool on);
+
 // Whether the vector (AVX2 + FMA) code runs: mode best and the CPU has both.
 bool cpu_use_avx2();
 

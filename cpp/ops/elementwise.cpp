@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "../ops_common.h"
+#include "../stream_wait.h"
 #include "kernels/unary_cpu.h"
 
 namespace mlxd::rt {
@@ -92,7 +93,10 @@ bool is_float(const mx::array& x) { return mx::issubdtype(x.dtype(), mx::floatin
 // torch raises on an integer zero divisor, where MLX returns an arbitrary number. Checking
 // evaluates the divisor early: cheap for the usual constant one.
 const mx::array& nonzero_divisor(const mx::array& b) {
-  if (!is_float(b) && mx::any(mx::equal(b, scalar_like(0, b))).item<bool>())
+  if (is_float(b)) return b;
+  mx::array zero = mx::any(mx::equal(b, scalar_like(0, b)));
+  eval_follow_up({zero});  // ahead of the stream's linger (stream_wait.h)
+  if (zero.item<bool>())
     throw NodeError("ZeroDivisionError: integer division or remainder by zero");
   return b;
 }

@@ -2,6 +2,7 @@
 #include <cmath>
 
 #include "../ops_common.h"
+#include "../stream_wait.h"
 
 namespace mlxd::rt {
 
@@ -62,8 +63,11 @@ void exec_ScalarOpNode(const mlxd::ScalarOpNode& n, ExecContext& ctx) {
 void exec_ItemNode(const mlxd::ItemNode& n, ExecContext& ctx) {
   const auto& x = ctx.in(n.x());
   if (x.size() != 1) throw NodeError("item() needs a one-element tensor");
-  if (mx::issubdtype(x.dtype(), mx::floating)) ctx.set_value(n.out(), static_cast<double>(mx::astype(x, mx::float32).item<float>()));
-  else ctx.set_value(n.out(), mx::astype(x, mx::int64).item<int64_t>());
+  // Evaluated ahead of the stream's linger (stream_wait.h), not behind it.
+  mx::array v = mx::astype(x, mx::issubdtype(x.dtype(), mx::floating) ? mx::float32 : mx::int64);
+  eval_follow_up({v});
+  if (v.dtype() == mx::float32) ctx.set_value(n.out(), static_cast<double>(v.item<float>()));
+  else ctx.set_value(n.out(), v.item<int64_t>());
 }
 
 void exec_AssertNode(const mlxd::AssertNode& n, ExecContext& ctx) {

@@ -45,3 +45,38 @@ def test_delegate_matmul_goes_through_fast_blas():
     before = _blas.fast_calls()
     assert_close(method.execute([x, y]), M()(x, y), 1e-5, 1e-5)
     assert _blas.fast_calls() > before
+
+
+@pytest.mark.parametrize("ta", [False, True])
+@pytest.mark.parametrize("tb", [False, True])
+@pytest.mark.parametrize("m,n,k", [(130, 771, 96), (997, 40, 257)])  # cut by columns; by rows
+def test_large_products_split_over_the_pool(ta, tb, m, n, k):
+    """Products of >= 1M multiply-adds are cut into single-threaded blocks on the runtime's
+    pool (not MKL's OpenMP team): blocks at uneven sizes and transposed operands give the
+    product numpy computes, and the same as one MKL call (split off)."""
+    import mlx.core as mx
+
+    from mlx_delegate import _runtime
+
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((m, k) if not ta else (k, m)).astype(np.float32)
+    b = rng.standard_normal((k, n) if not tb else (n, k)).astype(np.float32)
+    ref = (a.T if ta else a) @ (b.T if tb else b)
+
+    def product() -> np.ndarray:
+        xa, xb = mx.array(a), mx.array(b)
+        out = (xa.T if ta else xa) @ (xb.T if tb else xb)
+        mx.eval(out)
+        return np.array(out)
+
+    assert _runtime.set_blas_split(False) is False
+    try:
+        whole = product()
+    finally:
+        on = _runtime.set_blas_split(True)
+    assert on
+    before = _blas.split_calls()
+    split = product()
+    assert _blas.split_calls() > before
+    np.testing.assert_allclose(split, ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(split, whole, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,236 @@
+// Adaptive waiting on MLX's CPU stream thread; see stream_wait.h.
+#include "stream_wait.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <unordered_map>
+
+#include <mlx/primitives.h>
+#include <mlx/scheduler.h>
+#include <pthread.h>
+#include <sched.h>
+
+namespace mlxd::rt {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+}
+
+// One step of a spin. It yields the core rather than pausing: the thread
+// being waited for is often runnable on this very core (the scheduler places a
+// woken thread next to its waker), and a pure spin would keep it off the core
+// until the time slice ends; on a quiet machine the yield returns at once.
+void spin_step() { sched_yield(); }
+
+int64_t env_linger_us() {
+  const char* v = std::getenv("MLX_DELEGATE_LINGER_US");
+  return v ? std::max(0L, std::strtol(v, nullptr, 10)) : 200;
+}
+
+std::atomic<int64_t> g_linger_us{env_linger_us()};
+std::atomic<uint64_t> g_calls{0}, g_held{0}, g_lingers{0}, g_spins{0}, g_spin_hits{0}, g_timeouts{0};
+
+// A caller holding the stream thread awake releases it within this time; past
+// it the linger lets the queued tasks run anyway. MLX's eval can itself wait
+// for the stream (its active-task throttle), which must never hang on a hold.
+constexpr int64_t kMaxHoldNs = 500'000;
+
+// One per CPU stream: whether its thread is lingering, and the recent gaps
+// between one call's result and the next call's evaluation.
+struct Linger {
+  // 0: no linger running; 1: a linger task spins for the next call;
+  // 2 + token: a caller holds the thread awake while it enqueues.
+  std::atomic<int64_t> state{0};
+  std::atomic<int64_t> next_token{0};
+  std::atomic<int64_t> last_done_ns{0};  // when the previous result was seen; 0: never
+  std::atomic<int64_t> last_gap_ns{kNever};  // the previous call's gap
+  std::atomic<int64_t> linger_ns{0};  // chosen by the last call: follow-up evaluations in it reuse it
+
+  // Runs on the stream thread, after a call's tasks: stays awake until a
+  // caller releases it (its tasks are queued behind), the linger time passes
+  // with no caller, or a hold outlasts kMaxHoldNs.
+  void linger(int64_t duration_ns) {
+    const int64_t start = now_ns();
+    state.store(1, std::memory_order_release);
+    int64_t held_since = 0;
+    for (int i = 0;; ++i) {
+      int64_t s = state.load(std::memory_order_acquire);
+      if (s == 0) return;  // released: the holder's tasks are queued
+      if ((i & 3) == 0) {
+        int64_t t = now_ns();
+        if (s == 1 && t - start > duration_ns) {
+          if (state.compare_exchange_strong(s, 0)) {
+            g_timeouts.fetch_add(1, std::memory_order_relaxed);
+            return;
+          }
+          continue;
+        }
+        if (s >= 2) {
+          if (held_since == 0) held_since = t;
+          if (t - held_since > kMaxHoldNs && state.compare_exchange_strong(s, 0)) return;
+        }
+      }
+      spin_step();
+    }
+  }
+
+  // Holds a lingering thread awake; the token to release it, or -1.
+  int64_t try_hold() {
+    int64_t expected = 1, token = 2 + next_token.fetch_add(1, std::memory_order_relaxed);
+    return state.compare_exchange_strong(expected, token) ? token : -1;
+  }
+  void release(int64_t token) {
+    if (token >= 0) state.compare_exchange_strong(token, 0);
+  }
+  void end() {
+    int64_t expected = 1;
+    state.compare_exchange_strong(expected, 0);
+  }
+};
+
+// A forked child has none of the parent's threads (a linger state copied
+// from the parent would be waited on forever): it evaluates plainly.
+std::atomic<bool> g_forked{false};
+[[maybe_unused]] const bool g_atfork = [] { return pthread_atfork(nullptr, nullptr, [] { g_forked.store(true); }) == 0; }();
+bool in_fork_child() { return g_forked.load(std::memory_order_relaxed); }
+std::mutex g_lingers_mutex;
+
+// The stream's state (created on first use, never freed: a stream lives as
+// long as the process in practice, and a running linger task holds a pointer).
+Linger* linger_for(const mx::Stream& s) {
+  static auto* map = new std::unordered_map<int, std::unique_ptr<Linger>>();
+  std::lock_guard<std::mutex> lock(g_lingers_mutex);
+  auto& p = (*map)[s.index];
+  if (!p) p = std::make_unique<Linger>();
+  return p.get();
+}
+
+// The CPU stream the graph of `arrays` runs on (none: already evaluated, or
+// another device).
+std::optional<mx::Stream> cpu_stream(const std::vector<mx::array>& arrays) {
+  // Inside mx::compile's trace an evaluation must fail as mx::eval fails (MLX rejects the trace).
+  for (const auto& a : arrays)
+    if (a.is_tracer()) return std::nullopt;
+  for (const auto& a : arrays)
+    if (a.status() == mx::array::Status::unscheduled && a.has_primitive()) {
+      auto s = a.primitive().stream();
+      if (s.device == mx::Device::cpu) return s;
+      return std::nullopt;
+    }
+  return std::nullopt;
+}
+
+template <class Ready>
+bool spin_until(Ready ready, int64_t limit_ns) {
+  const int64_t until = now_ns() + limit_ns;
+  for (int i = 0;; ++i) {
+    if (ready()) return true;
+    if ((i & 3) == 0 && now_ns() > until) return false;
+    spin_step();
+  }
+}
+
+}  // namespace
+
+int64_t linger_us() { return g_linger_us.load(std::memory_order_relaxed); }
+void set_linger_us(int64_t us) { g_linger_us.store(std::max<int64_t>(us, 0)); }
+
+StreamWaitStats stream_wait_stats() {
+  return {g_calls.load(), g_held.load(), g_lingers.load(), g_spins.load(), g_spin_hits.load(), g_timeouts.load()};
+}
+
+void reset_stream_wait_stats() {
+  for (auto* c : {&g_calls, &g_held, &g_lingers, &g_spins, &g_spin_hits, &g_timeouts}) c->store(0);
+}
+
+void end_linger() {
+  if (in_fork_child()) return;
+  auto s = mx::default_stream(mx::Device::cpu);
+  linger_for(s)->end();
+}
+
+namespace {
+
+// pace: nullptr for a follow-up evaluation inside a call (an output copy, an
+// item() read), which keeps the call's linger choice and gap history.
+void eval_impl(std::vector<mx::array>& arrays, EvalPace* pace, bool small) {
+  const int64_t cap_ns = linger_us() * 1000;
+  auto stream = cap_ns > 0 && !in_fork_child() ? cpu_stream(arrays) : std::nullopt;
+  if (!stream) {
+    mx::eval(arrays);
+    return;
+  }
+  Linger* L = linger_for(*stream);
+  const int64_t start = now_ns();
+  int64_t linger_ns = L->linger_ns.load(std::memory_order_relaxed);
+  if (pace) {
+    g_calls.fetch_add(1, std::memory_order_relaxed);
+    const int64_t last = L->last_done_ns.load(std::memory_order_relaxed);
+    const int64_t gap = last ? start - last : kNever;
+    const int64_t prev = L->last_gap_ns.exchange(gap, std::memory_order_relaxed);
+    // The next call is expected about as soon after this one as the shorter of
+    // the last two gaps; two long gaps in a row (a call every few ms) end it.
+    const int64_t recent = std::min(gap, prev);
+    linger_ns = recent < cap_ns ? std::min(cap_ns, 3 * recent + 20'000) : 0;
+    L->linger_ns.store(linger_ns, std::memory_order_relaxed);
+  }
+
+  // Small graphs enqueue in microseconds: keep a lingering thread awake
+  // through it instead of letting it sleep and waking it for the first task.
+  // A large graph lets it go now, so it starts on the first task enqueued.
+  const int64_t token = small ? L->try_hold() : -1;
+  if (!small) L->end();
+  if (token >= 0 && pace) g_held.fetch_add(1, std::memory_order_relaxed);
+  // While calls come back to back the caller spins (yielding) for its result
+  // when recent evaluations of this graph were short: asleep, it would need a
+  // wake-up, and by the time it ran again the linger for its next call could
+  // be over. Otherwise it sleeps.
+  const bool spin = linger_ns > 0 && pace && pace->eval_us >= 0 && pace->eval_us * 1000 < cap_ns;
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  try {
+    mx::async_eval(arrays);
+    if (linger_ns > 0 || spin) {
+      g_lingers.fetch_add(linger_ns > 0, std::memory_order_relaxed);
+      mx::scheduler::enqueue(*stream, [L, done, linger_ns] {
+        done->store(true, std::memory_order_release);
+        if (linger_ns > 0) L->linger(linger_ns);
+      });
+    }
+  } catch (...) {
+    L->release(token);
+    throw;
+  }
+  L->release(token);
+  const int64_t enqueued = now_ns();
+  if (spin) {
+    g_spins.fetch_add(1, std::memory_order_relaxed);
+    const int64_t budget = std::min<int64_t>(cap_ns, static_cast<int64_t>(3000 * pace->eval_us) + 20'000);
+    if (spin_until([&] { return done->load(std::memory_order_acquire); }, budget))
+      g_spin_hits.fetch_add(1, std::memory_order_relaxed);
+  }
+  mx::eval(arrays);  // waits (at once when the spin saw it done) and raises the graph's errors
+  const int64_t end = now_ns();
+  if (pace) {
+    const double us = (end - enqueued) / 1000.0;
+    pace->eval_us = pace->eval_us < 0 ? us : 0.75 * pace->eval_us + 0.25 * us;
+  }
+  if (pace) L->last_done_ns.store(end, std::memory_order_relaxed);
+}
+
+}  // namespace
+
+void eval_adaptive(std::vector<mx::array>& arrays, EvalPace& pace, bool small) { eval_impl(arrays, &pace, small); }
+
+void eval_follow_up(std::vector<mx::array> arrays) { eval_impl(arrays, nullptr, true); }
+
+}  // namespace mlxd::rt

@@ -1,0 +1,69 @@
+// Adaptive waiting on MLX's CPU stream thread.
+//
+// MLX runs a CPU graph on a per-stream thread: evaluation enqueues the tasks,
+// which wakes that thread, and the caller sleeps until the last task signals
+// it. On a small VM each of those two hand-offs is a futex wake-up and a
+// context switch, most of a tiny call's cost. Spinning instead of sleeping
+// removes them but burns a core while nothing comes (a model called at 100 Hz
+// paid 66x eager's CPU time per call with an unconditional spin).
+//
+// So the wait adapts to what each stream has seen lately:
+// - calls arriving microseconds after the previous one finished (back to
+//   back): after each call's tasks, a "linger" task keeps the stream thread
+//   awake, spinning, for a short time bounded by the recent gaps (at most
+//   linger_us()), and a call that finds the thread lingering holds it awake
+//   while it enqueues, then spins for its result when the graph is small;
+// - calls with long gaps (an app polling at 100 Hz): no linger and no spin, a
+//   plain blocking evaluation, so an idle process burns nothing.
+// Everything that can wait (the linger, the caller's spin) is time-bounded, and
+// other work sent to the stream (an mx::eval elsewhere) waits at most one
+// linger; runtime code that evaluates mid-graph uses eval_follow_up().
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include <mlx/mlx.h>
+
+namespace mlxd::rt {
+
+namespace mx = mlx::core;
+
+// Per-method hint, kept by the caller across calls: how long its evaluations
+// took recently (decides whether the caller spins for the result).
+struct EvalPace {
+  double eval_us = -1;  // smoothed wall time from enqueue to result; < 0 before the first call
+};
+
+// Evaluates `arrays` (like mx::eval) with the adaptive wait above. `small`:
+// the graph enqueues quickly (few nodes), so holding the stream thread awake
+// while it is enqueued costs less than waking it afterwards.
+void eval_adaptive(std::vector<mx::array>& arrays, EvalPace& pace, bool small);
+
+// A further evaluation inside the same call (an output copy, an item() read
+// mid-graph): goes ahead of the linger the call's main evaluation left, and
+// leaves it lingering again, without counting as a call.
+void eval_follow_up(std::vector<mx::array> arrays);
+
+// Ends a linger on the calling thread's default CPU stream at once, so work
+// about to be evaluated outside eval_adaptive (an item() read mid-graph, the
+// profiler) does not queue behind it.
+void end_linger();
+
+// Longest linger (µs): MLX_DELEGATE_LINGER_US at start-up (default 200), 0 off.
+int64_t linger_us();
+void set_linger_us(int64_t us);
+
+// Process-wide counters (tests and benchmarks).
+struct StreamWaitStats {
+  uint64_t calls = 0;        // evaluations through eval_adaptive on a CPU stream
+  uint64_t held = 0;         // ... that found the stream thread lingering and kept it awake
+  uint64_t lingers = 0;      // linger tasks enqueued
+  uint64_t spins = 0;        // calls whose caller spun for the result
+  uint64_t spin_hits = 0;    // ... and got it within the spin
+  uint64_t linger_timeouts = 0;  // lingers that ended with no call (spin time wasted)
+};
+StreamWaitStats stream_wait_stats();
+void reset_stream_wait_stats();
+
+}  // namespace mlxd::rt

@@ -1,0 +1,183 @@
+"""The adaptive wait on MLX's CPU stream thread (cpp/stream_wait.h): while calls come back to
+back the stream thread lingers between calls and the caller spins for small results; with gaps
+of milliseconds neither happens. Results must not depend on which path a call took: every
+call here is checked against eager PyTorch (or a single-threaded run) through the stock
+`executorch.runtime`."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from mlx_delegate import _runtime
+from mlx_delegate.testing import assert_close, lower
+
+
+class Small(torch.nn.Module):
+    """A few nodes: the graph a back-to-back caller holds the stream thread awake for."""
+
+    def forward(self, x, y):
+        return (x + y) * y, (x * 2.0).t()  # the transpose comes back strided: a follow-up copy
+
+
+class IntDiv(torch.nn.Module):
+    """Integer division: the runtime evaluates the divisor mid-graph to refuse a zero."""
+
+    def forward(self, a, b):
+        return torch.div(a, b, rounding_mode="floor")
+
+
+def _inputs(n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def small():
+    """One lowering for the module; a fresh method per test (its own compiled-graph state)."""
+    lowered = lower(Small(), _inputs(1)[0])
+    return lowered
+
+
+def _check(method, x, y):
+    out = method.execute([x, y])
+    torch.testing.assert_close(out[0], (x + y) * y, rtol=1e-6, atol=1e-6)
+    assert torch.equal(out[1], (x * 2.0).t())
+
+
+def _stats() -> dict[str, int]:
+    return _runtime.stream_wait_stats()
+
+
+def _on_cpu_stream() -> bool:
+    import mlx.core as mx
+
+    return mx.default_device() == mx.cpu
+
+
+def test_many_back_to_back_calls_linger_and_stay_exact(small):
+    method = small.method()
+    xs = _inputs(16, seed=1)
+    # The check between calls takes tens of µs, and far more on a loaded or instrumented (sanitizer)
+    # build: a bound of 20 ms keeps these calls "back to back" on any machine.
+    was = _runtime.stream_linger()
+    _runtime.set_stream_linger(20_000)
+    try:
+        before = _stats()
+        for i in range(600):
+            _check(method, *xs[i % len(xs)])
+        ran = {k: v - before[k] for k, v in _stats().items()}
+    finally:
+        _runtime.set_stream_linger(was)
+    if _on_cpu_stream():
+        # Back-to-back calls come microseconds apart: the wait took the lingering path.
+        assert ran["calls"] >= 600
+        assert ran["lingers"] > 0 and ran["held"] > 0 and ran["spins"] > 0, ran
+    else:  # a GPU stream: MLX's own waiting, untouched
+        assert ran["calls"] == 0
+
+
+def test_calls_with_gaps_neither_linger_nor_spin(small):
+    """At a call every few ms (an app polling a model) nothing spins between calls."""
+    method = small.method()
+    xs = _inputs(4, seed=2)
+    was = _runtime.stream_linger()
+    _runtime.set_stream_linger(200)  # the default bound, whatever MLX_DELEGATE_LINGER_US says
+    try:
+        for x, y in xs[:2]:  # the first two gaps are measured here
+            time.sleep(0.003)
+            _check(method, x, y)
+        before = _stats()
+        for i in range(12):
+            time.sleep(0.003)
+            _check(method, *xs[i % len(xs)])
+        ran = {k: v - before[k] for k, v in _stats().items()}
+    finally:
+        _runtime.set_stream_linger(was)
+    assert ran["lingers"] == 0 and ran["spins"] == 0 and ran["held"] == 0, ran
+
+
+def test_bursts_and_gaps_alternate(small):
+    method = small.method()
+    xs = _inputs(8, seed=3)
+    for burst in range(4):
+        for i in range(40):
+            _check(method, *xs[(i + burst) % len(xs)])
+        time.sleep(0.002 * (burst + 1))  # longer than any linger: the next burst starts cold
+
+
+def test_wait_off_gives_the_same_results(small):
+    method = small.method()
+    xs = _inputs(4, seed=4)
+    was = _runtime.stream_linger()
+    _runtime.set_stream_linger(0)
+    try:
+        before = _stats()["calls"]
+        for i in range(50):
+            _check(method, *xs[i % len(xs)])
+        assert _stats()["calls"] == before  # plain mx::eval, outside the adaptive wait
+    finally:
+        _runtime.set_stream_linger(was)
+    for i in range(50):
+        _check(method, *xs[i % len(xs)])
+
+
+def test_two_threads_back_to_back(small):
+    """Each Python thread has its own MLX stream (and stream thread): two threads calling back
+    to back, one method each and one shared, linger independently and stay exact."""
+    own = [small.method(), small.method()]
+    shared = small.method()
+    xs = _inputs(8, seed=5)
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        try:
+            for i in range(300):
+                x, y = xs[(i + t) % len(xs)]
+                _check(own[t], x, y)
+                _check(shared, x, y)
+        except BaseException as e:  # noqa: BLE001  (re-raised on the main thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors[0]
+
+
+def test_mlx_work_between_calls_is_not_held_up(small):
+    """MLX work of the caller's own (same thread, same stream) queued behind a linger still
+    runs: the linger is bounded, so a plain mx.eval right after a call completes correctly."""
+    import mlx.core as mx
+
+    method = small.method()
+    xs = _inputs(4, seed=6)
+    for i in range(100):
+        x, y = xs[i % len(xs)]
+        _check(method, x, y)
+        a = mx.array(x.numpy()) * 3.0
+        mx.eval(a)
+        assert_close([torch.from_numpy(np.array(a))], x * 3.0, 1e-6, 1e-6)
+
+
+def test_errors_mid_graph_and_bad_inputs_between_back_to_back_calls():
+    """The mid-graph evaluation that refuses an integer zero divisor goes ahead of a linger; a
+    refused call (zero divisor, wrong dtype) leaves the next back-to-back calls exact."""
+    a = torch.tensor([7, -7, 9, 10], dtype=torch.int32)
+    b = torch.tensor([2, 2, -4, 3], dtype=torch.int32)
+    method = lower(IntDiv(), (a, b)).method()
+    expected = torch.div(a, b, rounding_mode="floor")
+    zero = torch.tensor([2, 0, 1, 1], dtype=torch.int32)
+    for i in range(60):
+        assert torch.equal(method.execute([a, b])[0], expected)
+        if i % 20 == 10:
+            with pytest.raises(Exception):
+                method.execute([a, zero])
+            assert "division" in _runtime.last_error().lower()
+            with pytest.raises(Exception):
+                method.execute([a.float(), b])
+    assert torch.equal(method.execute([a, b])[0], expected)
