@@ -250,13 +250,16 @@ class LlamaCppRunner(Runner):
 
     def __init__(self, path: Path, n_ctx: int) -> None:
         try:
+            import llama_cpp
             from llama_cpp import Llama
         except ImportError as e:
-            raise RuntimeError("not installed (pip install llama-cpp-python)") from e
+            raise RuntimeError("not installed (benchmarks/README.md: installing the llama.cpp peer)") from e
+        self._llama_cpp = llama_cpp
         threads = torch.get_num_threads()
         self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads,
                          n_threads_batch=threads, verbose=False)
         self.program_bytes = path.stat().st_size
+        self.n_vocab = self.llm.n_vocab()
 
     def step(self, tokens: list[int], pos: int) -> np.ndarray:
         if pos == 0:
@@ -269,7 +272,10 @@ class LlamaCppRunner(Runner):
         if self.llm.n_tokens != pos:
             raise RuntimeError(f"llama.cpp is at position {self.llm.n_tokens}, not {pos}")
         self.llm.eval(tokens)
-        return np.array(self.llm.scores[self.llm.n_tokens - 1], dtype=np.float32)
+        # The last position's logits from the context: llama-cpp-python >= 0.3.x fills `scores` only with
+        # logits_all=True (0.3.36 leaves them stale), and its batch asks for the last position's alone.
+        logits = self._llama_cpp.llama_get_logits_ith(self.llm._ctx.ctx, -1)
+        return np.ctypeslib.as_array(logits, shape=(self.n_vocab,)).copy()
 
 
 # ---------------------------------------------------------------- MLX Python mirror
@@ -405,10 +411,16 @@ class Job:
     note: str = ""
     warm_rounds: int = 0  # full untimed rounds after the warm-up call (so the prefill length is compiled)
 
+    @property
+    def key(self) -> str:
+        return f"{self.engine} [{self.dtype}]"
 
-def gguf_jobs(path: Path, fp32: Model, engines: Sequence[str]) -> tuple[Callable[[], Model], Callable[[Model], list[Job]]]:
+
+def gguf_jobs(path: Path, fp32: Model, engines: Sequence[str],
+              requantized: Sequence[str] = ()) -> tuple[Callable[[], Model], Callable[[Model], list[Job]]]:
     """The `gguf` rows: the delegate on the file's own blocks, llama.cpp on the file, ExecuTorch's
-    Llama export in 8da4w from the same (dequantized) weights."""
+    Llama export in 8da4w from the same (dequantized) weights; and the delegate's `requantized` modes
+    (int4, int8) of those weights, taking turns with llama.cpp in the same rounds."""
     def typed() -> Model:
         return loading.load(path, max_seq_len=fp32.args.max_seq_len).model.eval()
 
@@ -417,13 +429,16 @@ def gguf_jobs(path: Path, fp32: Model, engines: Sequence[str]) -> tuple[Callable
                    warm_rounds=1),
                Job("llama.cpp", GGUF, lambda: LlamaCppRunner(path, fp32.args.max_seq_len), "same GGUF file"),
                Job("ET Llama XNNPACK", GGUF, lambda: et_llama(fp32, "8da4w"), "8da4w, group 32")]
+        out += [Job("mlx_delegate", q, lambda q=q: MethodRunner(SharedPte(fp32, q).take()),
+                    "requantized from the dequantized GGUF", warm_rounds=1) for q in requantized]
         return [j for j in out if ENGINE_KEYS[j.engine] in engines]
 
     return typed, jobs
 
 
 def jobs_for(model: Model, dtypes: Sequence[str], quantized: Sequence[str], engines: Sequence[str]) -> Iterator[tuple[str, Callable[[], Model], list[Job]]]:
-    """(dtype label, model in that dtype, engine jobs) per dtype; quantized rows after fp32."""
+    """(dtype label, model in that dtype, engine jobs) per dtype; quantized rows after fp32 (pass no
+    `quantized` when they run in the `gguf` group instead)."""
     for label in dtypes:
         def typed(label: str = label) -> Model:
             return model if label == "fp32" else copy.deepcopy(model).to_dtype(DTYPES[label])
@@ -450,6 +465,13 @@ def jobs_for(model: Model, dtypes: Sequence[str], quantized: Sequence[str], engi
                 yield q, typed, quantized_jobs
 
 
+def workload(m: Model, args: argparse.Namespace) -> tuple[list[int], list[int]]:
+    """The fixed prompt and decode token ids every engine runs."""
+    rng = np.random.default_rng(0)
+    return (rng.integers(0, m.args.vocab_size, args.prompt).tolist(),
+            rng.integers(0, m.args.vocab_size, args.decode).tolist())
+
+
 def run_round(runner: Runner, prompt: list[int], decode: list[int]) -> tuple[float, float, np.ndarray]:
     """(prefill s, decode s per token, prefill logits) for one prefill + len(decode) steps."""
     t0 = time.perf_counter()
@@ -464,15 +486,14 @@ def run_round(runner: Runner, prompt: list[int], decode: list[int]) -> tuple[flo
 def measure(spec: ModelSpec, label: str, m: Model, jobs: list[Job], args: argparse.Namespace,
             reference: dict[str, np.ndarray]) -> list[Row]:
     """Load each job's engine, run `args.rounds` rounds (interleaved when the spec allows), fill rows."""
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(0, m.args.vocab_size, args.prompt).tolist()
-    decode = rng.integers(0, m.args.vocab_size, args.decode).tolist()
-    rows = {j.engine: Row(spec.key, label, j.engine, note=j.note) for j in jobs}
+    prompt, decode = workload(m, args)
+    # keyed by engine and dtype: the gguf group also holds requantized delegate rows
+    rows = {j.key: Row(spec.key, j.dtype, j.engine, note=j.note) for j in jobs}
     ready: dict[str, Runner] = {}
 
     def load(job: Job) -> None:
-        row = rows[job.engine]
-        print(f"  {spec.key} {label}: loading {job.engine} ...", file=sys.stderr, flush=True)
+        row = rows[job.key]
+        print(f"  {spec.key} {label}: loading {job.key} ...", file=sys.stderr, flush=True)
         rss0, t0 = rss_mb(), time.perf_counter()
         try:
             runner = job.build()
@@ -486,7 +507,7 @@ def measure(spec: ModelSpec, label: str, m: Model, jobs: list[Job], args: argpar
                 reference[label] = logits
             ref = reference.get(label)
             row.max_abs_err = float(np.max(np.abs(logits - ref))) if ref is not None else None
-            ready[job.engine] = runner
+            ready[job.key] = runner
         except Exception as e:  # noqa: BLE001  (a failing engine is a table entry)
             row.error = one_line(e)
 
@@ -509,15 +530,15 @@ def measure(spec: ModelSpec, label: str, m: Model, jobs: list[Job], args: argpar
     together = [j for j in jobs if spec.interleave is True or (spec.interleave and j.engine in spec.interleave)]
     for job in together:
         load(job)
-    time_rounds([j.engine for j in together])
+    time_rounds([j.key for j in together])
     ready.clear()
     gc.collect()
     for job in (j for j in jobs if j not in together):
         load(job)
-        time_rounds([job.engine])
-        r = rows[job.engine]
+        time_rounds([job.key])
+        r = rows[job.key]
         if r.prefill_s:  # progress: the big model's engines take minutes each
-            print(f"    {job.engine}: prefill {args.prompt / float(np.median(r.prefill_s)):.1f} tok/s, decode "
+            print(f"    {job.key}: prefill {args.prompt / float(np.median(r.prefill_s)):.1f} tok/s, decode "
                   f"{1 / float(np.median(r.decode_s)):.2f} tok/s, err {r.max_abs_err}", file=sys.stderr, flush=True)
         ready.clear()
         gc.collect()
@@ -526,7 +547,7 @@ def measure(spec: ModelSpec, label: str, m: Model, jobs: list[Job], args: argpar
             row.rounds = len(row.prefill_s)
             row.prefill_tok_s = args.prompt / float(np.median(row.prefill_s))
             row.decode_tok_s = 1.0 / float(np.median(row.decode_s))
-    return [rows[j.engine] for j in sorted(jobs, key=lambda j: list(rows).index(j.engine))]
+    return [rows[j.key] for j in sorted(jobs, key=lambda j: list(rows).index(j.key))]
 
 
 # ---------------------------------------------------------------- output
@@ -589,7 +610,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     started = time.perf_counter()
     meta = machine_meta(bandwidth=not args.no_bandwidth) | {
         "prompt": args.prompt, "decode": args.decode, "rounds": args.rounds,
-        "compile_default": os.environ.get("MLX_DELEGATE_COMPILE", "1")}
+        "compile_default": os.environ.get("MLX_DELEGATE_COMPILE", "1"),
+        # llama.cpp shares torch's libgomp: its barriers spin unless this says PASSIVE (see README)
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "-")}
     bw = meta.get("bandwidth_gbs")
     print("  ".join(f"{k}={v}" for k, v in meta.items()), file=sys.stderr, flush=True)
     rows: list[Row] = []
@@ -600,17 +623,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         base = spec.build(max_seq_len).eval()
         reference: dict[str, np.ndarray] = {}
         quantized = args.quantize if spec.quantized and not args.quick else []
-        groups = list(jobs_for(base, args.dtypes, quantized, args.engines))
-        if spec.gguf is not None and GGUF in args.quantize and not args.quick:
-            groups.append((GGUF, *gguf_jobs(spec.gguf(), base, args.engines)))
+        with_gguf = spec.gguf is not None and GGUF in args.quantize and not args.quick
+        # with a gguf group, the requantized rows take turns with llama.cpp there (no fp32 rows needed)
+        groups = list(jobs_for(base, args.dtypes, [] if with_gguf else quantized, args.engines))
+        if with_gguf:
+            requantized = [q for q in quantized if q != GGUF]
+            groups.append((GGUF, *gguf_jobs(spec.gguf(), base, args.engines, requantized)))
         for label, typed, jobs in groups:
             m = typed()
-            if label == GGUF and "fp32" in reference:  # the dequantized weights' eager logits
+            if label == GGUF:  # the dequantized weights' eager logits (one untimed prefill without fp32 rows)
+                if "fp32" not in reference:
+                    reference["fp32"] = EagerRunner(base).step(workload(base, args)[0], 0)
+                    base.reset_cache()
                 reference[GGUF] = reference["fp32"]
             got = measure(spec, label, m, jobs(m), args, reference)
             for r in got:
                 if bw and r.decode_tok_s:
-                    read = weight_bytes(m) if label in DTYPES else r.program_bytes
+                    read = weight_bytes(m) if r.dtype in DTYPES else r.program_bytes
                     r.bw_share = r.decode_tok_s * read / (bw * 1e9) if read else None
             rows += got
             print(table(rows), file=sys.stderr, flush=True)  # progress: the table so far

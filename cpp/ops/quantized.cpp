@@ -2,6 +2,7 @@
 // weights (stored as int32 words, viewed as uint32 here) with per-group scales
 // and biases, w = scales * q + biases along the last axis.
 #include "../ops_common.h"
+#include "kernels/qgemm_cpu.h"
 #include "kernels/qgemv_cpu.h"
 
 #include <array>
@@ -10,8 +11,9 @@
 namespace mlxd::rt {
 namespace {
 
-// The CPU runs our own kernel (kernels/qgemv_cpu.h: any number of rows with
-// AVX2, decode-sized products otherwise) unless MLX_DELEGATE_CPU_KERNELS=0
+// The CPU runs our own kernels (kernels/qgemm_cpu.h: prefill-sized products
+// as dequantized chunks on the BLAS; kernels/qgemv_cpu.h: the rest, any number
+// of rows with AVX2, decode-sized products otherwise) unless MLX_DELEGATE_CPU_KERNELS=0
 // turns it off. Otherwise a few rows run MLX's CPU quantized matmul, a plain
 // loop, in fp32 (it is much slower in bf16/fp16); from this many rows on
 // dequantize + the BLAS matmul is several times faster. GPUs always run
@@ -27,10 +29,12 @@ mx::array packed_words(const mx::array& w) {
 }
 
 // Scales and biases may be stored in a dtype other than x's (GGUF's fp16 d and m under fp32
-// activations): our CPU kernel reads them as stored; MLX's kernels get a copy in the dtype they
+// activations): our CPU kernels read them as stored; MLX's kernels get a copy in the dtype they
 // compute in, converted once per loaded program (ExecContext::in_as), not per call.
 mx::array cpu_product(ExecContext& ctx, const mlxd::QuantizedLinearNode& n, const mx::array& x, const mx::array& w) {
   const int group_size = n.group_size(), bits = n.bits();
+  if (qgemm_cpu_applies(x, group_size, bits))
+    return mx::astype(qgemm_cpu(x, w, ctx.in(n.scales()), ctx.in(n.biases()), group_size, bits), x.dtype());
   if (qgemv_cpu_applies(x, group_size, bits))
     return mx::astype(qgemv_cpu(x, w, ctx.in(n.scales()), ctx.in(n.biases()), group_size, bits), x.dtype());
   auto scales = ctx.in_as(n.scales(), mx::float32), biases = ctx.in_as(n.biases(), mx::float32);

@@ -1,0 +1,206 @@
+// Prefill-sized quantized products: dequantize a chunk of w's rows to float32,
+// then one serial sgemm of all rows of x against it (see qgemm_cpu.h).
+#include "kernels/qgemm_cpu.h"
+
+#include "kernels/cpu_parallel.h"
+#include "kernels/vec_math_cpu.h"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <utility>
+#include <vector>
+
+#include <mlx/backend/cpu/encoder.h>
+#include <mlx/primitives.h>
+
+namespace mlxd::rt {
+namespace mx = mlx::core;
+namespace {
+
+// Row-major c = alpha op(a) op(b) + beta c on the calling thread (blas_shim.cpp); 0 when not served.
+using SerialSgemmFn = int (*)(int trans_a, int trans_b, int m, int n, int k, float alpha, const float* a, int lda,
+                              const float* b, int ldb, float beta, float* c, int ldc);
+
+SerialSgemmFn serial_sgemm() {
+  static const SerialSgemmFn f = [] {
+    auto ready = reinterpret_cast<int (*)()>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_ready"));
+    auto fn = reinterpret_cast<SerialSgemmFn>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_serial"));
+    return ready && fn && ready() == 1 ? fn : nullptr;
+  }();
+  return f;
+}
+
+struct Problem {
+  const float* x;       // [M, K] row-major
+  const uint32_t* w;    // [N, K * bits / 32]
+  const float* scales;  // [N, G]
+  const float* biases;  // [N, G]
+  float* y;             // [M, N]
+  int64_t m, n, k, groups, group_size, words_per_row;
+};
+
+// ---- One row of w to float32: scale * q + bias per group ----------------------
+
+template <int Bits>
+void dequantize_row_portable(const Problem& p, int64_t row, float* out) {
+  constexpr int per_word = 32 / Bits;
+  constexpr uint32_t mask = (1u << Bits) - 1;
+  const uint32_t* wn = p.w + row * p.words_per_row;
+  for (int64_t g = 0; g < p.groups; ++g) {
+    const float s = p.scales[row * p.groups + g], b = p.biases[row * p.groups + g];
+    for (int64_t e = g * p.group_size; e < (g + 1) * p.group_size; e += per_word) {
+      const uint32_t word = wn[e / per_word];
+      for (int i = 0; i < per_word; ++i) out[e + i] = s * static_cast<float>((word >> (Bits * i)) & mask) + b;
+    }
+  }
+}
+
+#ifdef MLXD_CPU_X86
+// Eight weights per step: one word shifted per lane (int4) or eight bytes
+// widened (int8), converted and scaled with one FMA.
+template <int Bits>
+MLXD_AVX2 void dequantize_row_avx2(const Problem& p, int64_t row, float* out) {
+  const uint32_t* wn = p.w + row * p.words_per_row;
+  const auto* bytes = reinterpret_cast<const uint8_t*>(wn);
+  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), low4 = _mm256_set1_epi32(0xF);
+  for (int64_t g = 0; g < p.groups; ++g) {
+    const __m256 s = _mm256_set1_ps(p.scales[row * p.groups + g]), b = _mm256_set1_ps(p.biases[row * p.groups + g]);
+    for (int64_t e = g * p.group_size; e < (g + 1) * p.group_size; e += 8) {
+      __m256i q;
+      if constexpr (Bits == 4)
+        q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(wn[e / 8])), shifts), low4);
+      else
+        q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + e)));
+      _mm256_storeu_ps(out + e, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), s, b));
+    }
+  }
+}
+#endif
+
+using DequantizeFn = void (*)(const Problem&, int64_t, float*);
+
+DequantizeFn pick_dequantize(int bits) {
+#ifdef MLXD_CPU_X86
+  if (cpu_use_avx2()) return bits == 4 ? dequantize_row_avx2<4> : dequantize_row_avx2<8>;
+#endif
+  return bits == 4 ? dequantize_row_portable<4> : dequantize_row_portable<8>;
+}
+
+// Output rows per chunk: the chunk's float32 weights (~256 KB) stay in the
+// core's cache while the sgemm reads them once per block of x's rows.
+int64_t chunk_rows(int64_t k) { return std::clamp<int64_t>((int64_t{1} << 16) / k / 16 * 16, 16, 128); }
+
+void run_problem(const Problem& p, int bits) {
+  const SerialSgemmFn sgemm = serial_sgemm();
+  const DequantizeFn dequantize = pick_dequantize(bits);
+  const int64_t rows = chunk_rows(p.k);
+  cpu_parallel_for(p.n, p.m * p.k, rows, [&](int64_t begin, int64_t end) {
+    std::vector<float> wf(static_cast<size_t>(rows * p.k));
+    for (int64_t n0 = begin; n0 < end; n0 += rows) {
+      const int64_t nc = std::min(rows, end - n0);
+      for (int64_t j = 0; j < nc; ++j) dequantize(p, n0 + j, wf.data() + j * p.k);
+      sgemm(0, 1, static_cast<int>(p.m), static_cast<int>(nc), static_cast<int>(p.k), 1.f, p.x,
+            static_cast<int>(p.k), wf.data(), static_cast<int>(p.k), 0.f, p.y + n0, static_cast<int>(p.n));
+    }
+  });
+}
+
+// ---- The MLX primitive --------------------------------------------------------
+
+// An input as row-major float32 inside the task: in place when it already is,
+// else packed and widened here (no astype / contiguous node per call).
+class F32Rows {
+ public:
+  explicit F32Rows(const mx::array& a)
+      : raw_(a.data<void>(), a.itemsize(), a.shape(), a.strides(), a.flags().row_contiguous), dtype_(a.dtype()) {
+    if (dtype_ == mx::float32) return;
+    converted_.resize(a.size());
+    cpu_load_f32(raw_.data(), dtype_, 0, static_cast<int64_t>(a.size()), converted_.data());
+  }
+  const float* data() const {
+    return dtype_ == mx::float32 ? static_cast<const float*>(raw_.data()) : converted_.data();
+  }
+
+ private:
+  CpuRowMajor raw_;
+  mx::Dtype dtype_;
+  std::vector<float> converted_;
+};
+
+class QGemmCpu : public mx::UnaryPrimitive {
+ public:
+  QGemmCpu(mx::Stream s, int group_size, int bits) : mx::UnaryPrimitive(s), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : in) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    const int64_t k = in[0].shape(-1), n = in[1].shape(0);
+    Problem p{nullptr, nullptr, nullptr, nullptr, out.data<float>(), static_cast<int64_t>(in[0].size()) / k, n, k,
+              k / group_size_, group_size_, in[1].shape(1)};
+    cpu_kernel_note_call("qgemm");
+    encoder.dispatch([p, bits = bits_, in]() mutable {
+      F32Rows x(in[0]), scales(in[2]), biases(in[3]);
+      CpuRowMajor w(in[1].data<void>(), in[1].itemsize(), in[1].shape(), in[1].strides(),
+                    in[1].flags().row_contiguous);
+      p.x = x.data();
+      p.w = static_cast<const uint32_t*>(w.data());
+      p.scales = scales.data();
+      p.biases = biases.data();
+      run_problem(p, bits);
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("QGemmCpu runs on the CPU only");
+  }
+  const char* name() const override { return "QGemmCpu"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const QGemmCpu&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    auto shape = in[0].shape();
+    shape.back() = in[1].shape(0);
+    return {shape};
+  }
+
+ private:
+  int group_size_, bits_;
+};
+
+}  // namespace
+
+bool qgemm_cpu_applies(const mx::array& x, int group_size, int bits) {
+  // Read while a graph is built (not once at start-up), so one process can measure both routes.
+  const char* off = std::getenv("MLX_DELEGATE_QGEMM");
+  if (off != nullptr && std::strcmp(off, "0") == 0) return false;
+  if (!cpu_kernels_active() || !cpu_kernel_dtype_ok(x) || serial_sgemm() == nullptr) return false;
+  if ((bits != 4 && bits != 8) || group_size <= 0 || group_size % 32 != 0) return false;
+  if (x.ndim() == 0 || x.shape(-1) == 0 || x.shape(-1) % group_size != 0) return false;
+  return static_cast<int64_t>(x.size()) / x.shape(-1) >= kQgemmMinRows;
+}
+
+mx::array qgemm_cpu(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                    int group_size, int bits) {
+  const int k = x.shape(-1), n = w.shape(0), groups = k / group_size;
+  if (w.dtype() != mx::uint32 || w.ndim() != 2 || static_cast<int64_t>(w.shape(1)) * 32 != int64_t{k} * bits)
+    throw std::invalid_argument("qgemm_cpu: packed weights do not match x's last axis");
+  mx::Shape side{n, groups};
+  if (scales.shape() != side || biases.shape() != side)
+    throw std::invalid_argument("qgemm_cpu: scales and biases must be [N, K / group_size]");
+  for (const auto* a : {&scales, &biases})
+    if (!mx::issubdtype(a->dtype(), mx::floating) || a->dtype() == mx::float64)
+      throw std::invalid_argument("qgemm_cpu: scales and biases must be float32, bfloat16 or float16");
+  auto shape = x.shape();
+  shape.back() = n;
+  return mx::array(std::move(shape), mx::float32,
+                   std::make_shared<QGemmCpu>(mx::default_stream(mx::Device::cpu), group_size, bits),
+                   {x, w, scales, biases});
+}
+
+}  // namespace mlxd::rt
