@@ -37,13 +37,13 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
-import common  # noqa: F401  (first: mlx_delegate before mlx)
-from common import format_table, machine_meta, one_line, print_report
-import numpy as np
+import common
 import torch
+from common import format_table, machine_meta, one_line, print_report
 from executorch.exir import to_edge_transform_and_lower
 from executorch.runtime import Runtime
 
@@ -57,8 +57,8 @@ ENGINES = {"delegate": "mlx_delegate", "unfused": "mlx_delegate, patterns off", 
 # eager only when asked: transformers' static-cache forward runs at ~0.5 tok/s here (load ~10), a
 # round of it outlasts the others many times over.
 DEFAULT_ENGINES = ("delegate", "xnnpack")
-STORIES_110M = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                    num_attention_heads=12, num_key_value_heads=12, tie_word_embeddings=True)
+STORIES_110M = {"vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
+                "num_attention_heads": 12, "num_key_value_heads": 12, "tie_word_embeddings": True}
 
 
 def build_model(layers: int, max_cache_len: int) -> Any:

@@ -95,10 +95,10 @@ def test_other_index_copies_stay_scatters() -> None:
 @pytest.fixture(scope="module")
 def static_cache_llama():
     """transformers 5's ExecuTorch recipe on a tiny Llama, exported strict, lowered once."""
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
     from executorch.exir import to_edge_transform_and_lower
     from executorch.runtime import Runtime
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
     import mlx_delegate
     from mlx_delegate.testing import Lowered, delegate_summary
