@@ -57,7 +57,7 @@ from mlx_delegate import MLXPartitioner, _runtime
 from mlx_delegate.ir import nodes as N
 from mlx_delegate.pipelines.llm import export as llm_export
 from mlx_delegate.partitioner import SWITCHES
-from mlx_delegate.patterns import PATTERN_SWITCHES, MLXPatternPass
+from mlx_delegate.patterns import PATTERN_SWITCHES, MLXPatternPass, preprocess_switches
 from mlx_delegate.testing import lower
 
 # Synthetic mode: every partitioner switch off in turn ("fusions": all the fuse_* at once).
@@ -294,7 +294,7 @@ class LLMRunner:
 def lower_llm(model: Any, v: Variant, directory: Path) -> tuple[Path, int]:
     """The .pte file of `model` lowered as `v` says, and its IR node count."""
     ep = llm_export.export_model(model)
-    edge = llm_export.lower(ep, partitioner=MLXPartitioner(disable=v.disable),
+    edge = llm_export.lower(ep, partitioner=MLXPartitioner(disable=v.disable | preprocess_switches(v.patterns)),
                             constant_methods=llm_export.metadata(model),
                             pattern_pass=MLXPatternPass(disable=v.patterns))
     nodes = ir_node_count(edge)

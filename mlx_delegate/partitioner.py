@@ -27,7 +27,7 @@ from .backend import MLXDelegateBackend
 from .builder import ProgramBuilder
 from .errors import Unsupported
 from .passes import GRAPH_PASSES, RUNTIME_SWITCHES, decompositions
-from .patterns import ALL_FUSIONS, FUSIONS, quantized_linear
+from .patterns import ALL_FUSIONS, FUSIONS, IN_PREPROCESS, quantized_linear
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class _HandlerSupport(OperatorSupportBase):
 
 
 # Every name `MLXPartitioner(disable=...)` accepts.
-SWITCHES = sorted({*GRAPH_PASSES, *RUNTIME_SWITCHES, *FUSIONS, ALL_FUSIONS})
+SWITCHES = sorted({*GRAPH_PASSES, *RUNTIME_SWITCHES, *FUSIONS, ALL_FUSIONS, *IN_PREPROCESS, "rope_at"})
 
 
 class MLXPartitioner(Partitioner):
@@ -76,8 +76,9 @@ class MLXPartitioner(Partitioner):
         compile_specs: extra specs passed to `MLXDelegateBackend.preprocess`.
         exclude: op base names (e.g. "exp", "view_copy") to leave to ExecuTorch, for debugging.
         disable: optimisations to turn off, for debugging: graph passes (`passes.GRAPH_PASSES`),
-            runtime switches (`passes.RUNTIME_SWITCHES`) and fusions (`patterns.FUSIONS`, or
-            "fusions" for all of them).
+            runtime switches (`passes.RUNTIME_SWITCHES`), fusions (`patterns.FUSIONS`, or
+            "fusions" for all of them) and the patterns preprocess applies when `MLXPatternPass` has not
+            (`patterns.IN_PREPROCESS`, and "rope_at").
     """
 
     def __init__(self, compile_specs: list[CompileSpec] | None = None, *,

@@ -17,7 +17,7 @@ from torch.export import ExportedProgram
 from .. import progress
 from ..builder import build_program
 from ..passes import run_graph_passes
-from ..patterns import ALL_FUSIONS, FUSIONS, apply_fusions
+from ..patterns import ALL_FUSIONS, FUSIONS, IN_PREPROCESS, PATTERN_SWITCHES, apply_fusions, apply_patterns
 
 CONSTANT_ALIGNMENT = 64  # lets the runtime wrap constants without copying
 # Constants from this size on go to the named data store as temporary files,
@@ -50,8 +50,12 @@ class MLXDelegateBackend(BackendDetails):
         specs = {s.key: s.value for s in compile_specs}
         method = specs.get("method", b"").decode()
         disabled = frozenset(filter(None, specs.get("disable", b"").decode().split(",")))
-        apply_fusions(edge_program, disabled)  # before CSE: a match's nodes must have no outside readers
-        run_graph_passes(edge_program.graph, disabled - FUSIONS.keys() - {ALL_FUSIONS})
+        # What `MLXPatternPass` did not already fuse (a lowering without it), then the fusions;
+        # both before CSE: a match's nodes must have no outside readers.
+        patterns = disabled & set(PATTERN_SWITCHES)
+        apply_patterns(edge_program, patterns, IN_PREPROCESS)
+        apply_fusions(edge_program, disabled)
+        run_graph_passes(edge_program.graph, disabled - FUSIONS.keys() - {ALL_FUSIONS} - patterns)
         bounds = dict(item.split("=") for item in filter(None, specs.get("lower_bounds", b"").decode().split(",")))
         start = time.perf_counter()
         built = build_program(edge_program, method=method, keep_intermediates="early_release" in disabled,

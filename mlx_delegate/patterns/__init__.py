@@ -11,6 +11,11 @@ patterns run as a transform pass ahead of it:
 
     to_edge_transform_and_lower(ep, transform_passes=[MLXPatternPass()],
                                 partitioner=[MLXPartitioner()])
+
+The patterns whose parts the delegate lowers anyway (`IN_PREPROCESS`: RMSNorm,
+RoPE, the KV-cache write) also run in `MLXDelegateBackend.preprocess` on each
+delegated graph, so a plain `partitioner=[MLXPartitioner()]` lowering gets them
+too; `MLXPartitioner(disable={name})` switches them off there.
 """
 
 from __future__ import annotations
@@ -22,15 +27,26 @@ from executorch.exir.pass_base import ExportedProgramPassBase, ExportedProgramPa
 from torch.export import ExportedProgram
 
 from .. import custom_ops  # noqa: F401  (the fused ops)
-from . import (activations, attention, conv_batch_norm, conv_fusions, layer_norm, linear_activation, linear_group,
-               quantized_linear, rms_norm, rope)
+from . import (activations, attention, conv_batch_norm, conv_fusions, kv_cache, layer_norm, linear_activation,
+               linear_group, quantized_linear, rms_norm, rope)
 
 log = logging.getLogger(__name__)
 
-PATTERNS = {"rms_norm": rms_norm.apply, "rope": rope.apply, "quantized": quantized_linear.apply}
+PATTERNS = {"rms_norm": rms_norm.apply, "rope": rope.apply, "kv_cache": kv_cache.apply,
+            "quantized": quantized_linear.apply}
 # Every name `MLXPatternPass(disable=...)` accepts: a pattern, or `rope_at`, the tensor-position form of
 # `rope` alone (positions `pos + arange(L)` then stay composed: cos/sin tables node by node).
 PATTERN_SWITCHES = sorted({*PATTERNS, "rope_at"})
+# Patterns that only merge ops the delegate lowers one by one: safe to run on a delegated graph.
+# (`quantized` must run before partitioning: the delegate takes torchao's ops only fused.)
+IN_PREPROCESS = ("rms_norm", "rope", "kv_cache")
+
+
+def preprocess_switches(disabled: Iterable[str]) -> frozenset[str]:
+    """The names of `disabled` (pattern switches) that `MLXPartitioner(disable=...)` must get too, so
+    that preprocess does not fuse what the pattern pass was told to leave."""
+    return frozenset(disabled) & {*IN_PREPROCESS, "rope_at"}
+
 
 # Fusions into ops the delegate already lowers (aten.layer_norm, gelu, silu, SDPA; linears
 # sharing an input into one `linear_group`; a linear's GELU / SiLU into it (`linear_act`);
@@ -70,12 +86,13 @@ def check_pattern_switches(disabled: Iterable[str]) -> frozenset[str]:
     return disabled
 
 
-def apply_patterns(ep: ExportedProgram, disabled: Iterable[str] = ()) -> dict[str, int]:
-    """Rewrite `ep`'s graph in place with the patterns not in `disabled` (names from
+def apply_patterns(ep: ExportedProgram, disabled: Iterable[str] = (),
+                   names: Iterable[str] = tuple(PATTERNS)) -> dict[str, int]:
+    """Rewrite `ep`'s graph in place with the patterns of `names` not in `disabled` (names from
     `PATTERN_SWITCHES`); returns how often each pattern fired (0 for those left out)."""
     disabled = check_pattern_switches(disabled)
     options = {"rope": {"tensor_positions": "rope_at" not in disabled}}
-    counts = {name: 0 if name in disabled else fn(ep, **options.get(name, {})) for name, fn in PATTERNS.items()}
+    counts = {name: 0 if name in disabled else PATTERNS[name](ep, **options.get(name, {})) for name in names}
     if any(counts.values()):
         ep.graph.lint()
         ep.graph_module.recompile()

@@ -44,6 +44,12 @@ def _square_of(p: object) -> torch.fx.Node | None:
     return None
 
 
+def _centered(x: torch.fx.Node) -> bool:
+    """x = a - mean(a, -1, keepdim)."""
+    m = x.args[1] if is_op(x, aten.sub.Tensor) and len(x.args) > 1 else None
+    return is_op(m, aten.mean.dim) and m.args[0] is x.args[0]
+
+
 def match(ep: ExportedProgram, r: torch.fx.Node) -> Match | None:
     """Match the RMSNorm around rsqrt node `r`."""
     if not is_op(r, aten.rsqrt.default) or len(r.users) != 1:
@@ -64,6 +70,8 @@ def match(ep: ExportedProgram, r: torch.fx.Node) -> Match | None:
     if not is_op(y, MUL) or _other(y, r) is not h:
         return None
     x = h.args[0] if is_op(h, *TO_COPY) and dtype(h) == torch.float32 else h
+    if _centered(x):
+        return None  # (x - mean(x)) normalised is a LayerNorm: fuse_layer_norm takes it whole
     head = y
     if len(head.users) == 1 and is_op(next(iter(head.users)), *TO_COPY):
         head = next(iter(head.users))

@@ -1,8 +1,8 @@
 """Rotary embedding in the rotate-half form (HF Llama and friends):
 
     pos = arange(start, start + L)   (or pos_tensor + arange(L))
-    f = pos[:, None].float() * inv_freq[None, :]
-    emb = cat(f, f);  cos, sin = emb.cos(), emb.sin()      (cast, unsqueezed ...)
+    f = pos[:, None].float() * inv_freq[None, :]      (or * inv_freq)
+    emb = cat(f, f);  cos, sin = emb.cos(), emb.sin()      (cast, unsqueezed, times 1.0 ...)
     out = x * cos + cat(-x[..., D/2:], x[..., :D/2]) * sin
 
 becomes `mlx_delegate::rope(x, inv_freq, start, traditional=False, base)`
@@ -23,8 +23,8 @@ import torch
 from executorch.exir.dialects._ops import ops as exir_ops
 from torch.export import ExportedProgram
 
-from .common import (TO_COPY, UNSQUEEZES, aten, constant_value, dtype, erase_dead, is_op, replace, same_size,
-                     shape)
+from .common import (TO_COPY, UNSQUEEZES, aten, constant_value, dtype, erase_dead, is_op, replace, same_shape,
+                     same_size, scalar_value, shape)
 
 SLICES = (aten.slice.Tensor, aten.slice_copy.Tensor)
 VIEWS = (*UNSQUEEZES, aten.view.default, aten.view_copy.default, *TO_COPY)
@@ -74,11 +74,27 @@ def _rotate_half_of(n: object) -> torch.fx.Node | None:
     return x if _half(lo, x) == "lo" and _half(neg.args[0], x) == "hi" else None
 
 
-def _table(n: object, fn: object) -> tuple[torch.fx.Node, torch.fx.Node] | None:
-    """(table node as used, its `fn` (cos/sin) node), looking through casts and unsqueezes."""
+def _unit_factor(ep: ExportedProgram, n: object) -> object | None:
+    """t when `n` is t * 1.0 (transformers 5 scales its cos/sin tables by `attention_scaling`, 1.0 for
+    the default RoPE), else None."""
+    if not is_op(n, aten.mul.Tensor) or len(n.args) != 2:
+        return None
+    for t, c in (n.args, reversed(n.args)):
+        if isinstance(t, torch.fx.Node) and scalar_value(ep, c) == 1.0 and same_shape(t, n):
+            return t
+    return None
+
+
+def _table(ep: ExportedProgram, n: object, fn: object) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """(table node as used, its `fn` (cos/sin) node), looking through casts, unsqueezes and a factor 1."""
     used = n
-    while is_op(n, *VIEWS):
-        n = n.args[0]
+    while True:
+        if is_op(n, *VIEWS):
+            n = n.args[0]
+        elif (t := _unit_factor(ep, n)) is not None:
+            n = t
+        else:
+            break
     return (used, n) if is_op(n, fn) else None
 
 
@@ -128,11 +144,14 @@ def _frequencies(ep: ExportedProgram, emb: object, length: object) -> tuple[torc
         return None
     for p, i in ((f.args[0], f.args[1]), (f.args[1], f.args[0])):
         pos = _positions(p)
-        inv = i.args[0] if is_op(i, *UNSQUEEZES) else None
-        if pos is None or inv is None or constant_value(ep, inv) is None:
+        # inv_freq[None, :] or, as a strict export folds the matmul of transformers 5, inv_freq itself
+        inv = i.args[0] if is_op(i, *UNSQUEEZES) else i
+        if pos is None or not isinstance(inv, torch.fx.Node) or constant_value(ep, inv) is None:
             continue
         arange, offset = pos
-        if same_size(shape(arange)[0], length) and len(shape(inv)) == 1:
+        # positions as a column (last axis 1) times the frequencies along the last axis: an outer product
+        if (same_size(shape(arange)[0], length) and len(shape(inv)) == 1 and shape(p) and same_size(shape(p)[-1], 1)
+                and same_size(shape(f)[-1], shape(inv)[0])):
             return inv, offset
     return None
 
@@ -149,7 +168,7 @@ def match(ep: ExportedProgram, add: torch.fx.Node) -> Match | None:
             if x is None or x not in direct.args[:2]:
                 continue
             c = direct.args[1] if direct.args[0] is x else direct.args[0]
-            cos, sin = _table(c, aten.cos.default), _table(s, aten.sin.default)
+            cos, sin = _table(ep, c, aten.cos.default), _table(ep, s, aten.sin.default)
             if cos is None or sin is None or cos[1].args[0] is not sin[1].args[0]:
                 continue
             xs, cs = shape(x), shape(cos[0])

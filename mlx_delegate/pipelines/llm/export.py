@@ -41,7 +41,7 @@ from .sampling import sample_next
 from ... import quantization
 from ...partitioner import MLXPartitioner
 from ...progress import stage
-from ...patterns import MLXPatternPass
+from ...patterns import MLXPatternPass, preprocess_switches
 
 
 class RestoreExportedRanges(ExportedProgramPassBase):
@@ -79,10 +79,12 @@ def lower(ep: ExportedProgram, partitioner: MLXPartitioner | None = None,
     The Edge IR validity check is off, as in ExecuTorch's own LLM export: it re-runs every node on
     fake tensors after each of about a dozen passes (10 of SmolLM2-135M's 43 s of lowering), and this
     fixed architecture's program is checked end to end against eager by the tests instead."""
+    pattern_pass = pattern_pass or MLXPatternPass()
+    partitioner = partitioner or MLXPartitioner(disable=preprocess_switches(pattern_pass.disabled))
     with size_oblivious():
         return to_edge_transform_and_lower(
-            ep, transform_passes=[RestoreExportedRanges(ep), pattern_pass or MLXPatternPass()],
-            partitioner=[partitioner or MLXPartitioner()], constant_methods=constant_methods,
+            ep, transform_passes=[RestoreExportedRanges(ep), pattern_pass],
+            partitioner=[partitioner], constant_methods=constant_methods,
             compile_config=EdgeCompileConfig(_check_ir_validity=False))
 
 
