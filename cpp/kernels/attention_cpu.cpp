@@ -314,19 +314,6 @@ constexpr int64_t kTallBlockRows = 128, kTallBlockMaxS = 2048;
 
 int64_t block_rows(int64_t S) { return S <= kTallBlockMaxS ? kTallBlockRows : kBlockRows; }
 
-// Row-major c = alpha op(a) op(b) + beta c on the calling thread; 0 when not served.
-using SerialSgemmFn = int (*)(int trans_a, int trans_b, int m, int n, int k, float alpha, const float* a, int lda,
-                              const float* b, int ldb, float beta, float* c, int ldc);
-
-SerialSgemmFn serial_sgemm() {
-  static const SerialSgemmFn f = [] {
-    auto ready = reinterpret_cast<int (*)()>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_ready"));
-    auto fn = reinterpret_cast<SerialSgemmFn>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_serial"));
-    return ready && fn && ready() == 1 ? fn : nullptr;
-  }();
-  return f;
-}
-
 // Rows [0, n) of a head's keys or values as row-major float32 with leading
 // dimension ld: in place for dense float32 rows (ld == width), else packed
 // (widened for half types) into `buf`. Rows of a head split out of a

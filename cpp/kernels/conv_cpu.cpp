@@ -158,17 +158,6 @@ void depthwise_plane(const Geometry& g, const float* plane, const float* k, floa
 }
 
 #ifdef MLXD_CPU_X86
-// Eight inputs at stride S from p (S = 2 reads p[0..15] and keeps the even ones).
-template <int S>
-MLXD_AVX2 inline __m256 load_strided(const float* p) {
-  if constexpr (S == 1) {
-    return _mm256_loadu_ps(p);
-  } else {
-    const __m256 even = _mm256_shuffle_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), 0x88);  // a0 a2 b0 b2 | a4 a6 b4 b6
-    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), 0xD8));
-  }
-}
-
 // One output plane of a depthwise convolution at width stride S: each output
 // row accumulates its taps in registers (four vectors of eight columns at a
 // time, so the FMA chains overlap) from the starting values already in `out`,
@@ -213,10 +202,10 @@ MLXD_AVX2 void depthwise_plane_avx2(const Geometry& g, const float* plane, const
         for (int kj = 0; kj < g.KW; ++kj) {
           const __m256 w = _mm256_set1_ps(wv[r * g.KW + kj]);
           const float* p = rows[r] + int64_t{ow} * S + kj * g.dw;
-          a0 = _mm256_fmadd_ps(w, load_strided<S>(p), a0);
-          a1 = _mm256_fmadd_ps(w, load_strided<S>(p + 8 * S), a1);
-          a2 = _mm256_fmadd_ps(w, load_strided<S>(p + 16 * S), a2);
-          a3 = _mm256_fmadd_ps(w, load_strided<S>(p + 24 * S), a3);
+          a0 = _mm256_fmadd_ps(w, vmath::load_strided<S>(p), a0);
+          a1 = _mm256_fmadd_ps(w, vmath::load_strided<S>(p + 8 * S), a1);
+          a2 = _mm256_fmadd_ps(w, vmath::load_strided<S>(p + 16 * S), a2);
+          a3 = _mm256_fmadd_ps(w, vmath::load_strided<S>(p + 24 * S), a3);
         }
       // max(lo, a) / min(hi, a) keep a NaN (the second operand), as std::max(a, lo) does.
       _mm256_storeu_ps(orow + ow, _mm256_min_ps(vhi, _mm256_max_ps(vlo, a0)));
@@ -229,7 +218,7 @@ MLXD_AVX2 void depthwise_plane_avx2(const Geometry& g, const float* plane, const
       for (int r = 0; r < nrows; ++r)
         for (int kj = 0; kj < g.KW; ++kj)
           a = _mm256_fmadd_ps(_mm256_set1_ps(wv[r * g.KW + kj]),
-                              load_strided<S>(rows[r] + int64_t{ow} * S + kj * g.dw), a);
+                              vmath::load_strided<S>(rows[r] + int64_t{ow} * S + kj * g.dw), a);
       _mm256_storeu_ps(orow + ow, _mm256_min_ps(vhi, _mm256_max_ps(vlo, a)));
     }
     for (; ow < g.OW; ++ow) scalar(ow);

@@ -320,4 +320,20 @@ CpuRowMajor::CpuRowMajor(const void* data, size_t itemsize, mx::Shape shape, mx:
   data_ = copy_.data();
 }
 
+F32RowMajor::F32RowMajor(const mx::array& a)
+    : raw_(a.data<void>(), a.itemsize(), a.shape(), a.strides(), a.flags().row_contiguous), dtype_(a.dtype()) {
+  if (dtype_ == mx::float32) return;
+  converted_.resize(a.size());
+  cpu_load_f32(raw_.data(), dtype_, 0, static_cast<int64_t>(a.size()), converted_.data());
+}
+
+SerialSgemmFn serial_sgemm() {
+  static const SerialSgemmFn f = [] {
+    auto ready = reinterpret_cast<int (*)()>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_ready"));
+    auto fn = reinterpret_cast<SerialSgemmFn>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_serial"));
+    return ready && fn && ready() == 1 ? fn : nullptr;
+  }();
+  return f;
+}
+
 }  // namespace mlxd::rt

@@ -84,4 +84,27 @@ class CpuRowMajor {
   const void* data_;
 };
 
+// An input as row-major float32 inside a kernel's task: in place when it already
+// is, else packed (strided views) and widened (bfloat16 / float16) here, so the
+// graph needs no contiguous or astype node per call.
+class F32RowMajor {
+ public:
+  explicit F32RowMajor(const mlx::core::array& a);
+  const float* data() const {
+    return dtype_ == mlx::core::float32 ? static_cast<const float*>(raw_.data()) : converted_.data();
+  }
+
+ private:
+  CpuRowMajor raw_;
+  mlx::core::Dtype dtype_;
+  std::vector<float> converted_;
+};
+
+// Row-major c = alpha op(a) op(b) + beta c on the calling thread, served by the
+// BLAS shim (blas_shim.cpp: mlxd_sgemm_serial); nullptr when the shim is not
+// loaded or found no fast sgemm.
+using SerialSgemmFn = int (*)(int trans_a, int trans_b, int m, int n, int k, float alpha, const float* a, int lda,
+                              const float* b, int ldb, float beta, float* c, int ldc);
+SerialSgemmFn serial_sgemm();
+
 }  // namespace mlxd::rt

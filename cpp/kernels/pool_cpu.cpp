@@ -57,17 +57,6 @@ void pool_plane(const Window& w, const float* x, float* y) {
 }
 
 #ifdef MLXD_CPU_X86
-// Eight inputs at stride S from p (S = 2 reads p[0..15] and keeps the even ones).
-template <int S>
-MLXD_AVX2 inline __m256 load_strided(const float* p) {
-  if constexpr (S == 1) {
-    return _mm256_loadu_ps(p);
-  } else {
-    const __m256 even = _mm256_shuffle_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), 0x88);  // a0 a2 b0 b2 | a4 a6 b4 b6
-    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), 0xD8));
-  }
-}
-
 // One plane at width stride S: eight output columns at a time over the columns
 // whose windows lie inside the row (loads included: S = 2 reads one past);
 // the edges take window_max. NaNs are tracked apart (max_ps drops them).
@@ -95,7 +84,7 @@ MLXD_AVX2 void pool_plane_avx2(const Window& w, const float* x, float* y) {
       __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), nan = _mm256_setzero_ps();
       for (int r = 0; r < nrows; ++r)
         for (int kj = 0; kj < w.kw; ++kj) {
-          const __m256 v = load_strided<S>(rows[r] + int64_t{ow} * S + kj * w.dw);
+          const __m256 v = vmath::load_strided<S>(rows[r] + int64_t{ow} * S + kj * w.dw);
           m = _mm256_max_ps(m, v);
           nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
         }

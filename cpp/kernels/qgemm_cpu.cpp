@@ -21,19 +21,6 @@ namespace mlxd::rt {
 namespace mx = mlx::core;
 namespace {
 
-// Row-major c = alpha op(a) op(b) + beta c on the calling thread (blas_shim.cpp); 0 when not served.
-using SerialSgemmFn = int (*)(int trans_a, int trans_b, int m, int n, int k, float alpha, const float* a, int lda,
-                              const float* b, int ldb, float beta, float* c, int ldc);
-
-SerialSgemmFn serial_sgemm() {
-  static const SerialSgemmFn f = [] {
-    auto ready = reinterpret_cast<int (*)()>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_ready"));
-    auto fn = reinterpret_cast<SerialSgemmFn>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_serial"));
-    return ready && fn && ready() == 1 ? fn : nullptr;
-  }();
-  return f;
-}
-
 struct Problem {
   const float* x;       // [M, K] row-major
   const uint32_t* w;    // [N, K * bits / 32]
@@ -111,26 +98,6 @@ void run_problem(const Problem& p, int bits) {
 
 // ---- The MLX primitive --------------------------------------------------------
 
-// An input as row-major float32 inside the task: in place when it already is,
-// else packed and widened here (no astype / contiguous node per call).
-class F32Rows {
- public:
-  explicit F32Rows(const mx::array& a)
-      : raw_(a.data<void>(), a.itemsize(), a.shape(), a.strides(), a.flags().row_contiguous), dtype_(a.dtype()) {
-    if (dtype_ == mx::float32) return;
-    converted_.resize(a.size());
-    cpu_load_f32(raw_.data(), dtype_, 0, static_cast<int64_t>(a.size()), converted_.data());
-  }
-  const float* data() const {
-    return dtype_ == mx::float32 ? static_cast<const float*>(raw_.data()) : converted_.data();
-  }
-
- private:
-  CpuRowMajor raw_;
-  mx::Dtype dtype_;
-  std::vector<float> converted_;
-};
-
 class QGemmCpu : public mx::UnaryPrimitive {
  public:
   QGemmCpu(mx::Stream s, int group_size, int bits) : mx::UnaryPrimitive(s), group_size_(group_size), bits_(bits) {}
@@ -145,7 +112,7 @@ class QGemmCpu : public mx::UnaryPrimitive {
               k / group_size_, group_size_, in[1].shape(1)};
     cpu_kernel_note_call("qgemm");
     encoder.dispatch([p, bits = bits_, in]() mutable {
-      F32Rows x(in[0]), scales(in[2]), biases(in[3]);
+      F32RowMajor x(in[0]), scales(in[2]), biases(in[3]);
       CpuRowMajor w(in[1].data<void>(), in[1].itemsize(), in[1].shape(), in[1].strides(),
                     in[1].flags().row_contiguous);
       p.x = x.data();

@@ -404,27 +404,6 @@ void run_problem(Problem p, int scales, int bits, int64_t m) {
 
 // ---- The MLX primitive --------------------------------------------------------
 
-// An input as row-major float32 inside the task: read in place when it already
-// is, else packed (strided views) and converted (bfloat16 / float16) here, so
-// the graph needs no contiguous or astype node per call.
-class F32RowMajor {
- public:
-  explicit F32RowMajor(const mx::array& a)
-      : raw_(a.data<void>(), a.itemsize(), a.shape(), a.strides(), a.flags().row_contiguous), dtype_(a.dtype()) {
-    if (dtype_ == mx::float32) return;
-    converted_.resize(a.size());
-    cpu_load_f32(raw_.data(), dtype_, 0, static_cast<int64_t>(a.size()), converted_.data());
-  }
-  const float* data() const {
-    return dtype_ == mx::float32 ? static_cast<const float*>(raw_.data()) : converted_.data();
-  }
-
- private:
-  CpuRowMajor raw_;
-  mx::Dtype dtype_;
-  std::vector<float> converted_;
-};
-
 class QGemvCpu : public mx::UnaryPrimitive {
  public:
   QGemvCpu(mx::Stream s, int group_size, int bits) : mx::UnaryPrimitive(s), group_size_(group_size), bits_(bits) {}

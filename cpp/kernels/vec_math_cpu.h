@@ -13,6 +13,17 @@ namespace mlxd::rt::vmath {
 
 MLXD_AVX2 inline __m256 set1(float v) { return _mm256_set1_ps(v); }
 
+// Eight inputs at stride S from p (S = 2 reads p[0..15] and keeps the even ones).
+template <int S>
+MLXD_AVX2 inline __m256 load_strided(const float* p) {
+  if constexpr (S == 1) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m256 even = _mm256_shuffle_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), 0x88);  // a0 a2 b0 b2 | a4 a6 b4 b6
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), 0xD8));
+  }
+}
+
 // exp(x) = 2^n * e^r with n = round(x / ln 2), r = x - n ln 2 (ln 2 split in
 // two so r stays exact) and e^r by a degree-7 polynomial (Cephes expf
 // coefficients): within 2 ulp of libm. Overflow gives inf, underflow below
