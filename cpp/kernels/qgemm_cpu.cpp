@@ -3,6 +3,7 @@
 #include "kernels/qgemm_cpu.h"
 
 #include "kernels/cpu_parallel.h"
+#include "kernels/qgemv_cpu.h"
 #include "kernels/vec_math_cpu.h"
 
 #include <dlfcn.h>
@@ -147,24 +148,15 @@ bool qgemm_cpu_applies(const mx::array& x, int group_size, int bits) {
   const char* off = std::getenv("MLX_DELEGATE_QGEMM");
   if (off != nullptr && std::strcmp(off, "0") == 0) return false;
   if (!cpu_kernels_active() || !cpu_kernel_dtype_ok(x) || serial_sgemm() == nullptr) return false;
-  if ((bits != 4 && bits != 8) || group_size <= 0 || group_size % 32 != 0) return false;
-  if (x.ndim() == 0 || x.shape(-1) == 0 || x.shape(-1) % group_size != 0) return false;
+  if (!quantized_layout_ok(x, group_size, bits)) return false;
   return static_cast<int64_t>(x.size()) / x.shape(-1) >= kQgemmMinRows;
 }
 
 mx::array qgemm_cpu(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                     int group_size, int bits) {
-  const int k = x.shape(-1), n = w.shape(0), groups = k / group_size;
-  if (w.dtype() != mx::uint32 || w.ndim() != 2 || static_cast<int64_t>(w.shape(1)) * 32 != int64_t{k} * bits)
-    throw std::invalid_argument("qgemm_cpu: packed weights do not match x's last axis");
-  mx::Shape side{n, groups};
-  if (scales.shape() != side || biases.shape() != side)
-    throw std::invalid_argument("qgemm_cpu: scales and biases must be [N, K / group_size]");
-  for (const auto* a : {&scales, &biases})
-    if (!mx::issubdtype(a->dtype(), mx::floating) || a->dtype() == mx::float64)
-      throw std::invalid_argument("qgemm_cpu: scales and biases must be float32, bfloat16 or float16");
+  check_quantized_operands("qgemm_cpu", x, w, scales, biases, group_size, bits);
   auto shape = x.shape();
-  shape.back() = n;
+  shape.back() = w.shape(0);
   return mx::array(std::move(shape), mx::float32,
                    std::make_shared<QGemmCpu>(mx::default_stream(mx::Device::cpu), group_size, bits),
                    {x, w, scales, biases});

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <utility>
+#include <string>
 #include <vector>
 
 #include <mlx/backend/cpu/encoder.h>
@@ -461,10 +462,28 @@ class QGemvCpu : public mx::UnaryPrimitive {
 
 }  // namespace
 
-bool qgemv_cpu_applies(const mx::array& x, int group_size, int bits) {
-  if (!cpu_kernels_active() || !cpu_kernel_dtype_ok(x)) return false;
+bool quantized_layout_ok(const mx::array& x, int group_size, int bits) {
   if ((bits != 4 && bits != 8) || group_size <= 0 || group_size % 32 != 0) return false;
-  if (x.ndim() == 0 || x.shape(-1) == 0 || x.shape(-1) % group_size != 0) return false;
+  return x.ndim() > 0 && x.shape(-1) > 0 && x.shape(-1) % group_size == 0;
+}
+
+void check_quantized_operands(const char* who, const mx::array& x, const mx::array& w, const mx::array& scales,
+                              const mx::array& biases, int group_size, int bits) {
+  const std::string name(who);
+  const int k = x.shape(-1), n = w.shape(0), groups = k / group_size;
+  if (w.dtype() != mx::uint32 || w.ndim() != 2 || static_cast<int64_t>(w.shape(1)) * 32 != int64_t{k} * bits)
+    throw std::invalid_argument(name + ": packed weights do not match x's last axis");
+  mx::Shape side{n, groups};
+  if (scales.shape() != side || biases.shape() != side)
+    throw std::invalid_argument(name + ": scales and biases must be [N, K / group_size]");
+  for (const auto* a : {&scales, &biases})
+    if (!mx::issubdtype(a->dtype(), mx::floating) || a->dtype() == mx::float64)
+      throw std::invalid_argument(name + ": scales and biases must be float32, bfloat16 or float16");
+  if (scales.dtype() != biases.dtype()) throw std::invalid_argument(name + ": scales and biases must have one dtype");
+}
+
+bool qgemv_cpu_applies(const mx::array& x, int group_size, int bits) {
+  if (!cpu_kernels_active() || !cpu_kernel_dtype_ok(x) || !quantized_layout_ok(x, group_size, bits)) return false;
   int64_t rows = static_cast<int64_t>(x.size()) / x.shape(-1);
   // The integer AVX2 kernel takes any number of rows (blocks of kQgemvMaxRows over cached
   // chunks of w); the portable loop only decode-sized products.
@@ -473,19 +492,9 @@ bool qgemv_cpu_applies(const mx::array& x, int group_size, int bits) {
 
 mx::array qgemv_cpu(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                     int group_size, int bits) {
-  const int k = x.shape(-1), n = w.shape(0), groups = k / group_size;
-  if (w.dtype() != mx::uint32 || w.ndim() != 2 || static_cast<int64_t>(w.shape(1)) * 32 != int64_t{k} * bits)
-    throw std::invalid_argument("qgemv_cpu: packed weights do not match x's last axis");
-  mx::Shape side{n, groups};
-  if (scales.shape() != side || biases.shape() != side)
-    throw std::invalid_argument("qgemv_cpu: scales and biases must be [N, K / group_size]");
-  for (const auto* a : {&scales, &biases})
-    if (!mx::issubdtype(a->dtype(), mx::floating) || a->dtype() == mx::float64)
-      throw std::invalid_argument("qgemv_cpu: scales and biases must be float32, bfloat16 or float16");
-  if (scales.dtype() != biases.dtype())
-    throw std::invalid_argument("qgemv_cpu: scales and biases must have one dtype");
+  check_quantized_operands("qgemv_cpu", x, w, scales, biases, group_size, bits);
   auto shape = x.shape();
-  shape.back() = n;
+  shape.back() = w.shape(0);
   return mx::array(std::move(shape), mx::float32,
                    std::make_shared<QGemvCpu>(mx::default_stream(mx::Device::cpu), group_size, bits),
                    {x, w, scales, biases});

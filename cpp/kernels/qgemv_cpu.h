@@ -19,6 +19,12 @@ namespace mlxd::rt {
 constexpr int64_t kQgemvMaxRows = 8;
 bool qgemv_cpu_applies(const mlx::core::array& x, int group_size, int bits);
 
+// Shared by the quantized CPU kernels (qgemv_cpu, qgemm_cpu): whether x's last axis, the group size and
+// the bit width are a layout they take, and the operands' checks (std::invalid_argument naming `who`).
+bool quantized_layout_ok(const mlx::core::array& x, int group_size, int bits);
+void check_quantized_operands(const char* who, const mlx::core::array& x, const mlx::core::array& w,
+                              const mlx::core::array& scales, const mlx::core::array& biases, int group_size, int bits);
+
 // x [..., K] float32, w [N, K * bits / 32] uint32, scales and biases [N, K / group_size]
 // float32; returns [..., N] float32.
 mlx::core::array qgemv_cpu(const mlx::core::array& x, const mlx::core::array& w, const mlx::core::array& scales,
