@@ -18,6 +18,7 @@
 
 #include "backend.h"
 #include "interpreter.h"
+#include "kernels/conv_cpu.h"
 #include "kernels/cpu_parallel.h"
 #include "kernels/qgemv_cpu.h"
 #include "loader.h"
@@ -268,6 +269,10 @@ NB_MODULE(_runtime, m) {
         "Cut large fp32 products into single-threaded MKL blocks on the runtime's helper pool (on by default; "
         "MLX_DELEGATE_BLAS_SPLIT=0 starts with it off) instead of MKL's OpenMP team. Returns whether it is on "
         "(false when MLX's sgemm is not routed to torch's BLAS).");
+  m.def("set_conv_tiles", &mlxd::rt::set_conv_tiles, nb::arg("on"),
+        "Run large im2col convolutions in tiles of output rows, each tile's im2col and sgemm on one thread in "
+        "cache (on by default; MLX_DELEGATE_CONV_TILES=0 starts with it off), from the next call on.");
+  m.def("conv_tiles", &mlxd::rt::conv_tiles);
   m.def("cpu_vector_kernels", &mlxd::rt::cpu_use_avx2,
         "Whether the CPU kernels run their vector (AVX2 + FMA) code: kernels on and the CPU has it.");
   m.def("set_stream_linger", &set_linger_us, nb::arg("us"),

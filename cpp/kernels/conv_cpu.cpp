@@ -6,6 +6,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstdlib>
@@ -76,6 +77,27 @@ std::pair<int, int> valid_range(int out, int in, int s, int p, int k) {
   return {std::min(lo, out), std::clamp(hi, std::min(lo, out), out)};
 }
 
+// One im2col row (input channel plane `plane`, tap ki, kj) for output rows
+// [oh0, oh1): (oh1 - oh0) * OW values into `out`, zeros where the window reads padding.
+void im2col_row(const Geometry& g, const float* plane, int ki, int kj, int oh0, int oh1, float* out) {
+  const auto [lo, hi] = valid_range(g.OW, g.W, g.sw, g.pw, kj * g.dw);
+  for (int oh = oh0; oh < oh1; ++oh, out += g.OW) {
+    const int ih = oh * g.sh - g.ph + ki * g.dh;
+    if (ih < 0 || ih >= g.H || lo >= hi) {
+      std::fill(out, out + g.OW, 0.f);
+      continue;
+    }
+    std::fill(out, out + lo, 0.f);
+    std::fill(out + hi, out + g.OW, 0.f);
+    const float* row = plane + int64_t{ih} * g.W - g.pw + kj * g.dw;
+    if (g.sw == 1) {
+      std::memcpy(out + lo, row + lo, (hi - lo) * sizeof(float));
+    } else {
+      for (int ow = lo; ow < hi; ++ow) out[ow] = row[int64_t{ow} * g.sw];
+    }
+  }
+}
+
 // cols [Cg * KH * KW, count * OH * OW] (row stride ld) for images first ..
 // first + count - 1 and group gi: image i fills columns [i * OH * OW, (i + 1) * OH * OW).
 void im2col(const Geometry& g, const float* x, int first, int count, int gi, float* cols, int64_t ld) {
@@ -86,23 +108,7 @@ void im2col(const Geometry& g, const float* x, int first, int count, int gi, flo
       const int c = static_cast<int>(r / (g.KH * g.KW)), ki = static_cast<int>(r / g.KW % g.KH),
                 kj = static_cast<int>(r % g.KW);
       const float* plane = x + ((first + image) * g.C + int64_t{gi} * g.Cg() + c) * g.H * g.W;
-      float* out = cols + r * ld + image * g.P();
-      const auto [lo, hi] = valid_range(g.OW, g.W, g.sw, g.pw, kj * g.dw);
-      for (int oh = 0; oh < g.OH; ++oh, out += g.OW) {
-        const int ih = oh * g.sh - g.ph + ki * g.dh;
-        if (ih < 0 || ih >= g.H || lo >= hi) {
-          std::fill(out, out + g.OW, 0.f);
-          continue;
-        }
-        std::fill(out, out + lo, 0.f);
-        std::fill(out + hi, out + g.OW, 0.f);
-        const float* row = plane + int64_t{ih} * g.W - g.pw + kj * g.dw;
-        if (g.sw == 1) {
-          std::memcpy(out + lo, row + lo, (hi - lo) * sizeof(float));
-        } else {
-          for (int ow = lo; ow < hi; ++ow) out[ow] = row[int64_t{ow} * g.sw];
-        }
-      }
+      im2col_row(g, plane, ki, kj, 0, g.OH, cols + r * ld + image * g.P());
     }
   });
 }
@@ -251,6 +257,84 @@ void depthwise(const Geometry& g, const float* x, const float* w, const float* b
   });
 }
 
+// The tiled im2col path (run_tiled): on unless MLX_DELEGATE_CONV_TILES=0;
+// set_conv_tiles switches it per call for A/B runs in one process.
+std::atomic<bool>& tiles_flag() {
+  static std::atomic<bool> on{[] {
+    const char* e = std::getenv("MLX_DELEGATE_CONV_TILES");
+    return !(e && std::string(e) == "0");
+  }()};
+  return on;
+}
+
+// Floats per tile (512 KB): a tile's im2col columns (none for a 1x1 stride-1
+// convolution, which reads the input in place) and its output block stay in a
+// core's L2 from the copy through the product to the clamp.
+constexpr int64_t kTileFloats = int64_t{1} << 17;
+// Weights up to this many floats (1 MB) are re-read per tile from cache; larger
+// ones (deep layers, whose im2col is small anyway) keep the whole-image product.
+constexpr int64_t kTileMaxWeights = int64_t{1} << 18;
+
+// Output rows per tile when the tiled path applies to this per-image
+// product, else 0. `direct`: a 1x1 product on the input planes (no im2col).
+int tile_rows(const Geometry& g, bool direct) {
+  const int64_t K = int64_t{g.Cg()} * g.KH * g.KW;
+  if (!tiles_flag().load(std::memory_order_relaxed) || serial_sgemm() == nullptr) return 0;
+  const int64_t per_column = direct ? g.Og() : K;  // what a tile holds per output column
+  if (K * g.Og() > kTileMaxWeights || per_column * g.P() <= kTileFloats) return 0;  // one tile: nothing to gain
+  return static_cast<int>(std::clamp<int64_t>(kTileFloats / (per_column * g.OW), 1, g.OH));
+}
+
+// One image's product in tiles of `rows` output rows, each on one thread:
+// im2col of the tile into a per-thread buffer (unless `direct`), the bias /
+// residual written into the tile's output columns, a single-threaded sgemm
+// adding onto them, then the clamp. The whole [K, OH * OW] im2col matrix (9x
+// the input for a 3x3 convolution) never goes through memory, and the output
+// is written once instead of once per pass.
+void run_tiled(const Geometry& g, int rows, bool direct, const float* x, const float* w, const float* bias,
+               const float* residual, float* y) {
+  const int K = g.Cg() * g.KH * g.KW, M = g.Og();
+  const int64_t P = g.P();
+  const int tiles = (g.OH + rows - 1) / rows;
+  const SerialSgemmFn gemm = serial_sgemm();
+  const int64_t items = int64_t{g.N} * g.groups * tiles;
+  cpu_parallel_for(items, int64_t{K} * M * rows * g.OW, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> cols;
+    for (int64_t t = begin; t < end; ++t) {
+      const int tile = static_cast<int>(t % tiles), gi = static_cast<int>(t / tiles % g.groups);
+      const int n = static_cast<int>(t / tiles / g.groups);
+      const int oh0 = tile * rows, oh1 = std::min(g.OH, oh0 + rows);
+      const int T = (oh1 - oh0) * g.OW;
+      const float* xg = x + (int64_t{n} * g.C + int64_t{gi} * g.Cg()) * g.H * g.W;
+      if (!direct) {
+        cols.resize(int64_t{K} * T);
+        for (int r = 0; r < K; ++r) {
+          const int c = r / (g.KH * g.KW), ki = r / g.KW % g.KH, kj = r % g.KW;
+          im2col_row(g, xg + int64_t{c} * g.H * g.W, ki, kj, oh0, oh1, cols.data() + int64_t{r} * T);
+        }
+      }
+      const int64_t first = (int64_t{n} * g.O + int64_t{gi} * M) * P + int64_t{oh0} * g.OW;
+      float* yt = y + first;
+      for (int o = 0; o < M; ++o) {
+        float* dst = yt + o * P;
+        const float bv = bias ? bias[gi * M + o] : 0.f;
+        if (residual) {
+          const float* res = residual + first + o * P;
+          for (int q = 0; q < T; ++q) dst[q] = res[q] + bv;
+        } else {
+          std::fill(dst, dst + T, bv);
+        }
+      }
+      // direct: the input's planes are B in place (row stride P), from the tile's first column.
+      const float* b = direct ? xg + int64_t{oh0} * g.OW : cols.data();
+      gemm(0, 0, M, T, K, 1.f, w + int64_t{gi} * M * K, K, b, direct ? static_cast<int>(P) : T, 1.f, yt,
+           static_cast<int>(P));
+      if (g.clamp)
+        for (int o = 0; o < M; ++o) clamp_range(g, yt + o * P, T);
+    }
+  });
+}
+
 struct ConvCall {
   Tensor x, w;
   std::optional<Tensor> bias, residual;
@@ -280,7 +364,11 @@ void run_conv(const ConvCall& c) {
     const int K = g.Cg() * g.KH * g.KW, M = g.Og();
     const int64_t P = g.P();
     const int nb = static_cast<int>(std::min<int64_t>(g.N, std::max<int64_t>(1, (batch_columns() + P - 1) / P)));
-    if (nb == 1) {  // per image: the sgemm writes the result in place
+    const int rows = nb != 1 ? 0 : tile_rows(g, direct);
+    if (rows > 0) {
+      cpu_kernel_note_call("conv_tiled");
+      run_tiled(g, rows, direct, x, w, bias, residual, y);
+    } else if (nb == 1) {  // per image: the sgemm writes the result in place
       if (!direct) cols.resize(int64_t{K} * P);
       for (int n = 0; n < g.N; ++n) {
         for (int gi = 0; gi < g.groups; ++gi) {
@@ -373,6 +461,13 @@ class ConvCpu : public mx::UnaryPrimitive {
   Geometry g_;
   bool has_bias_, has_residual_;
 };
+
+}  // namespace
+
+void set_conv_tiles(bool on) { tiles_flag().store(on, std::memory_order_relaxed); }
+bool conv_tiles() { return tiles_flag().load(std::memory_order_relaxed); }
+
+namespace {
 
 int out_size(int in, int k, int s, int lo, int hi, int d) { return (in + lo + hi - d * (k - 1) - 1) / s + 1; }
 
