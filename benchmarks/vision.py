@@ -13,9 +13,12 @@ thread counts, so a runtime that spins while waiting shows it). transformers has
     python benchmarks/vision.py [--quick] [--models resnet18,mobilenet_v2] [--batches 1,8]
                                 [--engines delegate,eager,xnnpack] [--budget S] [--json out.json]
                                 [--off fold_conv_pad+fuse_conv_residual,fuse_conv_activation]
+                                [--conv-tiles-off]
 
 --off: one more delegate engine per comma-separated entry, lowered with those `MLXPartitioner`
 switches off (`+` joins several in one engine), timed in turn with the others (a fusion's A/B).
+--conv-tiles-off: one more delegate engine running the CPU convolution's whole-image im2col path
+(`_runtime.set_conv_tiles(False)` around its calls) instead of the tiled one (the kernel's A/B).
 
 --quick: ResNet-18 and MobileNetV2 at batch 1, fewer rounds. Nothing fails here.
 """
@@ -151,6 +154,26 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     return format_table(headers, out, [False, False] + [True] * 7 + [False]) + "\n" + note
 
 
+def _conv_tiles_off(engine: common.Engine) -> common.Engine:
+    """`engine` with the CPU convolution's tiled path off during its calls (the same program)."""
+    from mlx_delegate import _runtime
+
+    def prepare(w: Workload) -> common.Prepared:
+        p = engine(w)
+
+        def run() -> Any:
+            was = _runtime.conv_tiles()
+            _runtime.set_conv_tiles(False)
+            try:
+                return p.run()
+            finally:
+                _runtime.set_conv_tiles(was)
+
+        return replace(p, run=run)
+
+    return prepare
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="ResNet-18 and MobileNetV2 at batch 1, fewer rounds")
@@ -160,6 +183,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--budget", type=float, help="timed seconds per engine and case")
     p.add_argument("--json", metavar="PATH", help="also write meta and results as JSON")
     p.add_argument("--off", help="extra delegate engines with partitioner switches off: a,b+c")
+    p.add_argument("--conv-tiles-off", action="store_true",
+                   help="an extra delegate engine with the CPU convolution's tiled path off")
     args = p.parse_args(argv)
     models = args.models.split(",") if args.models else list(QUICK_MODELS if args.quick else MODELS)
     if unknown := set(models) - set(MODELS):
@@ -174,6 +199,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         ENGINES[key] = (f"mlx_delegate, {entry} off",
                         common._executorch(lambda off=off: mlx_delegate.MLXPartitioner(disable=off)))
         engines.insert(1, key)
+    if args.conv_tiles_off:
+        ENGINES["delegate-tiles-off"] = ("mlx_delegate, conv tiles off", _conv_tiles_off(ENGINES["delegate"][1]))
+        engines.insert(1, "delegate-tiles-off")
     settings = replace(QUICK if args.quick else Settings(budget_s=6.0, max_rounds=30), warmup=2)
     if args.budget is not None:
         settings = replace(settings, budget_s=args.budget)
