@@ -370,12 +370,29 @@ void run_conv(const ConvCall& c) {
       run_tiled(g, rows, direct, x, w, bias, residual, y);
     } else if (nb == 1) {  // per image: the sgemm writes the result in place
       if (!direct) cols.resize(int64_t{K} * P);
+      // Blocks of output channels, each on one thread (init, product, clamp in one task): one
+      // hand-off to the pool per product instead of three. Off with the tiles (A/B).
+      const bool blocked = tiles_flag().load(std::memory_order_relaxed) && serial_sgemm() != nullptr;
+      if (blocked) cpu_kernel_note_call("conv_row_blocks");
       for (int n = 0; n < g.N; ++n) {
         for (int gi = 0; gi < g.groups; ++gi) {
           const float* xg = x + (int64_t{n} * g.C + int64_t{gi} * g.Cg()) * g.H * g.W;
           const int64_t first = (int64_t{n} * g.O + int64_t{gi} * M) * P;
           float* yg = y + first;
           if (!direct) im2col(g, x, n, 1, gi, cols.data(), P);
+          const float* b = direct ? xg : cols.data();
+          const float* wg = w + int64_t{gi} * M * K;
+          if (blocked) {  // one pass over blocks of output channels: bias / residual, sgemm, clamp
+            cpu_parallel_for(M, int64_t{K} * P, 16, [&](int64_t lo, int64_t hi) {
+              for (int64_t o = lo; o < hi; ++o)
+                init_plane(g, yg + o * P, bias ? bias[gi * M + o] : 0.f,
+                           residual ? residual + first + o * P : nullptr);
+              serial_sgemm()(0, 0, static_cast<int>(hi - lo), static_cast<int>(P), K, 1.f, wg + lo * K, K, b,
+                             static_cast<int>(P), 1.f, yg + lo * P, static_cast<int>(P));
+              clamp_range(g, yg + lo * P, (hi - lo) * P);
+            });
+            continue;
+          }
           // The sgemm adds onto bias + residual (beta 1), so neither costs a pass of its own.
           if (bias || residual) {
             cpu_parallel_for(M, residual ? 2 * P : P, 1, [&](int64_t b, int64_t e) {

@@ -30,9 +30,11 @@ bool conv_cpu_applies(const mlx::core::array& x, const mlx::core::array& w, cons
 // result's shape) is added and then `clamp` (lo, hi) applied in the passes
 // that write the result (a fused residual add, ReLU / ReLU6). The result has
 // x's dtype.
-// The tiled im2col path (im2col and sgemm per tile of output rows, one tile
-// per thread, in cache) on or off from the next call on: A/B runs and parity
-// tests of the whole-image path. MLX_DELEGATE_CONV_TILES=0 starts with it off.
+// The tiled paths on or off from the next call on (A/B runs, parity tests of
+// the whole-image path): large products in tiles of output rows (im2col and
+// sgemm per tile, one tile per thread, in cache), smaller one-image products in
+// blocks of output channels (bias, sgemm and clamp per block in one task).
+// MLX_DELEGATE_CONV_TILES=0 starts with them off.
 void set_conv_tiles(bool on);
 bool conv_tiles();
 

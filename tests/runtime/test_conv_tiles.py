@@ -1,6 +1,8 @@
 """The CPU convolution's tiled path (cpp/kernels/conv_cpu.cpp `run_tiled`, counter "conv_tiled"):
 large im2col products and 1x1 products cut into tiles of output rows, each tile's im2col, bias /
-residual, sgemm and clamp on one thread. It matches eager torch, the whole-image path
+residual, sgemm and clamp on one thread; and its blocked path for one-image products below a tile
+(counter "conv_row_blocks": blocks of output channels, each block's bias / residual, sgemm and
+clamp on one thread). They match eager torch, the whole-image path
 (`_runtime.set_conv_tiles(False)`) and MLX's own convolution (kernels off) in float32, bfloat16 and
 float16, at odd sizes (a partial last tile), stride 2, dilation, groups, asymmetric padding, a
 fused residual + ReLU, a fused ReLU6 on a 1x1 convolution, batch 2 and batch 1 (the stride-2
@@ -37,10 +39,13 @@ class Tiled(nn.Module):
         self.dilated = nn.Conv2d(C, 6, 3, padding=2, dilation=2)
         self.grouped = nn.Conv2d(C, 8, 5, padding=(2, 1), groups=2)         # narrower output than input
         self.wide = nn.Conv2d(C, 128, 1)                                    # 1x1 on the input planes, ReLU6
+        # Below one tile, at batch 1: blocks of output channels (40: a partial block of 16).
+        self.small = nn.Conv2d(8, 40, 3, stride=2, padding=1)              # im2col, ReLU
+        self.small_res = nn.Conv2d(8, 8, 1)                                 # 1x1 + residual
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> list[torch.Tensor]:
         return [torch.relu(self.res(x) + x), self.strided(z), self.dilated(x), self.grouped(x),
-                F.relu6(self.wide(x))]
+                F.relu6(self.wide(x)), torch.relu(self.small(z)), self.small_res(z) + z]
 
 
 @contextmanager
@@ -53,8 +58,9 @@ def conv_tiles(on: bool) -> Iterator[None]:
         _runtime.set_conv_tiles(was)
 
 
-def tiled_calls() -> int:
-    return _runtime.cpu_kernel_call_counts().get("conv_tiled", 0)
+def tiled_calls() -> tuple[int, int]:
+    counts = _runtime.cpu_kernel_call_counts()
+    return counts.get("conv_tiled", 0), counts.get("conv_row_blocks", 0)
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +92,11 @@ def test_tiled_conv_matches_eager_whole_image_and_kernels_off(model: Tiled, dtyp
             got = method.execute(inputs)
             assert [g.dtype for g in got] == [dtype] * len(reference)
             assert_close([g.float() for g in got], reference, rtol, atol)
-        if cpu_kernels_active():  # all five convolutions took the tiled path on every call
-            assert tiled_calls() - before == 5 * CALLS_TO_REPLAY
+        if cpu_kernels_active():  # five convolutions took the tiled path and two the blocked one, every call
+            after = tiled_calls()
+            assert (after[0] - before[0], after[1] - before[1]) == (5 * CALLS_TO_REPLAY, 2 * CALLS_TO_REPLAY)
 
-    with conv_tiles(False):  # the whole-image im2col / GEMM path, same program
+    with conv_tiles(False):  # the whole-image im2col / GEMM path (neither tiles nor blocks), same program
         count = tiled_calls()
         whole = method.execute(inputs)
         assert tiled_calls() == count
