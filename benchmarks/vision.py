@@ -17,8 +17,9 @@ thread counts, so a runtime that spins while waiting shows it). transformers has
 
 --off: one more delegate engine per comma-separated entry, lowered with those `MLXPartitioner`
 switches off (`+` joins several in one engine), timed in turn with the others (a fusion's A/B).
---conv-tiles-off: one more delegate engine running the CPU convolution's whole-image im2col path
-(`_runtime.set_conv_tiles(False)` around its calls) instead of the tiled one (the kernel's A/B).
+--conv-tiles-off: one more delegate engine running the CPU convolution's whole-image passes and
+row-by-row depthwise loop (`_runtime.set_conv_tiles(False)` around its calls) instead of its tiles,
+channel blocks and padded depthwise grid (the kernel's A/B, same program).
 
 --quick: ResNet-18 and MobileNetV2 at batch 1, fewer rounds. Nothing fails here.
 """

@@ -271,8 +271,8 @@ NB_MODULE(_runtime, m) {
         "(false when MLX's sgemm is not routed to torch's BLAS).");
   m.def("set_conv_tiles", &mlxd::rt::set_conv_tiles, nb::arg("on"),
         "CPU convolutions in tiles of output rows (large products: each tile's im2col and sgemm on one thread in "
-        "cache) or blocks of output channels (smaller one-image products: bias, sgemm and clamp in one task) "
-        "instead of whole-image passes (on by default; MLX_DELEGATE_CONV_TILES=0 starts with them off), from the "
+        "cache) or blocks of output channels (smaller one-image products: bias, sgemm and clamp in one task), "
+        "and small-map depthwise convolutions on a padded grid, instead of whole-image passes (on by default; MLX_DELEGATE_CONV_TILES=0 starts with them off), from the "
         "next call on.");
   m.def("conv_tiles", &mlxd::rt::conv_tiles);
   m.def("cpu_vector_kernels", &mlxd::rt::cpu_use_avx2,

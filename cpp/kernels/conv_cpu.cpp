@@ -1,6 +1,8 @@
 // Convolution on the CPU (see conv_cpu.h): im2col + sgemm per image and
-// group, or a direct loop for depthwise (one input channel per group; AVX2
-// rows for strides 1 and 2).
+// group (large products in tiles of output rows, smaller ones in blocks of
+// output channels, each tile or block one task on one thread), or a direct loop
+// for depthwise (one input channel per group; AVX2 rows for strides 1 and 2, a
+// padded flat grid for small maps).
 #include "kernels/conv_cpu.h"
 
 #include <dlfcn.h>
@@ -230,16 +232,59 @@ MLXD_AVX2 void depthwise_plane_avx2(const Geometry& g, const float* plane, const
     for (; ow < g.OW; ++ow) scalar(ow);
   }
 }
+// One output plane of a depthwise convolution on a small map (where the row
+// kernel above is mostly scalar), equal strides S in both axes:
+// the plane is copied into a zero-bordered buffer `pad` of row length Wp, and
+// the outputs computed on a grid of the same row length, so output q = oh * Wp + ow
+// reads pad[S * q + ki * dh * Wp + kj * dw] for every tap: one flat loop of
+// eight-wide vectors with no bounds checks, whatever OW is. The grid's extra
+// columns are dropped when it is added onto `out` (bias / residual) and clamped.
+template <int S>
+MLXD_AVX2 void depthwise_plane_padded(const Geometry& g, const float* plane, const float* k, float* out,
+                                      std::vector<float>& pad, std::vector<float>& grid) {
+  const int Wp = std::max(g.W + g.pw, (g.OW - 1) * S + (g.KW - 1) * g.dw + 1);
+  const int Hp = std::max(g.H + g.ph, (g.OH - 1) * S + (g.KH - 1) * g.dh + 1);
+  const int64_t q_end = (int64_t{g.OH} * Wp + 7) / 8 * 8;  // grid outputs, whole vectors
+  // The last vector's furthest read: S * (q_end - 1) + the last tap + S - 1 (load_strided<2> reads one past).
+  const int64_t need = S * (q_end - 1) + int64_t{g.KH - 1} * g.dh * Wp + (g.KW - 1) * g.dw + S;
+  pad.assign(std::max<int64_t>(need, int64_t{Hp} * Wp), 0.f);
+  for (int ih = 0; ih < g.H; ++ih)
+    std::memcpy(pad.data() + int64_t{ih + g.ph} * Wp + g.pw, plane + int64_t{ih} * g.W, g.W * sizeof(float));
+  grid.resize(q_end);
+  const int taps = g.KH * g.KW;
+  for (int64_t q = 0; q < q_end; q += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    const float* base = pad.data() + S * q;
+    for (int t = 0; t < taps; ++t) {
+      const int ki = t / g.KW, kj = t % g.KW;
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(k[t]), vmath::load_strided<S>(base + int64_t{ki} * g.dh * Wp + kj * g.dw),
+                            acc);
+    }
+    _mm256_storeu_ps(grid.data() + q, acc);
+  }
+  for (int oh = 0; oh < g.OH; ++oh) {
+    float* orow = out + int64_t{oh} * g.OW;
+    const float* grow = grid.data() + int64_t{oh} * Wp;
+    for (int ow = 0; ow < g.OW; ++ow) orow[ow] += grow[ow];
+  }
+  clamp_range(g, out, g.P());
+}
+
 #endif
 
 // One output plane per (image, channel) of a convolution with one input channel per group.
+bool depthwise_padded_on();
 void depthwise(const Geometry& g, const float* x, const float* w, const float* bias, const float* residual,
                float* y) {
   const int m = g.Og();  // output channels per input channel
 #ifdef MLXD_CPU_X86
   const bool vec = cpu_use_avx2() && (g.sw == 1 || g.sw == 2);
+  // Stride 2 computes twice the columns it keeps on the padded grid: only where rows are shorter than a vector.
+  const bool padded = vec && g.sh == g.sw && (g.sw == 1 ? g.OW < 32 : g.OW < 8) && depthwise_padded_on();
+  if (padded) cpu_kernel_note_call("conv_depthwise_padded");
 #endif
   cpu_parallel_for(int64_t{g.N} * g.O, g.P() * g.KH * g.KW, 1, [&](int64_t begin, int64_t end) {
+    [[maybe_unused]] std::vector<float> pad, grid;
     for (int64_t p = begin; p < end; ++p) {
       const int o = static_cast<int>(p % g.O);
       const float* plane = x + (p / g.O * g.C + o / m) * int64_t{g.H} * g.W;
@@ -247,6 +292,10 @@ void depthwise(const Geometry& g, const float* x, const float* w, const float* b
       float* out = y + p * g.P();
       init_plane(g, out, bias ? bias[o] : 0.f, residual ? residual + p * g.P() : nullptr);
 #ifdef MLXD_CPU_X86
+      if (padded) {
+        (g.sw == 1 ? depthwise_plane_padded<1> : depthwise_plane_padded<2>)(g, plane, k, out, pad, grid);
+        continue;
+      }
       if (vec) {
         (g.sw == 1 ? depthwise_plane_avx2<1> : depthwise_plane_avx2<2>)(g, plane, k, out);
         continue;
@@ -266,6 +315,9 @@ std::atomic<bool>& tiles_flag() {
   }()};
   return on;
 }
+
+// The depthwise small-map path rides the same switch (the A/B of this kernel's reworked paths).
+bool depthwise_padded_on() { return tiles_flag().load(std::memory_order_relaxed); }
 
 // Floats per tile (512 KB): a tile's im2col columns (none for a 1x1 stride-1
 // convolution, which reads the input in place) and its output block stay in a

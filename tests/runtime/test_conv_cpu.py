@@ -1,6 +1,7 @@
 """The CPU convolution (cpp/kernels/conv_cpu.cpp, counters "conv_gemm" and "conv_depthwise"):
 1-D and 2-D convolutions on the channels-first layout, through im2col + sgemm, the direct 1x1
-GEMM and the depthwise loop, match eager torch and MLX's own convolution
+GEMM and the depthwise loops (the padded-grid loop for maps narrower than a vector row, and the
+row-by-row loop with `set_conv_tiles(False)`), match eager torch and MLX's own convolution
 (MLX_DELEGATE_CPU_KERNELS=0) in float32, bfloat16 and float16, node by node and compiled, at odd
 shapes, strides, padding, dilation, groups and channel multipliers. One program per dtype holds
 every case."""
@@ -53,7 +54,7 @@ class Convs(torch.nn.Module):
 
 def counts() -> dict[str, int]:
     c = _runtime.cpu_kernel_call_counts()
-    return {k: c.get(k, 0) for k in ("conv_gemm", "conv_depthwise")}
+    return {k: c.get(k, 0) for k in ("conv_gemm", "conv_depthwise", "conv_depthwise_padded")}
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +86,18 @@ def test_conv_cpu_matches_eager_and_kernels_off(model: Convs, dtype: torch.dtype
     if cpu_kernels_active():  # 6 im2col/GEMM convolutions (with the 1-D one) and 3 depthwise per call
         assert after["conv_gemm"] - before["conv_gemm"] >= 7
         assert after["conv_depthwise"] - before["conv_depthwise"] >= 3
+        if _runtime.cpu_vector_kernels():  # these maps are narrower than a vector row: the padded-grid loop
+            assert after["conv_depthwise_padded"] - before["conv_depthwise_padded"] >= 3
+
+    was = _runtime.conv_tiles()
+    _runtime.set_conv_tiles(False)  # the row-by-row depthwise loop and the whole-image GEMM paths
+    try:
+        rows = lowered.fresh_method().execute([x.to(dtype)])
+        assert counts()["conv_depthwise_padded"] == after["conv_depthwise_padded"]
+    finally:
+        _runtime.set_conv_tiles(was)
+    assert_close([g.float() for g in got], [r.float() for r in rows], rtol, atol)
+    after = counts()
 
     with runtime_switches(cpu_kernels=False):
         off = lowered.fresh_method().execute([x.to(dtype)])
