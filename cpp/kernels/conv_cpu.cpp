@@ -280,7 +280,8 @@ void depthwise(const Geometry& g, const float* x, const float* w, const float* b
 #ifdef MLXD_CPU_X86
   const bool vec = cpu_use_avx2() && (g.sw == 1 || g.sw == 2);
   // Stride 2 computes twice the columns it keeps on the padded grid: only where rows are shorter than a vector.
-  const bool padded = vec && g.sh == g.sw && (g.sw == 1 ? g.OW < 32 : g.OW < 8) && depthwise_padded_on();
+  // Measured (1 thread): the grid wins at 7 and 14 columns, loses at 28 and beyond.
+  const bool padded = vec && g.sh == g.sw && (g.sw == 1 ? g.OW < 16 : g.OW < 8) && depthwise_padded_on();
   if (padded) cpu_kernel_note_call("conv_depthwise_padded");
 #endif
   cpu_parallel_for(int64_t{g.N} * g.O, g.P() * g.KH * g.KW, 1, [&](int64_t begin, int64_t end) {
