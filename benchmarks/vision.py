@@ -13,13 +13,15 @@ thread counts, so a runtime that spins while waiting shows it). transformers has
     python benchmarks/vision.py [--quick] [--models resnet18,mobilenet_v2] [--batches 1,8]
                                 [--engines delegate,eager,xnnpack] [--budget S] [--json out.json]
                                 [--off fold_conv_pad+fuse_conv_residual,fuse_conv_activation]
-                                [--conv-tiles-off]
+                                [--conv-tiles-off] [--threads N]
 
 --off: one more delegate engine per comma-separated entry, lowered with those `MLXPartitioner`
 switches off (`+` joins several in one engine), timed in turn with the others (a fusion's A/B).
 --conv-tiles-off: one more delegate engine running the CPU convolution's whole-image passes and
 row-by-row depthwise loop (`_runtime.set_conv_tiles(False)` around its calls) instead of its tiles,
 channel blocks and padded depthwise grid (the kernel's A/B, same program).
+--threads N: eager torch's thread count (default 2); `taskset -c 1 ... --threads 1` compares the
+engines' work on one core, where a loaded machine's scheduling weighs least.
 
 --quick: ResNet-18 and MobileNetV2 at batch 1, fewer rounds. Nothing fails here.
 """
@@ -184,9 +186,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--budget", type=float, help="timed seconds per engine and case")
     p.add_argument("--json", metavar="PATH", help="also write meta and results as JSON")
     p.add_argument("--off", help="extra delegate engines with partitioner switches off: a,b+c")
+    p.add_argument("--threads", type=int, help="eager torch's thread count (default 2)")
     p.add_argument("--conv-tiles-off", action="store_true",
                    help="an extra delegate engine with the CPU convolution's tiled path off")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     models = args.models.split(",") if args.models else list(QUICK_MODELS if args.quick else MODELS)
     if unknown := set(models) - set(MODELS):
         p.error(f"unknown models {sorted(unknown)}; choose from {list(MODELS)}")
