@@ -79,6 +79,18 @@ std::pair<int, int> valid_range(int out, int in, int s, int p, int k) {
   return {std::min(lo, out), std::clamp(hi, std::min(lo, out), out)};
 }
 
+#ifdef MLXD_CPU_X86
+// out[ow] = row[2 * ow] for ow in [lo, hi) eight at a time while a vector's
+// 16-float read stays below `limit` (the row's end in the plane); returns the
+// first ow left to the scalar loop.
+MLXD_AVX2 int gather_stride2(const float* row, float* out, int lo, int hi, int64_t limit) {
+  int ow = lo;
+  for (; ow + 8 <= hi && 2 * int64_t{ow} + 16 <= limit; ow += 8)
+    _mm256_storeu_ps(out + ow, vmath::load_strided<2>(row + 2 * int64_t{ow}));
+  return ow;
+}
+#endif
+
 // One im2col row (input channel plane `plane`, tap ki, kj) for output rows
 // [oh0, oh1): (oh1 - oh0) * OW values into `out`, zeros where the window reads padding.
 void im2col_row(const Geometry& g, const float* plane, int ki, int kj, int oh0, int oh1, float* out) {
@@ -95,7 +107,12 @@ void im2col_row(const Geometry& g, const float* plane, int ki, int kj, int oh0, 
     if (g.sw == 1) {
       std::memcpy(out + lo, row + lo, (hi - lo) * sizeof(float));
     } else {
-      for (int ow = lo; ow < hi; ++ow) out[ow] = row[int64_t{ow} * g.sw];
+      int ow = lo;
+#ifdef MLXD_CPU_X86
+      // Stride 2 (strided stems and downsampling convolutions): reads end within this input row.
+      if (g.sw == 2 && cpu_use_avx2()) ow = gather_stride2(row, out, lo, hi, int64_t{g.W} + g.pw - kj * g.dw);
+#endif
+      for (; ow < hi; ++ow) out[ow] = row[int64_t{ow} * g.sw];
     }
   }
 }
