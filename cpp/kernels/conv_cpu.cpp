@@ -324,8 +324,9 @@ void depthwise(const Geometry& g, const float* x, const float* w, const float* b
   });
 }
 
-// The tiled im2col path (run_tiled): on unless MLX_DELEGATE_CONV_TILES=0;
-// set_conv_tiles switches it per call for A/B runs in one process.
+// The tiled paths (run_tiled, the channel blocks, the padded depthwise grid):
+// on unless MLX_DELEGATE_CONV_TILES=0; set_conv_tiles switches them per call
+// for A/B runs in one process.
 std::atomic<bool>& tiles_flag() {
   static std::atomic<bool> on{[] {
     const char* e = std::getenv("MLX_DELEGATE_CONV_TILES");
@@ -450,14 +451,14 @@ void run_conv(const ConvCall& c) {
           const int64_t first = (int64_t{n} * g.O + int64_t{gi} * M) * P;
           float* yg = y + first;
           if (!direct) im2col(g, x, n, 1, gi, cols.data(), P);
-          const float* b = direct ? xg : cols.data();
+          const float* bmat = direct ? xg : cols.data();
           const float* wg = w + int64_t{gi} * M * K;
           if (blocked) {  // one pass over blocks of output channels: bias / residual, sgemm, clamp
             cpu_parallel_for(M, int64_t{K} * P, 16, [&](int64_t lo, int64_t hi) {
               for (int64_t o = lo; o < hi; ++o)
                 init_plane(g, yg + o * P, bias ? bias[gi * M + o] : 0.f,
                            residual ? residual + first + o * P : nullptr);
-              serial_sgemm()(0, 0, static_cast<int>(hi - lo), static_cast<int>(P), K, 1.f, wg + lo * K, K, b,
+              serial_sgemm()(0, 0, static_cast<int>(hi - lo), static_cast<int>(P), K, 1.f, wg + lo * K, K, bmat,
                              static_cast<int>(P), 1.f, yg + lo * P, static_cast<int>(P));
               clamp_range(g, yg + lo * P, (hi - lo) * P);
             });
