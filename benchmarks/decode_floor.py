@@ -17,9 +17,9 @@ import tempfile
 from pathlib import Path
 
 import common  # noqa: F401  (first: mlx_delegate before mlx)
+import decode_ab
 from transformers import LlamaConfig
 
-import decode_ab
 from mlx_delegate.models import loading
 from mlx_delegate.pipelines.llm import export
 

@@ -101,8 +101,9 @@ def test_profiled_failure_restarts_the_cache(tiny):
     was = _runtime.profile_enabled()
     _runtime.set_profile(True)
     try:
-        with pytest.raises(Exception):
+        with pytest.raises(RuntimeError):
             gen.method.execute([torch.tensor([[1]]), torch.tensor([MAX_SEQ_LEN])])  # past the end
+        assert "slice update start" in _runtime.last_error()
     finally:
         _runtime.set_profile(was)
         _runtime.reset_profile()
