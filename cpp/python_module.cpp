@@ -268,6 +268,9 @@ NB_MODULE(_runtime, m) {
         "Cut large fp32 products into single-threaded MKL blocks on the runtime's helper pool (on by default; "
         "MLX_DELEGATE_BLAS_SPLIT=0 starts with it off) instead of MKL's OpenMP team. Returns whether it is on "
         "(false when MLX's sgemm is not routed to torch's BLAS).");
+  m.def("set_pool_spin_yield", &mlxd::rt::set_pool_spin_yield, nb::arg("on"),
+        "Kernel-pool helpers yield the core while they wait for a job (on) or pause on it (off).");
+  m.def("pool_spin_yield", &mlxd::rt::pool_spin_yield);
   m.def("cpu_vector_kernels", &mlxd::rt::cpu_use_avx2,
         "Whether the CPU kernels run their vector (AVX2 + FMA) code: kernels on and the CPU has it.");
   m.def("set_stream_linger", &set_linger_us, nb::arg("us"),
