@@ -8,7 +8,10 @@ A step is the compiled decode graph (warmed up: prefill of 8 tokens, then steps 
 position rewound before the cache fills). `cpu ms/token` is the process's CPU time per step (all threads),
 less sensitive to the machine's load than the wall time. Medians over rounds; `best` is the fastest block.
 
-    python benchmarks/decode_ab.py A.pte B.pte ... [--rounds 12] [--block 16]
+    python benchmarks/decode_ab.py A.pte B.pte ... [--rounds 12] [--block 16] [--switch spin_yield]
+
+`--switch spin_yield` toggles how the kernel pool's helpers wait between jobs instead
+(`_runtime.set_pool_spin_yield`: yield the core, or pause on it).
 """
 
 from __future__ import annotations
@@ -24,13 +27,19 @@ import common  # first: mlx_delegate before mlx
 from mlx_delegate import _runtime
 from mlx_delegate.pipelines.llm.generate import Generator
 
+# name: (the runtime switch, both on by default; the table's column)
+SWITCHES = {"group32": (_runtime.set_qgemv_group32_path, "group-32 path"),
+            "spin_yield": (_runtime.set_pool_spin_yield, "helper yields")}
+
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("programs", nargs="+", type=Path)
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--block", type=int, default=16, help="decode steps per variant per round")
+    p.add_argument("--switch", choices=sorted(SWITCHES), default="group32")
     args = p.parse_args(argv)
+    setter, label = SWITCHES[args.switch]
     gens = {path: Generator(str(path)) for path in args.programs}
     for g in gens.values():
         g.warm_up(8, 3)
@@ -43,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
         for r in range(args.rounds):
             for v in variants if r % 2 == 0 else variants[::-1]:
                 path, on = v
-                _runtime.set_qgemv_group32_path(on)
+                setter(on)
                 g = gens[path]
                 if g.pos + args.block >= g.max_seq_len:
                     g.pos = 9
@@ -53,13 +62,13 @@ def main(argv: list[str] | None = None) -> None:
                 wall[v].append(args.block / (time.perf_counter() - t))
                 cpu[v].append((time.process_time() - c) / args.block * 1e3)
     finally:
-        _runtime.set_qgemv_group32_path(True)
+        setter(True)
     meta |= {"loadavg_end": [round(x, 2) for x in os.getloadavg()], "rounds": args.rounds, "block": args.block}
     rows = [[path.name, "on" if on else "off", f"{statistics.median(wall[v]):.1f}", f"{max(wall[v]):.1f}",
              f"{statistics.median(cpu[v]):.2f}", f"{path.stat().st_size / 1e6:.1f} MB"]
             for v in variants for path, on in [v]]
     print(common.heading(meta))
-    print(common.format_table(["program", "group-32 path", "decode tok/s", "best", "cpu ms/token", ".pte"], rows,
+    print(common.format_table(["program", label, "decode tok/s", "best", "cpu ms/token", ".pte"], rows,
                               [False, False, True, True, True, True]))
     for line in common.load_note(meta):
         print(line)

@@ -130,6 +130,10 @@ Handle::Handle(std::shared_ptr<const LoadedProgram> program) : program_(std::mov
 
 void Handle::reset_buffers() {
   std::lock_guard<std::mutex> lock(mutex_);
+  reset_buffers_unlocked();
+}
+
+void Handle::reset_buffers_unlocked() {
   buffers_.clear();
   for (const auto& b : program_->buffers) buffers_.push_back(b.initial);
 }
@@ -240,8 +244,7 @@ void Handle::finish(Span<EValue*> args, std::vector<mx::array> results, std::vec
   } catch (...) {
     // The old contents may have been consumed in place: start over from the
     // initial values rather than keep half-written state.
-    buffers_.clear();
-    for (const auto& b : program_->buffers) buffers_.push_back(b.initial);
+    reset_buffers_unlocked();
     throw;
   }
   all.clear();

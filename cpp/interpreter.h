@@ -89,6 +89,8 @@ class Handle {
   void exec_node(size_t i, ExecContext& ctx) const;
   void run_nodes();
   void run_nodes_profiled();
+  void profile_nodes(std::vector<mx::array>& produced);
+  void reset_buffers_unlocked();  // reset_buffers() for a caller holding mutex_
   void note_interpreted_call();  // counts it; gives up compiling when this call's trace failed
   void write_outputs(executorch::runtime::Span<executorch::runtime::EValue*> args);
   void finish(executorch::runtime::Span<executorch::runtime::EValue*> args, std::vector<mx::array> results,

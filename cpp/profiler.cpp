@@ -60,10 +60,29 @@ void Handle::run_nodes_profiled() {
     ~Reset() { c.produced = nullptr; }
   } reset{ctx_};
   end_linger();  // every node is evaluated on its own: none should queue behind a linger
+  // As in a normal call, only the graph may hold a buffer being replaced and each
+  // slot is dropped after its last reader before that reader is evaluated, so MLX
+  // updates a KV cache in place here too (holding them made every cache write
+  // show up as a copy of the whole cache). The old contents are then consumed as
+  // the nodes run: a failure restarts the buffers from their initial values.
+  for (const auto& b : lp.buffers)
+    if (b.update_tid >= 0) buffers_[&b - lp.buffers.data()] = b.initial;
+  try {
+    profile_nodes(produced);
+  } catch (...) {
+    reset_buffers_unlocked();
+    throw;
+  }
+}
+
+void Handle::profile_nodes(std::vector<mx::array>& produced) {
+  const auto& lp = *program_;
   for (size_t i = 0; i < lp.nodes.size(); ++i) {
     produced.clear();
     auto t0 = std::chrono::steady_clock::now();
     exec_node(i, ctx_);
+    if (!lp.program->keep_intermediates())
+      for (uint32_t t : lp.release_after[i]) ctx_.tensors[t].reset();
     mx::eval(produced);
     double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     {
@@ -74,8 +93,6 @@ void Handle::run_nodes_profiled() {
       e.calls += 1;
       e.seconds += dt;
     }
-    if (!lp.program->keep_intermediates())
-      for (uint32_t t : lp.release_after[i]) ctx_.tensors[t].reset();
   }
 }
 

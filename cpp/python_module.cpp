@@ -275,6 +275,9 @@ NB_MODULE(_runtime, m) {
         "and small-map depthwise convolutions on a padded grid, instead of whole-image passes (on by default; MLX_DELEGATE_CONV_TILES=0 starts with them off), from the "
         "next call on.");
   m.def("conv_tiles", &mlxd::rt::conv_tiles);
+  m.def("set_pool_spin_yield", &mlxd::rt::set_pool_spin_yield, nb::arg("on"),
+        "Kernel-pool helpers yield the core while they wait for a job (on) or pause on it (off).");
+  m.def("pool_spin_yield", &mlxd::rt::pool_spin_yield);
   m.def("cpu_vector_kernels", &mlxd::rt::cpu_use_avx2,
         "Whether the CPU kernels run their vector (AVX2 + FMA) code: kernels on and the CPU has it.");
   m.def("set_stream_linger", &set_linger_us, nb::arg("us"),

@@ -35,6 +35,12 @@ bool cpu_kernels_enabled();
 // one process. Returns whether splitting is now on (false without the shim).
 bool set_blas_split(bool on);
 
+// How the kernel pool's helpers wait between jobs (MLX_DELEGATE_SPIN_US long):
+// yielding the core at each step (the default; MLX_DELEGATE_SPIN_YIELD=0 turns
+// it off) or pausing on it. Process-wide; this switch is for A/B runs in one process.
+void set_pool_spin_yield(bool on);
+bool pool_spin_yield();
+
 // Whether the vector (AVX2 + FMA) code runs: mode best and the CPU has both.
 bool cpu_use_avx2();
 

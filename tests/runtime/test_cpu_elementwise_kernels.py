@@ -157,3 +157,25 @@ def test_special_values_follow_torch():
     method = lower(fn, (x,)).method()
     got = method.execute([x])
     assert_close(got, fn(x), *TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("spin_yield", [True, False])
+def test_pool_wait_modes_match_eager(spin_yield):
+    """The kernel pool's helpers yield the core while they wait (default) or pause on it
+    (`set_pool_spin_yield`): work split across the cores gives eager's results in both, back to
+    back (helpers still waiting from one call pick up the next)."""
+    x = torch.randn(16, 4097)
+    fn = Lambda(lambda t: [F.silu(t), torch.softmax(t, -1), F.rms_norm(t, (4097,), None, 1e-5)])
+    method = lower(fn, (x,)).method()
+    was = _runtime.pool_spin_yield()
+    _runtime.set_pool_spin_yield(spin_yield)
+    try:
+        assert _runtime.pool_spin_yield() is spin_yield
+        before = _runtime.cpu_kernel_call_counts()
+        for _ in range(5):
+            assert_close(method.execute([x]), fn(x), *TOLERANCE[torch.float32])
+    finally:
+        _runtime.set_pool_spin_yield(was)
+    if cpu_kernels_active():
+        calls = counts_since(before)
+        assert calls["silu"] == calls["softmax"] == calls["rms_norm"] == 5, calls
