@@ -1,6 +1,8 @@
 // Adaptive waiting on MLX's CPU stream thread; see stream_wait.h.
 #include "stream_wait.h"
 
+#include "kernels/cpu_parallel.h"
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -225,6 +227,10 @@ void eval_impl(std::vector<mx::array>& arrays, EvalPace* pace, bool small) {
     pace->eval_us = pace->eval_us < 0 ? us : 0.75 * pace->eval_us + 0.25 * us;
   }
   if (pace) L->last_done_ns.store(end, std::memory_order_relaxed);
+  // Calls milliseconds apart: the kernels' helper threads, spinning for a next
+  // product that belongs to the next call, would only take a core from the
+  // caller's work in between (eager torch's next call in the demo).
+  if (pace && linger_ns == 0) cpu_pool_park();
 }
 
 }  // namespace
