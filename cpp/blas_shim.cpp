@@ -241,10 +241,13 @@ bool choose_split(ShapeTimes& s) {
   return call % kExploreEvery == 0 ? !faster : faster;
 }
 
+// A faster time is taken at once, a slower one smoothed in: the way not in use
+// is timed only every kExploreEvery-th call, so one good retry must be enough
+// to bring it back once a spell of load is over.
 void record(ShapeTimes& s, bool split, int64_t ns) {
   auto& t = s.ns[split ? 1 : 0];
   const int64_t old = t.load(std::memory_order_relaxed);
-  t.store(old == 0 ? ns : (3 * old + ns) / 4, std::memory_order_relaxed);
+  t.store(old == 0 || ns < old ? ns : (3 * old + ns) / 4, std::memory_order_relaxed);
 }
 }  // namespace
 
