@@ -1,7 +1,7 @@
 """The `mlx-delegate demo` block: where each engine's CPU time goes, and the delegate's product
 split policies against eager torch in the demo's own alternation.
 
-1. CPU per call by thread (from /proc/self/task, so every thread's time is counted whole; the
+1. CPU per call by thread (from /proc/self/task/*/schedstat, so every thread's time is counted whole; the
    demo's `time.process_time()` around one call also counts other threads still running then,
    e.g. eager torch's OpenMP workers spinning after its previous call): the delegate alone,
    eager alone, and the two alternating as the demo times them. Threads are grouped by who
@@ -32,37 +32,35 @@ from mlx_delegate import _blas
 from mlx_delegate.cli.demo import DemoBlock, DemoConfig, lower_to_file
 from mlx_delegate.pipelines.cache import cache_dir
 
-TICK = os.sysconf("SC_CLK_TCK")
-
-
 def thread_cpu() -> dict[int, float]:
-    """CPU seconds so far of each thread of this process."""
+    """CPU seconds so far of each thread of this process (schedstat: nanoseconds on a CPU)."""
     out = {}
     for tid in os.listdir("/proc/self/task"):
         try:
-            stat = open(f"/proc/self/task/{tid}/stat").read()
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[int(tid)] = int(f.read().split()[0]) / 1e9
         except OSError:  # the thread ended
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[int(tid)] = (int(fields[11]) + int(fields[12])) / TICK
     return out
 
 
-def by_thread(fns: dict[str, Callable[[], object]], rounds: int) -> tuple[dict[str, float], dict[int, float]]:
-    """Median wall ms per engine, and CPU ms per round by thread, the engines alternating."""
+def by_thread(fns: dict[str, Callable[[], object]],
+              rounds: int) -> tuple[dict[str, float], dict[int, float], float]:
+    """Median wall ms per engine, CPU ms per round by thread and mean wall ms per round, the
+    engines alternating (the mean counts the slow calls that a median leaves out)."""
     for fn in fns.values():
         for _ in range(5):
             fn()
     walls: dict[str, list[float]] = {k: [] for k in fns}
-    before = thread_cpu()
+    start, before = time.perf_counter(), thread_cpu()
     for r in range(rounds):
         for k in (list(fns) if r % 2 == 0 else list(reversed(fns))):
             t = time.perf_counter()
             fns[k]()
             walls[k].append(time.perf_counter() - t)
-    after = thread_cpu()
+    after, elapsed = thread_cpu(), time.perf_counter() - start
     per = {tid: (v - before.get(tid, 0.0)) / rounds * 1e3 for tid, v in after.items()}
-    return {k: statistics.median(w) * 1e3 for k, w in walls.items()}, per
+    return {k: statistics.median(w) * 1e3 for k, w in walls.items()}, per, elapsed / rounds * 1e3
 
 
 def main() -> None:
@@ -94,15 +92,15 @@ def main() -> None:
         ours = {t for t, ms in measured["delegate alone"][1].items() if ms > 0.01 and t != caller}
         theirs = {t for t, ms in measured["eager alone"][1].items() if ms > 0.01 and t != caller} - ours
         rows = []
-        for name, (walls, per) in measured.items():
+        for name, (walls, per, round_ms) in measured.items():
             group = lambda ids: sum(ms for t, ms in per.items() if t in ids)  # noqa: E731
             rows.append([name, ", ".join(f"{k} {v:.3f} ms" for k, v in walls.items()),
-                         f"{sum(per.values()):.3f}", f"{per.get(caller, 0.0):.3f}", f"{group(ours):.3f}",
+                         f"{round_ms:.3f}", f"{sum(per.values()):.3f}", f"{per.get(caller, 0.0):.3f}", f"{group(ours):.3f}",
                          f"{group(theirs):.3f}"])
         print(heading(meta))
-        print(format_table(["mode", "wall per call (median)", "CPU per round", "caller thread",
-                            "delegate's threads", "eager's OpenMP workers"], rows,
-                           [False, False, True, True, True, True]))
+        print(format_table(["mode", "wall per call (median)", "wall per round (mean)", "CPU per round",
+                            "caller thread", "delegate's threads", "eager's OpenMP workers"], rows,
+                           [False, False, True, True, True, True, True]))
 
         policies = ("measured", "always")
         res: dict[str, dict[str, list[float]]] = {v: {"delegate": [], "eager": []} for v in policies}
