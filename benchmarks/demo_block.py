@@ -21,7 +21,7 @@ import argparse
 import os
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import common  # noqa: F401  (imports mlx_delegate first: the BLAS route)
 import torch
@@ -31,6 +31,7 @@ from executorch.runtime import Runtime
 from mlx_delegate import _blas
 from mlx_delegate.cli.demo import DemoBlock, DemoConfig, lower_to_file
 from mlx_delegate.pipelines.cache import cache_dir
+
 
 def thread_cpu() -> dict[int, float]:
     """CPU seconds so far of each thread of this process (schedstat: nanoseconds on a CPU)."""
@@ -63,6 +64,11 @@ def by_thread(fns: dict[str, Callable[[], object]],
     return {k: statistics.median(w) * 1e3 for k, w in walls.items()}, per, elapsed / rounds * 1e3
 
 
+def group(per: dict[int, float], ids: set[int]) -> float:
+    """CPU ms per round of the threads `ids`."""
+    return sum(ms for t, ms in per.items() if t in ids)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=200, help="rounds per mode in part 1")
@@ -93,10 +99,9 @@ def main() -> None:
         theirs = {t for t, ms in measured["eager alone"][1].items() if ms > 0.01 and t != caller} - ours
         rows = []
         for name, (walls, per, round_ms) in measured.items():
-            group = lambda ids: sum(ms for t, ms in per.items() if t in ids)  # noqa: E731
             rows.append([name, ", ".join(f"{k} {v:.3f} ms" for k, v in walls.items()),
-                         f"{round_ms:.3f}", f"{sum(per.values()):.3f}", f"{per.get(caller, 0.0):.3f}", f"{group(ours):.3f}",
-                         f"{group(theirs):.3f}"])
+                         f"{round_ms:.3f}", f"{sum(per.values()):.3f}", f"{per.get(caller, 0.0):.3f}", f"{group(per, ours):.3f}",
+                         f"{group(per, theirs):.3f}"])
         print(heading(meta))
         print(format_table(["mode", "wall per call (median)", "wall per round (mean)", "CPU per round",
                             "caller thread", "delegate's threads", "eager's OpenMP workers"], rows,
