@@ -189,8 +189,8 @@ struct SplitSgemm {
 };
 
 // Whether a split pays is measured, not assumed: the pool's helper is only as
-// good as the core it gets. With the other core free the split runs about 1.8x
-// faster than one single-threaded call; with that core taken (another
+// good as the core it gets. With the other core free the split can nearly
+// halve a product's time; with that core taken (another
 // process, or eager torch's OpenMP workers spinning after their own product)
 // the blocks (smaller, so less efficient, each re-packing the shared operand)
 // end up on the caller one after another, or wait for a preempted helper, and
