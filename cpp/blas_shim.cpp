@@ -14,7 +14,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 extern "C" {
 
@@ -54,6 +57,8 @@ using parallel_fn = void (*)(int parts, void (*part)(void*, int), void* ctx);
 static std::atomic<parallel_fn> g_parallel{nullptr};
 static std::atomic<int> g_parallel_threads{1};
 
+int mlxd_blas_set_split_policy(int policy);
+
 // Registers the runtime's parallel-for (nullptr: none); `threads` is its thread count.
 __attribute__((visibility("default"))) void mlxd_blas_set_parallel(parallel_fn fn, int threads) {
   g_parallel_threads = threads;
@@ -77,6 +82,9 @@ int mlxd_blas_init(const char* fast_lib, const char* reference_lib) {
   g_gemm_lowp[0] = reinterpret_cast<cblas_gemm_lowp_fn>(dlsym(lib, "cblas_gemm_bf16bf16f32"));
   g_gemm_lowp[1] = reinterpret_cast<cblas_gemm_lowp_fn>(dlsym(lib, "cblas_gemm_f16f16f32"));
   g_set_threads_local = reinterpret_cast<set_threads_local_fn>(dlsym(lib, "mkl_set_num_threads_local_"));
+  // MLX_DELEGATE_BLAS_SPLIT=always: split every large product (A/B runs); =0 turns splitting off (cpu_parallel.cpp).
+  const char* split = std::getenv("MLX_DELEGATE_BLAS_SPLIT");
+  if (split && std::strcmp(split, "always") == 0) mlxd_blas_set_split_policy(2);
   return g_sgemm.load() != nullptr;
 }
 
@@ -166,14 +174,82 @@ struct SplitSgemm {
       gemm(f, CblasRowMajor, ta, tb, m, hi - lo, k, alpha, a, lda, bp, ldb, beta, c + lo, ldc);
     }
   }
-  static void part(void* self, int i) {
+  // Runs call() with MKL limited to the calling thread.
+  template <typename Call>
+  static void serial(Call call) {
     auto set_local = g_set_threads_local.load();
     const int one = 1;
     const int previous = set_local(&one);
-    static_cast<SplitSgemm*>(self)->run(i);
+    call();
     set_local(&previous);
   }
+  static void part(void* self, int i) {
+    serial([&] { static_cast<SplitSgemm*>(self)->run(i); });
+  }
 };
+
+// Whether a split pays is measured, not assumed: the pool's helper is only as
+// good as the core it gets. With the other core free the split can nearly
+// halve a product's time; with that core taken (another
+// process, or eager torch's OpenMP workers spinning after their own product)
+// the blocks (smaller, so less efficient, each re-packing the shared operand)
+// end up on the caller one after another, or wait for a preempted helper, and
+// the split took 1.3-2x as long as one call (128 x 256 x 256: 216 against
+// 107 us at load ~5). So each product shape keeps the recent time of both
+// ways, takes the faster (the split only when it saves a tenth: it burns a
+// second core), and retries the other way every kExploreEvery-th call, so a
+// core freed (or taken) later is noticed within a few calls.
+namespace {
+constexpr uint32_t kExploreEvery = 16;
+constexpr int kShapeSlots = 64;
+struct ShapeTimes {
+  std::atomic<uint64_t> key{0};
+  std::atomic<uint32_t> calls{0};
+  std::atomic<int64_t> ns[2]{{0}, {0}};  // smoothed wall time per call: [0] one serial call, [1] split; 0 unknown
+};
+ShapeTimes g_shapes[kShapeSlots];
+// 0: never split; 1: by measured time (default); 2: always (tests, A/B runs).
+std::atomic<int> g_split_policy{1};
+std::atomic<uint64_t> g_serial_choices{0};  // products the measured choice ran as one call
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// The slot of one product shape (a different shape in the slot restarts it).
+ShapeTimes& shape_times(int ta, int tb, int m, int n, int k) {
+  const uint64_t key = (static_cast<uint64_t>(m) << 40) ^ (static_cast<uint64_t>(n) << 20) ^ static_cast<uint64_t>(k) ^
+                       (static_cast<uint64_t>(ta == CblasTrans) << 62) ^ (static_cast<uint64_t>(tb == CblasTrans) << 63);
+  auto& s = g_shapes[(key * 0x9E3779B97F4A7C15ull) >> 58];
+  if (s.key.load(std::memory_order_relaxed) != key) {
+    s.ns[0].store(0, std::memory_order_relaxed);
+    s.ns[1].store(0, std::memory_order_relaxed);
+    s.calls.store(0, std::memory_order_relaxed);
+    s.key.store(key, std::memory_order_relaxed);
+  }
+  return s;
+}
+
+// Which way to run this call: the split first, then one call, then the faster.
+bool choose_split(ShapeTimes& s) {
+  const uint32_t call = s.calls.fetch_add(1, std::memory_order_relaxed);
+  const int64_t serial = s.ns[0].load(std::memory_order_relaxed), split = s.ns[1].load(std::memory_order_relaxed);
+  if (split == 0) return true;
+  if (serial == 0) return false;
+  const bool faster = 10 * split < 9 * serial;
+  return call % kExploreEvery == 0 ? !faster : faster;
+}
+
+// A faster time is taken at once, a slower one smoothed in: the way not in use
+// is timed only every kExploreEvery-th call, so one good retry must be enough
+// to bring it back once a spell of load is over.
+void record(ShapeTimes& s, bool split, int64_t ns) {
+  auto& t = s.ns[split ? 1 : 0];
+  const int64_t old = t.load(std::memory_order_relaxed);
+  t.store(old == 0 || ns < old ? ns : (3 * old + ns) / 4, std::memory_order_relaxed);
+}
+}  // namespace
 
 // Splits the product over the runtime's pool when one is registered and the
 // product is large; false: the caller runs it as one call.
@@ -189,9 +265,20 @@ static bool split_sgemm(sgemm_fn f, int order, int ta, int tb, int m, int n, int
   const int extent = by_rows ? m : n;
   const int parts = std::min(2 * threads, extent / 32);
   if (parts < 2) return false;
-  SplitSgemm s{f, ta, tb, m, n, k, alpha, beta, a, b, c, lda, ldb, ldc, parts, by_rows};
-  g_split_calls.fetch_add(1, std::memory_order_relaxed);
-  parallel(parts, &SplitSgemm::part, &s);
+  const int policy = g_split_policy.load(std::memory_order_relaxed);
+  if (policy == 0) return false;
+  ShapeTimes* times = policy == 1 ? &shape_times(ta, tb, m, n, k) : nullptr;
+  const bool split = times == nullptr || choose_split(*times);
+  const int64_t start = times ? now_ns() : 0;
+  if (split) {
+    SplitSgemm s{f, ta, tb, m, n, k, alpha, beta, a, b, c, lda, ldb, ldc, parts, by_rows};
+    g_split_calls.fetch_add(1, std::memory_order_relaxed);
+    parallel(parts, &SplitSgemm::part, &s);
+  } else {
+    g_serial_choices.fetch_add(1, std::memory_order_relaxed);
+    SplitSgemm::serial([&] { gemm(f, order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc); });
+  }
+  if (times) record(*times, split, now_ns() - start);
   return true;
 }
 
@@ -246,5 +333,18 @@ __attribute__((visibility("default"))) void cblas_dgemm(int order, int ta, int t
     r(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
 }
+
+}  // extern "C"
+
+extern "C" {
+
+// How large fp32 products use the runtime's pool: 0 never, 1 by measured time
+// (default), 2 always. Returns the previous policy.
+__attribute__((visibility("default"))) int mlxd_blas_set_split_policy(int policy) {
+  return g_split_policy.exchange(policy < 0 || policy > 2 ? 1 : policy);
+}
+
+// Products that the measured choice ran as one single-threaded call.
+__attribute__((visibility("default"))) uint64_t mlxd_blas_serial_choices() { return g_serial_choices.load(); }
 
 }  // extern "C"

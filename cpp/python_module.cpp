@@ -288,9 +288,10 @@ NB_MODULE(_runtime, m) {
     auto s = stream_wait_stats();
     return std::map<std::string, uint64_t>{{"calls", s.calls}, {"held", s.held}, {"lingers", s.lingers},
                                            {"spins", s.spins}, {"spin_hits", s.spin_hits},
-                                           {"linger_timeouts", s.linger_timeouts}};
+                                           {"linger_timeouts", s.linger_timeouts}, {"parks", s.parks}};
   }, "Process-wide counters of the adaptive wait: evaluations, those that found the stream thread awake (held), "
-     "lingers enqueued, caller spins (and those that saw the result), lingers that ended unused.");
+     "lingers enqueued, caller spins (and those that saw the result), lingers that ended unused, calls that "
+     "sent the kernels' helper threads to sleep at their end (parks).");
   m.def("reset_stream_wait_stats", &reset_stream_wait_stats);
   if (!register_backend()) throw std::runtime_error("mlx_delegate: could not register the backend with ExecuTorch");
 }

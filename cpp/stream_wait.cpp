@@ -1,6 +1,8 @@
 // Adaptive waiting on MLX's CPU stream thread; see stream_wait.h.
 #include "stream_wait.h"
 
+#include "kernels/cpu_parallel.h"
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -38,7 +40,7 @@ int64_t env_linger_us() {
 }
 
 std::atomic<int64_t> g_linger_us{env_linger_us()};
-std::atomic<uint64_t> g_calls{0}, g_held{0}, g_lingers{0}, g_spins{0}, g_spin_hits{0}, g_timeouts{0};
+std::atomic<uint64_t> g_calls{0}, g_held{0}, g_lingers{0}, g_spins{0}, g_spin_hits{0}, g_timeouts{0}, g_parks{0};
 
 // A caller holding the stream thread awake releases it within this time; past
 // it the linger lets the queued tasks run anyway. MLX's eval can itself wait
@@ -146,11 +148,12 @@ int64_t linger_us() { return g_linger_us.load(std::memory_order_relaxed); }
 void set_linger_us(int64_t us) { g_linger_us.store(std::max<int64_t>(us, 0)); }
 
 StreamWaitStats stream_wait_stats() {
-  return {g_calls.load(), g_held.load(), g_lingers.load(), g_spins.load(), g_spin_hits.load(), g_timeouts.load()};
+  return {g_calls.load(), g_held.load(), g_lingers.load(), g_spins.load(), g_spin_hits.load(), g_timeouts.load(),
+          g_parks.load()};
 }
 
 void reset_stream_wait_stats() {
-  for (auto* c : {&g_calls, &g_held, &g_lingers, &g_spins, &g_spin_hits, &g_timeouts}) c->store(0);
+  for (auto* c : {&g_calls, &g_held, &g_lingers, &g_spins, &g_spin_hits, &g_timeouts, &g_parks}) c->store(0);
 }
 
 void end_linger() {
@@ -225,6 +228,13 @@ void eval_impl(std::vector<mx::array>& arrays, EvalPace* pace, bool small) {
     pace->eval_us = pace->eval_us < 0 ? us : 0.75 * pace->eval_us + 0.25 * us;
   }
   if (pace) L->last_done_ns.store(end, std::memory_order_relaxed);
+  // Calls milliseconds apart: the kernels' helper threads, spinning for a next
+  // product that belongs to the next call, would only take a core from the
+  // caller's work in between (eager torch's next call in the demo).
+  if (pace && linger_ns == 0) {
+    cpu_pool_park();
+    g_parks.fetch_add(1, std::memory_order_relaxed);
+  }
 }
 
 }  // namespace

@@ -62,6 +62,7 @@ struct StreamWaitStats {
   uint64_t spins = 0;        // calls whose caller spun for the result
   uint64_t spin_hits = 0;    // ... and got it within the spin
   uint64_t linger_timeouts = 0;  // lingers that ended with no call (spin time wasted)
+  uint64_t parks = 0;        // calls with no linger that sent the kernels' helper threads to sleep at their end
 };
 StreamWaitStats stream_wait_stats();
 void reset_stream_wait_stats();

@@ -55,6 +55,8 @@ def install() -> str:
     lib.mlxd_blas_init.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
     lib.mlxd_blas_fast_calls.restype = ctypes.c_uint64
     lib.mlxd_blas_split_calls.restype = ctypes.c_uint64
+    lib.mlxd_blas_serial_choices.restype = ctypes.c_uint64
+    lib.mlxd_blas_set_split_policy.argtypes = [ctypes.c_int]
     lib.mlxd_gemm_lowp_ready.argtypes = [ctypes.c_int]
     if lib.mlxd_blas_init(str(fast).encode(), str(reference).encode() if reference else None) != 1:
         _state["mode"] = "reference"
@@ -83,3 +85,22 @@ def lowp_gemm_ready() -> dict[str, bool]:
     lib = _state["lib"]
     return {name: lib is not None and bool(lib.mlxd_gemm_lowp_ready(code))
             for code, name in enumerate(("bfloat16", "float16"))}
+
+
+def serial_choices() -> int:
+    """Number of large fp32 gemms that the measured choice ran as one single-threaded call."""
+    return int(_state["lib"].mlxd_blas_serial_choices()) if _state["lib"] is not None else 0
+
+
+_SPLIT_POLICIES = ("never", "measured", "always")
+
+
+def set_split_policy(policy: str) -> str:
+    """How large fp32 products use the runtime's helper pool while splitting is on: "measured" (the
+    default: each product shape runs split or as one call, whichever its recent calls timed faster),
+    "always" or "never". Returns the previous policy."""
+    if policy not in _SPLIT_POLICIES:
+        raise ValueError(f"split policy must be one of {_SPLIT_POLICIES}, got {policy!r}")
+    if _state["lib"] is None:
+        return "measured"
+    return _SPLIT_POLICIES[_state["lib"].mlxd_blas_set_split_policy(_SPLIT_POLICIES.index(policy))]

@@ -43,6 +43,11 @@ class Pool {
   }
   int size() const { return static_cast<int>(helpers_) + 1; }
 
+  // Ends the helpers' spins now: the work that kept them awake is over and
+  // nothing follows soon (a call whose next call is milliseconds away); a spin
+  // would only take the core from whatever runs next.
+  void park() { parks_.fetch_add(1, std::memory_order_release); }
+
   void run(int parts, const std::function<void(int)>& fn) {
     std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
     // A forked child has none of the helper threads: it runs serially.
@@ -133,7 +138,10 @@ class Pool {
     uint64_t seen = 0;
     for (;;) {
       Job* job;
-      bool spun = spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; });
+      const uint64_t parks = parks_.load(std::memory_order_acquire);
+      bool spun = spin_until([&] {
+        return generation_.load(std::memory_order_acquire) != seen || parks_.load(std::memory_order_relaxed) != parks;
+      }) && generation_.load(std::memory_order_acquire) != seen;
       {
         std::unique_lock<std::mutex> lock(m_);
         if (!spun) {
@@ -158,6 +166,7 @@ class Pool {
   Job* job_ = nullptr;
   std::atomic<uint64_t> generation_{0};
   std::atomic<int> sleeping_{0};  // helpers waiting on wake_ (changed under m_)
+  std::atomic<uint64_t> parks_{0};  // bumped by park()
 };
 
 // The BLAS shim's parallel-for (blas_shim.cpp: large sgemms cut into blocks
@@ -276,6 +285,8 @@ void cpu_parallel_for(int64_t n, int64_t cost_per_item, int64_t align,
     if (b < e) fn(b, e);
   });
 }
+
+void cpu_pool_park() { Pool::get().park(); }
 
 void cpu_kernel_note_call(const char* name) {
   std::lock_guard<std::mutex> lock(g_counts_mutex);

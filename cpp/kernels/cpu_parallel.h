@@ -61,6 +61,11 @@ void cpu_parallel_for(int64_t n, int64_t cost_per_item, int64_t align,
                       const std::function<void(int64_t, int64_t)>& fn);
 constexpr int64_t kCpuMinParallel = 1 << 14;
 
+// Sends the helper threads to sleep now instead of at the end of their spin
+// (MLX_DELEGATE_SPIN_US): for the end of a call when the next is not expected
+// soon, so the spin does not take a core from other work in the meantime.
+void cpu_pool_park();
+
 // Call counters by kernel name ("softmax", "silu", ...): tests prove which code ran.
 void cpu_kernel_note_call(const char* name);
 std::map<std::string, uint64_t> cpu_kernel_call_counts();

@@ -75,8 +75,39 @@ def test_large_products_split_over_the_pool(ta, tb, m, n, k):
     finally:
         on = _runtime.set_blas_split(True)
     assert on
-    before = _blas.split_calls()
-    split = product()
-    assert _blas.split_calls() > before
+    previous = _blas.set_split_policy("always")
+    try:
+        before = _blas.split_calls()
+        split = product()
+        assert _blas.split_calls() > before
+    finally:
+        _blas.set_split_policy(previous)
     np.testing.assert_allclose(split, ref, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(split, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_measured_split_tries_both_ways_and_keeps_results():
+    """Under the default policy a product shape runs split and as one call (each timed, then
+    the faster, the other retried now and then): both ways serve it, and give the same product."""
+    import mlx.core as mx
+
+    assert _blas.set_split_policy("measured") == "measured"
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal((96, 200)).astype(np.float32)
+    b = rng.standard_normal((200, 333)).astype(np.float32)  # a shape no other test uses
+    xa, xb = mx.array(a), mx.array(b)
+    split0, serial0 = _blas.split_calls(), _blas.serial_choices()
+    outs = []
+    for _ in range(20):
+        out = xa @ xb
+        mx.eval(out)
+        outs.append(np.array(out))
+    assert _blas.split_calls() > split0 and _blas.serial_choices() > serial0
+    for out in outs:
+        np.testing.assert_allclose(out, a @ b, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(out, outs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_split_policy_rejects_unknown_names():
+    with pytest.raises(ValueError, match="split policy"):
+        _blas.set_split_policy("sometimes")
