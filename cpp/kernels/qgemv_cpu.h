@@ -37,4 +37,8 @@ uint64_t qgemv_cpu_calls();
 // per-group loop, for parity tests and A/B timings in one process.
 void qgemv_cpu_set_group32_path(bool on);
 
+// The AVX-512 VNNI kernels (on by default where the CPU has AVX-512 BW, VL and VNNI and
+// MLX_DELEGATE_CPU_KERNELS is not "avx2"): off runs the AVX2 kernels, for parity tests and A/B timings.
+void qgemv_cpu_set_avx512_path(bool on);
+
 }  // namespace mlxd::rt
