@@ -1,6 +1,7 @@
 """Decode tok/s of LLM programs (.pte files from `mlx_delegate.pipelines.llm.export.save_pte`), A/B in one
-process: each program, with the quantized GEMV's one-row groups-of-32 path off and on
-(`_runtime.set_qgemv_group32_path`), runs a block of single-token steps in turn, the order reversed every
+process: each program, with one of the quantized GEMV's switches off and on (`--switch group32`: its one-row
+groups-of-32 path, `_runtime.set_qgemv_group32_path`; `--switch avx512`: its AVX-512 VNNI kernels,
+`_runtime.set_qgemv_avx512_path`), runs a block of single-token steps in turn, the order reversed every
 round, so load on the shared machine hits every variant alike. Use it to compare programs of one model
 lowered differently (e.g. before / after a lowering change, GGUF blocks against `--quantize int4`).
 
@@ -8,7 +9,7 @@ A step is the compiled decode graph (warmed up: prefill of 8 tokens, then steps 
 position rewound before the cache fills). `cpu ms/token` is the process's CPU time per step (all threads),
 less sensitive to the machine's load than the wall time. Medians over rounds; `best` is the fastest block.
 
-    python benchmarks/decode_ab.py A.pte B.pte ... [--rounds 12] [--block 16]
+    python benchmarks/decode_ab.py A.pte B.pte ... [--rounds 12] [--block 16] [--switch group32|avx512]
 """
 
 from __future__ import annotations
@@ -25,12 +26,18 @@ from mlx_delegate import _runtime
 from mlx_delegate.pipelines.llm.generate import Generator
 
 
+SWITCHES = {"group32": ("group-32 path", _runtime.set_qgemv_group32_path),
+            "avx512": ("AVX-512 kernels", _runtime.set_qgemv_avx512_path)}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("programs", nargs="+", type=Path)
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--block", type=int, default=16, help="decode steps per variant per round")
+    p.add_argument("--switch", choices=sorted(SWITCHES), default="group32", help="the kernel switch A/B'd")
     args = p.parse_args(argv)
+    label, switch = SWITCHES[args.switch]
     gens = {path: Generator(str(path)) for path in args.programs}
     for g in gens.values():
         g.warm_up(8, 3)
@@ -43,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
         for r in range(args.rounds):
             for v in variants if r % 2 == 0 else variants[::-1]:
                 path, on = v
-                _runtime.set_qgemv_group32_path(on)
+                switch(on)
                 g = gens[path]
                 if g.pos + args.block >= g.max_seq_len:
                     g.pos = 9
@@ -53,13 +60,13 @@ def main(argv: list[str] | None = None) -> None:
                 wall[v].append(args.block / (time.perf_counter() - t))
                 cpu[v].append((time.process_time() - c) / args.block * 1e3)
     finally:
-        _runtime.set_qgemv_group32_path(True)
+        switch(True)
     meta |= {"loadavg_end": [round(x, 2) for x in os.getloadavg()], "rounds": args.rounds, "block": args.block}
     rows = [[path.name, "on" if on else "off", f"{statistics.median(wall[v]):.1f}", f"{max(wall[v]):.1f}",
              f"{statistics.median(cpu[v]):.2f}", f"{path.stat().st_size / 1e6:.1f} MB"]
             for v in variants for path, on in [v]]
     print(common.heading(meta))
-    print(common.format_table(["program", "group-32 path", "decode tok/s", "best", "cpu ms/token", ".pte"], rows,
+    print(common.format_table(["program", label, "decode tok/s", "best", "cpu ms/token", ".pte"], rows,
                               [False, False, True, True, True, True]))
     for line in common.load_note(meta):
         print(line)

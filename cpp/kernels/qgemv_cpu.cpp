@@ -464,6 +464,55 @@ MLXD_QGEMV_AVX512 void block_avx512_g32(const Problem& p, int64_t n0) {
   }
 }
 
+// quantize_x for the AVX-512 kernels (span 64; k a multiple of 64, block 32, 64 or 128), sixteen
+// lanes at a time: the same int16 values (cvtps rounds to nearest even, as lrintf does) and scales.
+template <int Bits>
+MLXD_QGEMV_AVX512 void quantize_x_avx512(const float* x, int64_t m, int64_t k, int64_t block, int16_t* q,
+                                         float* scales) {
+  alignas(64) static constexpr int16_t kEven[32] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                                                    32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62};
+  const __m512i even = _mm512_load_si512(kEven), odd = _mm512_add_epi16(even, _mm512_set1_epi16(1));
+  std::vector<float> inv(static_cast<size_t>(k / block));
+  for (int64_t r = 0; r < m; ++r) {
+    const float* xr = x + r * k;
+    for (int64_t b0 = 0; b0 < k; b0 += block) {
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t i = 0; i < block; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xr + b0 + i)));
+      const float a = _mm512_reduce_max_ps(amax);
+      scales[(r * k + b0) / block] = a / kX16Max;
+      inv[b0 / block] = a > 0.f ? kX16Max / a : 0.f;
+    }
+    for (int64_t s0 = 0; s0 < k; s0 += 64) {
+      __m256i h[4];
+      for (int i = 0; i < 4; ++i) {
+        const int64_t e = s0 + 16 * i;
+        h[i] = _mm512_cvtsepi32_epi16(
+            _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xr + e), _mm512_set1_ps(inv[e / block]))));
+      }
+      // Elements 0-31 and 32-63 of the span in order.
+      const __m512i a = _mm512_inserti64x4(_mm512_castsi256_si512(h[0]), h[1], 1);
+      const __m512i b = _mm512_inserti64x4(_mm512_castsi256_si512(h[2]), h[3], 1);
+      int16_t* qs = q + r * k + s0;
+      if constexpr (Bits == 8) {
+        _mm512_storeu_si512(qs, a);
+        _mm512_storeu_si512(qs + 32, b);
+      } else {  // even elements in slots 0-31, odd ones in 32-63 (x_slot_element)
+        _mm512_storeu_si512(qs, _mm512_permutex2var_epi16(a, even, b));
+        _mm512_storeu_si512(qs + 32, _mm512_permutex2var_epi16(a, odd, b));
+      }
+    }
+  }
+}
+
+// Sums of x over each group of one row (k a multiple of the group size, itself of 32).
+MLXD_QGEMV_AVX512 void group_sums_avx512(const float* x, int64_t k, int64_t group_size, float* sums) {
+  for (int64_t g0 = 0; g0 < k; g0 += group_size) {
+    __m512 acc = _mm512_loadu_ps(x + g0);
+    for (int64_t i = 16; i < group_size; i += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(x + g0 + i));
+    sums[g0 / group_size] = _mm512_reduce_add_ps(acc);
+  }
+}
+
 // The AVX-512 kernels take x blocks of 64 and up at any row count, and one row of groups of 32
 // (pick_isa decides; the x layout follows).
 template <int Bits, int M, int S>
@@ -591,8 +640,10 @@ void run_problem(Problem p, int scales, int bits, int64_t m) {
     isa = pick_isa(m, p.k, p.x_block);
     x16.resize(static_cast<size_t>(m * p.k));
     x16_scales.resize(static_cast<size_t>(m * p.k / p.x_block));
-    (bits == 4 ? quantize_x<4> : quantize_x<8>)(p.x, m, p.k, p.x_block, isa == kAvx512 ? 64 : 32, x16.data(),
-                                                x16_scales.data());
+    if (isa == kAvx512)
+      (bits == 4 ? quantize_x_avx512<4> : quantize_x_avx512<8>)(p.x, m, p.k, p.x_block, x16.data(), x16_scales.data());
+    else
+      (bits == 4 ? quantize_x<4> : quantize_x<8>)(p.x, m, p.k, p.x_block, 32, x16.data(), x16_scales.data());
     p.x16 = x16.data();
     p.x16_scales = x16_scales.data();
   }
@@ -638,6 +689,11 @@ class QGemvCpu : public mx::UnaryPrimitive {
       CpuRowMajor w = row_major(in[1]), scales = row_major(in[2]), biases = row_major(in[3]);
       std::vector<float> xsums(static_cast<size_t>(m * p.groups));
       p.x = x.data();
+#ifdef MLXD_QGEMV_X86
+      if (cpu_has_avx512_vnni())
+        for (int64_t r = 0; r < m; ++r) group_sums_avx512(p.x + r * p.k, p.k, p.group_size, &xsums[r * p.groups]);
+      else
+#endif
       for (int64_t r = 0; r < m; ++r)
         for (int64_t g = 0; g < p.groups; ++g) {
           const float* xg = p.x + r * p.k + g * p.group_size;
