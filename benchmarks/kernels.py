@@ -15,6 +15,12 @@ Groups (`--ops`, default all):
   scales / biases stored fp16 (as the GGUF program keeps them) and fp32 (as it stored them before);
   path `group-32 path off` runs the kernel's general per-group loop instead of its one-row
   eight-groups-at-a-time path (`_runtime.set_qgemv_group32_path`).
+- `qgemv1b`: one-row int4 products at the 1.2B Llama-3.2-shaped model's shapes (q / o [2048 x 2048], k / v
+  [512 x 2048], gate / up [8192 x 2048], down [2048 x 8192], the tied head [128256 x 2048]) in
+  `--quantize int4`'s layout (groups of 64, fp32 scales), then groups of 32 and fp16 / bf16 scales. Each
+  case lowers copies of the product with their own weights and inputs, ~384 MB of weights per call in all,
+  so a call streams them from memory as a decode step does; `GB/s` is weights + scales + biases over the
+  median. Eager torch is not timed (its fp32 weights would be 8x the bytes); `max|err|` is against it.
 - `sdpa`: attention at SmolLM2-135M's shape (9 query heads, 3 key heads, head dim 64) over a
   256-slot cache under the position mask the Llama model uses (`arange(S) <= position`), for 1 to 64
   query rows.
@@ -31,6 +37,8 @@ graph); the copies and eager torch take turns in rotating order, call by call
   replaces. Where the fused kernel does not apply (more query rows) this is the same path as
   `kernels on`, a control for the noise.
 - `kernels off`: MLX's own ops (`_runtime.set_cpu_kernels(False)`).
+- `avx512 off` (`qgemv`, `qgemv1b`): the quantized GEMV's AVX2 kernels where the CPU has AVX-512 VNNI
+  (`_runtime.set_qgemv_avx512_path(False)`).
 - `eager torch`: the torch op (`--threads`, default 2).
 - with `--nodes`, each delegate path also node by node (`..., nodes`: compiled graphs off).
 
