@@ -2,8 +2,8 @@
 // y[M, N] = x[M, K] . dequantize(w)^T in MLX's affine layout, as an MLX
 // primitive so it runs on the CPU stream like any other op. MLX's own CPU
 // quantized_matmul is a single-threaded scalar loop; this one is vectorised
-// (integer dot products with AVX2 where the CPU has it) and splits N across
-// the cores. Rows of x are taken kQgemvMaxRows at a time.
+// (integer dot products with AVX-512 VNNI or AVX2, whichever the CPU has) and
+// splits N across the cores. Rows of x are taken kQgemvMaxRows at a time.
 #pragma once
 
 #include <cstdint>
