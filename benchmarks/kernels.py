@@ -15,6 +15,12 @@ Groups (`--ops`, default all):
   scales / biases stored fp16 (as the GGUF program keeps them) and fp32 (as it stored them before);
   path `group-32 path off` runs the kernel's general per-group loop instead of its one-row
   eight-groups-at-a-time path (`_runtime.set_qgemv_group32_path`).
+- `qgemv1b`: one-row int4 products at the 1.2B Llama-3.2-shaped model's shapes (q / o [2048 x 2048], k / v
+  [512 x 2048], gate / up [8192 x 2048], down [2048 x 8192], the tied head [128256 x 2048]) in
+  `--quantize int4`'s layout (groups of 64, fp32 scales), then groups of 32 and fp16 / bf16 scales. Each
+  case lowers copies of the product with their own weights and inputs, ~384 MB of weights per call in all,
+  so a call streams them from memory as a decode step does; `GB/s` is weights + scales + biases over the
+  median. Eager torch is not timed (its fp32 weights would be 8x the bytes); `max|err|` is against it.
 - `sdpa`: attention at SmolLM2-135M's shape (9 query heads, 3 key heads, head dim 64) over a
   256-slot cache under the position mask the Llama model uses (`arange(S) <= position`), for 1 to 64
   query rows.
@@ -31,6 +37,8 @@ graph); the copies and eager torch take turns in rotating order, call by call
   replaces. Where the fused kernel does not apply (more query rows) this is the same path as
   `kernels on`, a control for the noise.
 - `kernels off`: MLX's own ops (`_runtime.set_cpu_kernels(False)`).
+- `avx512 off` (`qgemv`, `qgemv1b`): the quantized GEMV's AVX2 kernels where the CPU has AVX-512 VNNI
+  (`_runtime.set_qgemv_avx512_path(False)`).
 - `eager torch`: the torch op (`--threads`, default 2).
 - with `--nodes`, each delegate path also node by node (`..., nodes`: compiled graphs off).
 
@@ -65,7 +73,7 @@ from mlx_delegate.custom_ops import rope_at
 from mlx_delegate.models.llama import apply_rope
 from mlx_delegate.testing import Lambda, lower
 
-GROUPS = ("unary", "rows", "rope", "qgemv", "sdpa")
+GROUPS = ("unary", "rows", "rope", "qgemv", "qgemv1b", "sdpa")
 SDPA_ENV = "MLX_DELEGATE_SDPA_FUSED_MAX_L"
 
 
@@ -79,6 +87,8 @@ class Case:
     inputs: tuple[torch.Tensor, ...]
     eager: Callable[[], Any]
     paths: tuple[str, ...] = ("kernels on", "kernels off")
+    bytes_read: int = 0  # weights + scales + biases one call reads: the table's GB/s column
+    eager_timed: bool = True  # False: eager only checks the outputs (its fp32 weights would not fit)
 
 
 @dataclass(frozen=True)
@@ -89,10 +99,11 @@ class RunAs:
     compiled: bool = True
     env: dict[str, str] = field(default_factory=dict)
     group32: bool = True  # the quantized GEMV's one-row groups-of-32 path
+    avx512: bool = True  # the quantized GEMV's AVX-512 VNNI kernels (where the CPU has them)
 
 
 PATHS = {"kernels on": RunAs(), "composed": RunAs(env={SDPA_ENV: "0"}), "kernels off": RunAs(kernels=False),
-         "group-32 path off": RunAs(group32=False)}
+         "group-32 path off": RunAs(group32=False), "avx512 off": RunAs(avx512=False)}
 
 
 def shape_text(x: torch.Tensor) -> str:
@@ -191,7 +202,64 @@ def qgemv_cases(quick: bool) -> Iterator[Case]:
             x = torch.randn(1, 1, k)
             yield Case("qgemv", f"{name} [{n} x {k}], scales {str(scales_dtype).removeprefix('torch.')}", module,
                        (x,), lambda m=module, x=x: F.linear(x, m.weight),
-                       paths=("kernels on", "group-32 path off", "kernels off"))
+                       paths=("kernels on", "group-32 path off", "avx512 off", "kernels off"))
+
+
+class PackedLinears(torch.nn.Module):
+    """`copies` int4 / int8 linears [N, K], each with its own random packed weights and its own input: one
+    call streams every copy's weights once, like a decode step, and the per-call overhead is shared."""
+
+    def __init__(self, n: int, k: int, bits: int, group_size: int, scales_dtype: torch.dtype,
+                 copies: int) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.linears = torch.nn.ModuleList()
+        for _ in range(copies):
+            words = torch.randint(-2**31, 2**31 - 1, (n, k * bits // 32), generator=gen, dtype=torch.int32)
+            scales = (torch.rand(n, k // group_size, generator=gen) + 0.5) * 0.16 / 2**bits
+            biases = -(2 ** (bits - 1) + torch.randn(n, k // group_size, generator=gen)) * scales
+            self.linears.append(Q.QuantizedLinear(Q.MLXQuantized(words, scales.to(scales_dtype),
+                                                                 biases.to(scales_dtype), group_size, bits)))
+
+    def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(linear(x) for linear, x in zip(self.linears, xs))
+
+
+def packed_reference(model: PackedLinears, xs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """Eager outputs on weights dequantized 4096 rows at a time (the head's fp32 weight alone is 1 GB)."""
+    out = []
+    for linear, x in zip(model.linears, xs):
+        parts = [F.linear(x, Q.dequantize_mlx(linear.w[r:r + 4096], linear.scales[r:r + 4096],
+                                                linear.biases[r:r + 4096], linear.group_size, linear.bits,
+                                                dtype=torch.float32).to(x.dtype))
+                 for r in range(0, linear.w.shape[0], 4096)]
+        out.append(torch.cat(parts, -1))
+    return tuple(out)
+
+
+# The 1.2B Llama-3.2-shaped model's decode products (q / o, k / v, gate / up, down, the tied head);
+# copies of each are lowered so one call reads ~QGEMV1B_BYTES, most of it from memory, not cache.
+QGEMV1B_SHAPES = [("q/o", 2048, 2048), ("k/v", 512, 2048), ("gate/up", 8192, 2048), ("down", 2048, 8192),
+                  ("head", 128256, 2048)]
+QGEMV1B_BYTES = 384 << 20
+
+
+def qgemv1b_cases(quick: bool) -> Iterator[Case]:
+    """`--quantize int4`'s layout (groups of 64, fp32 scales) at the 1.2B shapes; then groups of 32 and
+    bf16 / fp16 scales at q/o and gate/up (fp32 activations: the table's error column reads fp32 only)."""
+    configs = [(name, n, k, 64, torch.float32, torch.float32) for name, n, k in QGEMV1B_SHAPES]
+    configs += [(name, n, k, g, sd, xd) for name, n, k in QGEMV1B_SHAPES[0:3:2]
+                for g, sd, xd in ((32, torch.float32, torch.float32), (64, torch.bfloat16, torch.float32),
+                                  (32, torch.float16, torch.float32))]
+    for name, n, k, group_size, scales_dtype, x_dtype in configs[:1] if quick else configs:
+        one = n * k // 2 + 2 * n * (k // group_size) * (4 if scales_dtype == torch.float32 else 2)
+        copies = max(1, min(96, QGEMV1B_BYTES // one)) if not quick else 2
+        module = PackedLinears(n, k, 4, group_size, scales_dtype, copies).eval()
+        xs = tuple(torch.randn(1, 1, k).to(x_dtype) for _ in range(copies))
+        label = (f"{name} [{n} x {k}] x{copies}, g{group_size}, scales {str(scales_dtype).removeprefix('torch.')}"
+                 f", x {str(x_dtype).removeprefix('torch.')}")
+        yield Case("qgemv1b", label, module, xs, lambda m=module, xs=xs: packed_reference(m, xs),
+                   paths=("kernels on", "avx512 off"), bytes_read=one * copies, eager_timed=False)
 
 
 SDPA_HQ, SDPA_HK, SDPA_D, SDPA_S = 9, 3, 64, 256
@@ -216,7 +284,8 @@ def sdpa_cases(quick: bool) -> Iterator[Case]:
 
 
 SOURCES: dict[str, Callable[[bool], Iterator[Case]]] = {
-    "unary": unary_cases, "rows": rows_cases, "rope": rope_cases, "qgemv": qgemv_cases, "sdpa": sdpa_cases}
+    "unary": unary_cases, "rows": rows_cases, "rope": rope_cases, "qgemv": qgemv_cases, "qgemv1b": qgemv1b_cases,
+    "sdpa": sdpa_cases}
 
 
 # ---------------------------------------------------------------- running
@@ -233,6 +302,7 @@ def delegate_run(buffer: bytes, inputs: tuple[torch.Tensor, ...],
         _runtime.set_cpu_kernels(path.kernels)
         _runtime.set_compile(path.compiled)
         _runtime.set_qgemv_group32_path(path.group32)
+        _runtime.set_qgemv_avx512_path(path.avx512)
         os.environ.update(path.env)  # read when the graph is built: the first and the tracing call
         try:
             return method.execute(args)
@@ -242,6 +312,7 @@ def delegate_run(buffer: bytes, inputs: tuple[torch.Tensor, ...],
             _runtime.set_cpu_kernels(was[0])
             _runtime.set_compile(was[1])
             _runtime.set_qgemv_group32_path(True)
+            _runtime.set_qgemv_avx512_path(True)
 
     return run, program
 
@@ -255,6 +326,7 @@ class Row:
     rounds: int = 0
     max_abs_err: float | None = None
     error: str | None = None
+    bytes_read: int = 0
 
 
 def run_case(case: Case, settings: common.Settings, nodes: bool) -> list[Row]:
@@ -288,8 +360,11 @@ def run_case(case: Case, settings: common.Settings, nodes: bool) -> list[Row]:
             runs[name] = run
         except Exception as e:  # noqa: BLE001
             rows[name].error = common.one_line(e)
-    runs["eager torch"] = eager
-    rows["eager torch"].max_abs_err = 0.0
+    if case.eager_timed:
+        runs["eager torch"] = eager
+        rows["eager torch"].max_abs_err = 0.0
+    else:
+        del rows["eager torch"]
     estimates = {}
     for name, run in list(runs.items()):
         try:
@@ -300,6 +375,7 @@ def run_case(case: Case, settings: common.Settings, nodes: bool) -> list[Row]:
     samples, errors = common.time_interleaved(runs, estimates, settings)
     for name, xs in samples.items():
         row = rows[name]
+        row.bytes_read = case.bytes_read
         row.error = errors.get(name, row.error)
         if xs:
             row.median_s, row.p90_s, row.rounds = float(np.median(xs)), float(np.percentile(xs, 90)), len(xs)
@@ -311,18 +387,20 @@ def ratio(a: float | None, b: float | None) -> str:
 
 
 def table(rows: list[Row]) -> str:
-    headers = ["case", "path", "median", "p90", "n", "x on", "x eager", "max|err|", "error"]
-    right = [False, False, True, True, True, True, True, True, False]
+    headers = ["case", "path", "median", "p90", "n", "x on", "x eager", "GB/s", "max|err|", "error"]
+    right = [False, False, True, True, True, True, True, True, True, False]
     by_case: dict[str, dict[str, Row]] = {}
     for r in rows:
         by_case.setdefault(r.case, {})[r.path] = r
     lines = []
     for case, paths in by_case.items():
-        on, eager = paths["kernels on"].median_s, paths["eager torch"].median_s
+        on = paths["kernels on"].median_s
+        eager = paths["eager torch"].median_s if "eager torch" in paths else None
         for i, r in enumerate(paths.values()):
             lines.append([case if i == 0 else "", r.path, common.fmt_time(r.median_s),
                           common.fmt_time(r.p90_s),
                           str(r.rounds) if r.rounds else "-", ratio(r.median_s, on), ratio(r.median_s, eager),
+                          f"{r.bytes_read / r.median_s / 1e9:.1f}" if r.bytes_read and r.median_s else "-",
                           "-" if r.max_abs_err is None else f"{r.max_abs_err:.1e}", r.error or ""])
     return common.format_table(headers, lines, right)
 

@@ -259,6 +259,9 @@ NB_MODULE(_runtime, m) {
   m.def("set_qgemv_group32_path", &mlxd::rt::qgemv_cpu_set_group32_path, nb::arg("on"),
         "Turn the quantized GEMV's one-row path for groups of 32 on (default) or off, from the next call "
         "on (parity tests, A/B timings).");
+  m.def("set_qgemv_avx512_path", &mlxd::rt::qgemv_cpu_set_avx512_path, nb::arg("on"),
+        "Turn the quantized GEMV's AVX-512 VNNI kernels on (default, where the CPU has them) or off (the AVX2 "
+        "kernels run), from the next call on (parity tests, A/B timings).");
   m.def("cpu_kernel_call_counts", &mlxd::rt::cpu_kernel_call_counts,
         "Calls of the CPU element-wise / row kernels by name (softmax, rms_norm, silu, ...); "
         "MLX_DELEGATE_CPU_KERNELS=0 turns them off.");

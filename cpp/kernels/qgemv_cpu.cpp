@@ -34,6 +34,8 @@ namespace {
 std::atomic<uint64_t> g_calls{0};
 // The one-row group-32 path (block_avx2_g32); switchable for A/B measurements in one process.
 std::atomic<bool> g_group32_path{true};
+// The AVX-512 VNNI kernels (block_avx512*) where the CPU has them; off runs the AVX2 ones (A/B, parity).
+std::atomic<bool> g_avx512_path{true};
 
 // How scales and biases are stored. They are read where they lie, one value per group of
 // weights, never converted per call: GGUF's d and m are fp16, so a program keeps them fp16
@@ -128,23 +130,35 @@ int64_t x_block_for(int64_t group_size) {
   return 0;
 }
 
+// Within each `span` elements (32 for the AVX2 kernels, 64 for the AVX-512 ones) x is stored in
+// the order the packed weights widen into 16-bit lanes: int8 in order; int4 byte j of a span
+// holds elements 2j (low nibble) and 2j + 1 (high), so slot j < span / 2 holds element 2j and
+// slot span / 2 + j element 2j + 1.
 template <int Bits>
-void quantize_x(const float* x, int64_t m, int64_t k, int64_t block, int16_t* q, float* scales) {
-  for (int64_t r = 0; r < m; ++r)
+inline int64_t x_slot_element(int64_t span, int64_t i) {
+  if constexpr (Bits == 8) return i;
+  const int64_t half = span / 2;
+  return 2 * (i % half) + (i >= half);
+}
+
+template <int Bits>
+void quantize_x(const float* x, int64_t m, int64_t k, int64_t block, int64_t span, int16_t* q, float* scales) {
+  std::vector<float> inv(static_cast<size_t>(k / block));
+  for (int64_t r = 0; r < m; ++r) {
+    const float* xr = x + r * k;
     for (int64_t b0 = 0; b0 < k; b0 += block) {
-      const float* xb = x + r * k + b0;
       float amax = 0.f;
-      for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(xb[i]));
-      const float scale = amax / kX16Max, inv = amax > 0.f ? kX16Max / amax : 0.f;
-      scales[(r * k + b0) / block] = scale;
-      int16_t* qb = q + r * k + b0;
-      for (int64_t c = 0; c < block; c += 32)
-        for (int i = 0; i < 32; ++i) {
-          // int4: slot i < 16 holds element 2i of the chunk, slot 16 + i element 2i + 1.
-          const int e = Bits == 4 ? (i < 16 ? 2 * i : 2 * (i - 16) + 1) : i;
-          qb[c + i] = static_cast<int16_t>(std::lrintf(xb[c + e] * inv));
-        }
+      for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(xr[b0 + i]));
+      scales[(r * k + b0) / block] = amax / kX16Max;
+      inv[b0 / block] = amax > 0.f ? kX16Max / amax : 0.f;
     }
+    // A span may hold several blocks (span 64, groups of 32): each element takes its own block's scale.
+    for (int64_t s0 = 0; s0 < k; s0 += span)
+      for (int64_t i = 0; i < span; ++i) {
+        const int64_t e = s0 + x_slot_element<Bits>(span, i);
+        q[r * k + s0 + i] = static_cast<int16_t>(std::lrintf(xr[e] * inv[e / block]));
+      }
+  }
 }
 
 // 32 weights of one row from element e (a multiple of 32) as two vectors of
@@ -303,6 +317,217 @@ MLXD_QGEMV_AVX2 void rows_avx2(const Problem& p, int64_t n0, int64_t n1) {
   for (; n < n1; ++n) block_avx2<Bits, M, 1, S>(p, n);
 }
 
+// ---- AVX-512 (BW + VNNI): 64 weights per step, products summed by vpdpwssd ----
+//
+// The AVX2 kernels' scheme on 512-bit vectors: 32 packed bytes widen to 64 int4 weights in two
+// vectors of 16-bit lanes, and vpdpwssd multiplies them by x's int16 lanes and adds pairs into the
+// int32 accumulator in one instruction (vpmaddwd + vpaddd). About 5 instructions per 64 weights
+// where AVX2 takes 14, so a core keeps up with its share of the memory bandwidth. x is stored in
+// 64-element spans (quantize_x); a span holds two groups of 32 in its accumulator's two halves.
+#define MLXD_QGEMV_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+// 64 weights of one row from element e (a multiple of 64), in quantize_x's 64-element order.
+template <int Bits>
+MLXD_QGEMV_AVX512 inline void load_w64(const uint32_t* wn, int64_t e, __m512i& lo, __m512i& hi) {
+  const auto* bytes = reinterpret_cast<const uint8_t*>(wn);
+  if constexpr (Bits == 4) {
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + e / 2)));
+    lo = _mm512_and_si512(v, _mm512_set1_epi16(0x0F));
+    hi = _mm512_srli_epi16(v, 4);
+  } else {
+    lo = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + e)));
+    hi = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + e + 32)));
+  }
+}
+
+// Sixteen consecutive scales / biases as float32.
+template <int S>
+MLXD_QGEMV_AVX512 inline __m512 load16_scales(const void* p, int64_t i) {
+  if constexpr (S == kScaleF32) {
+    return _mm512_loadu_ps(static_cast<const float*>(p) + i);
+  } else {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i));
+    if constexpr (S == kScaleF16) return _mm512_cvtph_ps(h);
+    else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+// sum_g biases[row, g] * xsums[g]: the bias term of one output, sixteen groups at a time.
+template <int S>
+MLXD_QGEMV_AVX512 inline float bias_dot(const void* biases, int64_t row0, const float* xsums, int64_t groups) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t g = 0;
+  for (; g + 16 <= groups; g += 16)
+    acc = _mm512_fmadd_ps(load16_scales<S>(biases, row0 + g), _mm512_loadu_ps(xsums + g), acc);
+  float sum = _mm512_reduce_add_ps(acc);
+  for (; g < groups; ++g) sum += scale_avx2<S>(biases, row0 + g) * xsums[g];
+  return sum;
+}
+
+// Outputs n0 .. n0 + NB of every row of x; x blocks of 64 or more elements (groups of 64 and up).
+template <int Bits, int M, int NB, int S>
+MLXD_QGEMV_AVX512 void block_avx512(const Problem& p, int64_t n0) {
+  const uint32_t* wn[NB];
+  for (int j = 0; j < NB; ++j) wn[j] = p.w + (n0 + j) * p.words_per_row;
+  __m512 total[M][NB];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < NB; ++j) total[m][j] = _mm512_setzero_ps();
+  const int64_t blocks_per_group = p.group_size / p.x_block, blocks_per_row = p.k / p.x_block;
+  for (int64_t g = 0; g < p.groups; ++g) {
+    float sw[NB];
+    for (int j = 0; j < NB; ++j) sw[j] = scale_avx2<S>(p.scales, (n0 + j) * p.groups + g);
+    for (int64_t xb = g * blocks_per_group; xb < (g + 1) * blocks_per_group; ++xb) {
+      __m512i acc[M][NB];
+      for (int m = 0; m < M; ++m)
+        for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_si512();
+      for (int64_t e = xb * p.x_block; e < (xb + 1) * p.x_block; e += 64) {
+        __m512i xlo[M], xhi[M];
+        for (int m = 0; m < M; ++m) {
+          xlo[m] = _mm512_loadu_si512(p.x16 + m * p.k + e);
+          xhi[m] = _mm512_loadu_si512(p.x16 + m * p.k + e + 32);
+        }
+        for (int j = 0; j < NB; ++j) {
+          // The next block's rows, one prefetch per cache line (see block_avx2).
+          if (e % (512 / Bits) == 0)
+            _mm_prefetch(reinterpret_cast<const char*>(wn[j] + NB * p.words_per_row) + e * Bits / 8, _MM_HINT_T0);
+          __m512i lo, hi;
+          load_w64<Bits>(wn[j], e, lo, hi);
+          for (int m = 0; m < M; ++m)
+            acc[m][j] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(acc[m][j], lo, xlo[m]), hi, xhi[m]);
+        }
+      }
+      for (int m = 0; m < M; ++m) {
+        const float sx = p.x16_scales[m * blocks_per_row + xb];
+        for (int j = 0; j < NB; ++j)
+          total[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][j]), _mm512_set1_ps(sx * sw[j]), total[m][j]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < NB; ++j)
+      p.y[m * p.n_rows + n0 + j] = _mm512_reduce_add_ps(total[m][j]) +
+                                   bias_dot<S>(p.biases, (n0 + j) * p.groups, p.xsums + m * p.groups, p.groups);
+}
+
+// The integer dot products of the two groups of 32 from element e (a multiple of 64) with one row of
+// x, each as eight int32 lanes to be summed. int4: the widened bytes hold group a in the low half
+// of both vectors and group b in the high half; int8: lo is all of group a, hi all of group b.
+template <int Bits>
+MLXD_QGEMV_AVX512 inline void two_groups(const Problem& p, const uint32_t* wn, int64_t e, __m256i& a, __m256i& b) {
+  __m512i lo, hi;
+  load_w64<Bits>(wn, e, lo, hi);
+  const __m512i xlo = _mm512_loadu_si512(p.x16 + e), xhi = _mm512_loadu_si512(p.x16 + e + 32);
+  if constexpr (Bits == 4) {
+    const __m512i acc = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, xlo), hi, xhi);
+    a = _mm512_castsi512_si256(acc);
+    b = _mm512_extracti64x4_epi64(acc, 1);
+  } else {
+    const __m512i acc_a = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, xlo);
+    const __m512i acc_b = _mm512_dpwssd_epi32(_mm512_setzero_si512(), hi, xhi);
+    a = _mm256_add_epi32(_mm512_castsi512_si256(acc_a), _mm512_extracti64x4_epi64(acc_a, 1));
+    b = _mm256_add_epi32(_mm512_castsi512_si256(acc_b), _mm512_extracti64x4_epi64(acc_b, 1));
+  }
+}
+
+// One row of x, groups of 32: eight groups (four 64-element steps, two groups per accumulator)
+// scaled and accumulated with one vector op each, as block_avx2_g32 does.
+template <int Bits, int NB, int S>
+MLXD_QGEMV_AVX512 void block_avx512_g32(const Problem& p, int64_t n0) {
+  constexpr int64_t kChunk = 8 * 32;
+  constexpr int64_t kLine = 512 / Bits;
+  const int64_t chunks = p.groups / 8;
+  for (int j = 0; j < NB; ++j) {
+    const int64_t n = n0 + j;
+    const uint32_t* wn = p.w + n * p.words_per_row;
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t e0 = c * kChunk;
+      for (int64_t e = e0; e < e0 + kChunk; e += kLine)
+        _mm_prefetch(reinterpret_cast<const char*>(wn + NB * p.words_per_row) + e * Bits / 8, _MM_HINT_T0);
+      __m256i halves[8];
+      for (int st = 0; st < 4; ++st) two_groups<Bits>(p, wn, e0 + 64 * st, halves[2 * st], halves[2 * st + 1]);
+      const __m256 scale =
+          _mm256_mul_ps(load8_scales<S>(p.scales, n * p.groups + 8 * c), _mm256_loadu_ps(p.x16_scales + 8 * c));
+      total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums_of_8(halves)), scale, total);
+    }
+    float y = vmath::hsum8(total);
+    // The last groups % 8 (an even number: k is a multiple of 64 here), two at a time.
+    for (int64_t g = chunks * 8; g < p.groups; g += 2) {
+      __m256i parts[2];
+      two_groups<Bits>(p, wn, 32 * g, parts[0], parts[1]);
+      for (int h = 0; h < 2; ++h) {
+        const float dot = vmath::hsum8(_mm256_cvtepi32_ps(parts[h]));
+        y += dot * p.x16_scales[g + h] * scale_avx2<S>(p.scales, n * p.groups + g + h);
+      }
+    }
+    p.y[n] = y + bias_dot<S>(p.biases, n * p.groups, p.xsums, p.groups);
+  }
+}
+
+// quantize_x for the AVX-512 kernels (span 64; k a multiple of 64, block 32, 64 or 128), sixteen
+// lanes at a time: the same int16 values (cvtps rounds to nearest even, as lrintf does) and scales.
+template <int Bits>
+MLXD_QGEMV_AVX512 void quantize_x_avx512(const float* x, int64_t m, int64_t k, int64_t block, int16_t* q,
+                                         float* scales) {
+  alignas(64) static constexpr int16_t kEven[32] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                                                    32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62};
+  const __m512i even = _mm512_load_si512(kEven), odd = _mm512_add_epi16(even, _mm512_set1_epi16(1));
+  std::vector<float> inv(static_cast<size_t>(k / block));
+  for (int64_t r = 0; r < m; ++r) {
+    const float* xr = x + r * k;
+    for (int64_t b0 = 0; b0 < k; b0 += block) {
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t i = 0; i < block; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xr + b0 + i)));
+      const float a = _mm512_reduce_max_ps(amax);
+      scales[(r * k + b0) / block] = a / kX16Max;
+      inv[b0 / block] = a > 0.f ? kX16Max / a : 0.f;
+    }
+    for (int64_t s0 = 0; s0 < k; s0 += 64) {
+      __m256i h[4];
+      for (int i = 0; i < 4; ++i) {
+        const int64_t e = s0 + 16 * i;
+        h[i] = _mm512_cvtsepi32_epi16(
+            _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xr + e), _mm512_set1_ps(inv[e / block]))));
+      }
+      // Elements 0-31 and 32-63 of the span in order.
+      const __m512i a = _mm512_inserti64x4(_mm512_castsi256_si512(h[0]), h[1], 1);
+      const __m512i b = _mm512_inserti64x4(_mm512_castsi256_si512(h[2]), h[3], 1);
+      int16_t* qs = q + r * k + s0;
+      if constexpr (Bits == 8) {
+        _mm512_storeu_si512(qs, a);
+        _mm512_storeu_si512(qs + 32, b);
+      } else {  // even elements in slots 0-31, odd ones in 32-63 (x_slot_element)
+        _mm512_storeu_si512(qs, _mm512_permutex2var_epi16(a, even, b));
+        _mm512_storeu_si512(qs + 32, _mm512_permutex2var_epi16(a, odd, b));
+      }
+    }
+  }
+}
+
+// Sums of x over each group of one row (k a multiple of the group size, itself of 32).
+MLXD_QGEMV_AVX512 void group_sums_avx512(const float* x, int64_t k, int64_t group_size, float* sums) {
+  for (int64_t g0 = 0; g0 < k; g0 += group_size) {
+    __m512 acc = _mm512_loadu_ps(x + g0);
+    for (int64_t i = 16; i < group_size; i += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(x + g0 + i));
+    sums[g0 / group_size] = _mm512_reduce_add_ps(acc);
+  }
+}
+
+// The AVX-512 kernels take x blocks of 64 and up at any row count, and one row of groups of 32
+// (pick_isa decides; the x layout follows).
+template <int Bits, int M, int S>
+MLXD_QGEMV_AVX512 void rows_avx512(const Problem& p, int64_t n0, int64_t n1) {
+  constexpr int NB = kBlockRows<M>;
+  int64_t n = n0;
+  if (p.x_block == 32) {
+    for (; n + NB <= n1; n += NB) block_avx512_g32<Bits, NB, S>(p, n);
+    for (; n < n1; ++n) block_avx512_g32<Bits, 1, S>(p, n);
+    return;
+  }
+  for (; n + NB <= n1; n += NB) block_avx512<Bits, M, NB, S>(p, n);
+  for (; n < n1; ++n) block_avx512<Bits, M, 1, S>(p, n);
+}
+
 #endif
 
 // ---- Kernel table: [scale kind][bits is 8][rows - 1] ---------------------------
@@ -322,6 +547,10 @@ struct Portable {
 template <int Bits, int M, int S>
 struct Avx2 {
   static constexpr RowsFn fn = rows_avx2<Bits, M, S>;
+};
+template <int Bits, int M, int S>
+struct Avx512 {
+  static constexpr RowsFn fn = rows_avx512<Bits, M, S>;
 };
 #endif
 
@@ -347,14 +576,39 @@ bool use_avx2_kernels() {
 #endif
 }
 
-RowsFn pick_kernel(int scales, int bits, int64_t m) {
-  static const auto table = [] {
+bool cpu_has_avx512_vnni() {
 #ifdef MLXD_QGEMV_X86
-    if (use_avx2_kernels()) return kernel_table<Avx2>();
+  static const bool on = use_avx2_kernels() && cpu_use_avx512() && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  return on;
+#else
+  return false;
 #endif
-    return kernel_table<Portable>();
-  }();
-  return table[scales][bits == 8][m - 1];
+}
+
+enum Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+
+// Which kernels run a problem of m rows; the x layout (quantize_x's span) follows. AVX-512 takes
+// x blocks of 64 and up (k a multiple of 64 then), and groups of 32 at one row where k is a
+// multiple of 64 and the one-row group-32 path is on.
+Isa pick_isa(int64_t m, int64_t k, int64_t x_block) {
+  if (!use_avx2_kernels()) return kPortable;
+  if (cpu_has_avx512_vnni() && g_avx512_path.load(std::memory_order_relaxed) && k % 64 == 0 &&
+      (x_block >= 64 || (x_block == 32 && m == 1 && g_group32_path.load(std::memory_order_relaxed))))
+    return kAvx512;
+  return kAvx2;
+}
+
+RowsFn pick_kernel(Isa isa, int scales, int bits, int64_t m) {
+  static const std::array<std::array<BitsTable, kScaleKinds>, 3> table = {
+      kernel_table<Portable>(),
+#ifdef MLXD_QGEMV_X86
+      kernel_table<Avx2>(), kernel_table<Avx512>(),
+#else
+      kernel_table<Portable>(), kernel_table<Portable>(),
+#endif
+  };
+  return table[isa][scales][bits == 8][m - 1];
 }
 
 // ---- Rows of w (N) split across the cores (the shared pool in cpu_parallel.h) --
@@ -379,26 +633,33 @@ constexpr int64_t kRowsChunk = 64;
 void run_problem(Problem p, int scales, int bits, int64_t m) {
   std::vector<int16_t> x16;
   std::vector<float> x16_scales;
+  Isa isa = kPortable;
 #ifdef MLXD_QGEMV_X86
   if (use_avx2_kernels()) {
     p.x_block = x_block_for(p.group_size);
+    isa = pick_isa(m, p.k, p.x_block);
     x16.resize(static_cast<size_t>(m * p.k));
     x16_scales.resize(static_cast<size_t>(m * p.k / p.x_block));
-    (bits == 4 ? quantize_x<4> : quantize_x<8>)(p.x, m, p.k, p.x_block, x16.data(), x16_scales.data());
+    if (isa == kAvx512)
+      (bits == 4 ? quantize_x_avx512<4> : quantize_x_avx512<8>)(p.x, m, p.k, p.x_block, x16.data(), x16_scales.data());
+    else
+      (bits == 4 ? quantize_x<4> : quantize_x<8>)(p.x, m, p.k, p.x_block, 32, x16.data(), x16_scales.data());
     p.x16 = x16.data();
     p.x16_scales = x16_scales.data();
   }
 #endif
   if (m <= kQgemvMaxRows) {
-    RowsFn kernel = pick_kernel(scales, bits, m);
+    if (isa == kAvx512) cpu_kernel_note_call("qgemv_avx512");  // tests prove the AVX-512 kernels ran
+    RowsFn kernel = pick_kernel(isa, scales, bits, m);
     cpu_parallel_for(p.n_rows, p.k * m, 4, [&](int64_t begin, int64_t end) { kernel(p, begin, end); });
     return;
   }
+  if (isa == kAvx512) cpu_kernel_note_call("qgemv_avx512");
   cpu_parallel_for(p.n_rows, p.k * m, kRowsChunk, [&](int64_t begin, int64_t end) {
     for (int64_t n0 = begin; n0 < end; n0 += kRowsChunk)
       for (int64_t r0 = 0; r0 < m; r0 += kQgemvMaxRows) {
         const int64_t rows = std::min(kQgemvMaxRows, m - r0);
-        pick_kernel(scales, bits, rows)(from_row(p, r0), n0, std::min(end, n0 + kRowsChunk));
+        pick_kernel(isa, scales, bits, rows)(from_row(p, r0), n0, std::min(end, n0 + kRowsChunk));
       }
   });
 }
@@ -428,6 +689,11 @@ class QGemvCpu : public mx::UnaryPrimitive {
       CpuRowMajor w = row_major(in[1]), scales = row_major(in[2]), biases = row_major(in[3]);
       std::vector<float> xsums(static_cast<size_t>(m * p.groups));
       p.x = x.data();
+#ifdef MLXD_QGEMV_X86
+      if (cpu_has_avx512_vnni())
+        for (int64_t r = 0; r < m; ++r) group_sums_avx512(p.x + r * p.k, p.k, p.group_size, &xsums[r * p.groups]);
+      else
+#endif
       for (int64_t r = 0; r < m; ++r)
         for (int64_t g = 0; g < p.groups; ++g) {
           const float* xg = p.x + r * p.k + g * p.group_size;
@@ -503,5 +769,7 @@ mx::array qgemv_cpu(const mx::array& x, const mx::array& w, const mx::array& sca
 uint64_t qgemv_cpu_calls() { return g_calls.load(std::memory_order_relaxed); }
 
 void qgemv_cpu_set_group32_path(bool on) { g_group32_path.store(on, std::memory_order_relaxed); }
+
+void qgemv_cpu_set_avx512_path(bool on) { g_avx512_path.store(on, std::memory_order_relaxed); }
 
 }  // namespace mlxd::rt

@@ -2,8 +2,8 @@
 // y[M, N] = x[M, K] . dequantize(w)^T in MLX's affine layout, as an MLX
 // primitive so it runs on the CPU stream like any other op. MLX's own CPU
 // quantized_matmul is a single-threaded scalar loop; this one is vectorised
-// (integer dot products with AVX2 where the CPU has it) and splits N across
-// the cores. Rows of x are taken kQgemvMaxRows at a time.
+// (integer dot products with AVX-512 VNNI or AVX2, whichever the CPU has) and
+// splits N across the cores. Rows of x are taken kQgemvMaxRows at a time.
 #pragma once
 
 #include <cstdint>
@@ -36,5 +36,9 @@ uint64_t qgemv_cpu_calls();
 // The one-row path for groups of 32 (on by default): off runs those products on the general
 // per-group loop, for parity tests and A/B timings in one process.
 void qgemv_cpu_set_group32_path(bool on);
+
+// The AVX-512 VNNI kernels (on by default where the CPU has AVX-512 BW, VL and VNNI and
+// MLX_DELEGATE_CPU_KERNELS is not "avx2"): off runs the AVX2 kernels, for parity tests and A/B timings.
+void qgemv_cpu_set_avx512_path(bool on);
 
 }  // namespace mlxd::rt
