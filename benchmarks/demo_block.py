@@ -8,8 +8,8 @@ split policies against eager torch in the demo's own alternation.
    uses them: the calling thread, the delegate's (MLX's stream thread, the kernels' helper pool)
    and eager's (its OpenMP workers).
 2. The demo's alternation (delegate, eager / eager, delegate, ...) in blocks of 10 rounds per
-   product split policy (`_blas.set_split_policy`: "measured", the default, chooses per product
-   shape by measured time; "always" splits every large product over the pool), the policies
+   product split policy (`_blas.set_split_policy`: "measured" chooses per product
+   shape by measured time; "always", the default, splits every large product over the pool), the policies
    rotating block by block in one process. Medians per policy.
 
     python benchmarks/demo_block.py [--rounds 200] [--cycles 20]

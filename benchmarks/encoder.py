@@ -22,9 +22,9 @@ Engines: `mlx_delegate` (stock `executorch.runtime`, compiled graphs as by defau
 `composed` (the delegate with its blocked attention kernel off, `MLX_DELEGATE_SDPA_BLOCKED=0` while its
 graphs are built: the composed matmul + softmax path it replaced) and `omp` (the delegate with its large
 fp32 products as one MKL call on MKL's OpenMP team, `_runtime.set_blas_split(False)` around each call:
-what it did before it cut them into blocks on its own helper pool), `split` (every large fp32 product
-cut into blocks on that pool, `_blas.set_split_policy("always")`: what it did before each product shape
-chose by measured time between the split and one single-threaded call) and `unfused-act` (the delegate
+what it did before it cut them into blocks on its own helper pool), `measured` (each large fp32 product
+shape split over that pool or run as one single-threaded call, whichever its recent calls timed faster:
+`_blas.set_split_policy("measured")`; the default splits every one) and `unfused-act` (the delegate
 lowered with `disable={"fuse_linear_activation"}`: a linear's bias add and GELU as separate passes).
 Each is checked against
 eager torch, then the engines take turns call by call (interleaved rounds, the order rotating). Every
@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ENGINE_KEYS = ("delegate", "composed", "omp", "split", "unfused-act", "eager", "xnnpack")
+ENGINE_KEYS = ("delegate", "composed", "omp", "measured", "unfused-act", "eager", "xnnpack")
 DEFAULT_ENGINES = ("delegate", "eager", "xnnpack")
 CASES = ("torch-layer", "bert", "vit", "whisper-encoder", "demo-block", "attention", "llama-prefill")
 LENGTHS = (128, 512, 1500)
@@ -95,15 +95,15 @@ def _omp_team(w: Workload) -> common.Prepared:
     return replace(p, run=run)
 
 
-def _always_split(w: Workload) -> common.Prepared:
-    """The delegate with every large fp32 product split over its helper pool (as before the split
-    was chosen per product shape by measured time: `_blas.set_split_policy("always")`)."""
+def _measured_split(w: Workload) -> common.Prepared:
+    """The delegate with each large fp32 product shape split over its helper pool or run as one
+    call, by measured time (`_blas.set_split_policy("measured")`)."""
     from mlx_delegate import _blas
 
     p = ENGINES["delegate"][1](w)
 
     def run() -> Any:
-        previous = _blas.set_split_policy("always")
+        previous = _blas.set_split_policy("measured")
         try:
             return p.run()
         finally:
@@ -115,7 +115,7 @@ def _always_split(w: Workload) -> common.Prepared:
 LOCAL_ENGINES = {
     "composed": ("mlx_delegate, attention composed", _composed),
     "omp": ("mlx_delegate, products on MKL's OpenMP team", _omp_team),
-    "split": ("mlx_delegate, every product split", _always_split),
+    "measured": ("mlx_delegate, split by measured time", _measured_split),
     # the linear + GELU / SiLU fusion off: bias add and activation as their own passes
     "unfused-act": ("mlx_delegate, linear act unfused",
                     common._executorch(lambda: mlx_delegate.MLXPartitioner(disable={"fuse_linear_activation"}))),

@@ -82,9 +82,10 @@ int mlxd_blas_init(const char* fast_lib, const char* reference_lib) {
   g_gemm_lowp[0] = reinterpret_cast<cblas_gemm_lowp_fn>(dlsym(lib, "cblas_gemm_bf16bf16f32"));
   g_gemm_lowp[1] = reinterpret_cast<cblas_gemm_lowp_fn>(dlsym(lib, "cblas_gemm_f16f16f32"));
   g_set_threads_local = reinterpret_cast<set_threads_local_fn>(dlsym(lib, "mkl_set_num_threads_local_"));
-  // MLX_DELEGATE_BLAS_SPLIT=always: split every large product (A/B runs); =0 turns splitting off (cpu_parallel.cpp).
+  // MLX_DELEGATE_BLAS_SPLIT=measured: split a product shape only when its recent calls timed it faster
+  // (machines shared with busy processes); =0 turns splitting off (cpu_parallel.cpp).
   const char* split = std::getenv("MLX_DELEGATE_BLAS_SPLIT");
-  if (split && std::strcmp(split, "always") == 0) mlxd_blas_set_split_policy(2);
+  if (split && std::strcmp(split, "measured") == 0) mlxd_blas_set_split_policy(1);
   return g_sgemm.load() != nullptr;
 }
 
@@ -198,7 +199,10 @@ struct SplitSgemm {
 // 107 us at load ~5). So each product shape keeps the recent time of both
 // ways, takes the faster (the split only when it saves a tenth: it burns a
 // second core), and retries the other way every kExploreEvery-th call, so a
-// core freed (or taken) later is noticed within a few calls.
+// core freed (or taken) later is noticed within a few calls. Opt-in: on a quiet
+// machine, alternating with eager torch (the demo), the timings caught eager's
+// spinning OpenMP workers and chose single calls: the demo block took 1.6-1.9
+// ms against 1.40-1.46 ms always splitting (2026-11-26).
 namespace {
 constexpr uint32_t kExploreEvery = 16;
 constexpr int kShapeSlots = 64;
@@ -208,8 +212,8 @@ struct ShapeTimes {
   std::atomic<int64_t> ns[2]{{0}, {0}};  // smoothed wall time per call: [0] one serial call, [1] split; 0 unknown
 };
 ShapeTimes g_shapes[kShapeSlots];
-// 0: never split; 1: by measured time (default); 2: always (tests, A/B runs).
-std::atomic<int> g_split_policy{1};
+// 0: never split; 1: by measured time; 2: always (default).
+std::atomic<int> g_split_policy{2};
 std::atomic<uint64_t> g_serial_choices{0};  // products the measured choice ran as one call
 
 int64_t now_ns() {
@@ -338,10 +342,10 @@ __attribute__((visibility("default"))) void cblas_dgemm(int order, int ta, int t
 
 extern "C" {
 
-// How large fp32 products use the runtime's pool: 0 never, 1 by measured time
-// (default), 2 always. Returns the previous policy.
+// How large fp32 products use the runtime's pool: 0 never, 1 by measured time,
+// 2 always (default). Returns the previous policy.
 __attribute__((visibility("default"))) int mlxd_blas_set_split_policy(int policy) {
-  return g_split_policy.exchange(policy < 0 || policy > 2 ? 1 : policy);
+  return g_split_policy.exchange(policy < 0 || policy > 2 ? 2 : policy);
 }
 
 // Products that the measured choice ran as one single-threaded call.

@@ -96,11 +96,12 @@ _SPLIT_POLICIES = ("never", "measured", "always")
 
 
 def set_split_policy(policy: str) -> str:
-    """How large fp32 products use the runtime's helper pool while splitting is on: "measured" (the
-    default: each product shape runs split or as one call, whichever its recent calls timed faster),
-    "always" or "never". Returns the previous policy."""
+    """How large fp32 products use the runtime's helper pool while splitting is on: "always" (the
+    default), "measured" (each product shape runs split or as one call, whichever its recent calls
+    timed faster; `MLX_DELEGATE_BLAS_SPLIT=measured` at start-up) or "never". Returns the previous
+    policy."""
     if policy not in _SPLIT_POLICIES:
         raise ValueError(f"split policy must be one of {_SPLIT_POLICIES}, got {policy!r}")
     if _state["lib"] is None:
-        return "measured"
+        return "always"
     return _SPLIT_POLICIES[_state["lib"].mlxd_blas_set_split_policy(_SPLIT_POLICIES.index(policy))]

@@ -18,9 +18,14 @@ namespace mlxd::rt {
 namespace mx = mlx::core;
 
 namespace {
+// Off by default: with eager torch's OpenMP workers spinning in the same
+// process (the demo's alternation), a helper that yielded lost its core to them
+// for a time slice: the demo block took 1.9-2.0 ms instead of 1.40-1.45 (quiet,
+// 2026-11-26). MLX_DELEGATE_SPIN_YIELD=1 turns it on for machines shared with
+// other busy processes.
 std::atomic<bool> g_spin_yield{[] {
   const char* v = std::getenv("MLX_DELEGATE_SPIN_YIELD");
-  return !(v && std::strcmp(v, "0") == 0);
+  return v && std::strcmp(v, "1") == 0;
 }()};
 }  // namespace
 
@@ -107,25 +112,45 @@ class Pool {
     return us;
   }
 
+  // How long a wait pauses on its core before it starts yielding it
+  // (MLX_DELEGATE_SPIN_PAUSE_US, default 30). The gaps between the parts of one
+  // call are shorter than this: a helper that yielded there handed its core to
+  // whatever else was runnable (eager torch's spinning OpenMP workers in the
+  // same process, say) and lost it for a whole time slice: the demo block took
+  // 1.9 instead of 1.45 ms. Longer waits yield (below).
+  static std::chrono::microseconds pause_time() {
+    static const auto us = [] {
+      const char* v = std::getenv("MLX_DELEGATE_SPIN_PAUSE_US");
+      return std::chrono::microseconds(v ? std::max(0L, std::strtol(v, nullptr, 10)) : 30);
+    }();
+    return us;
+  }
+
   // Polls `ready` for up to spin_time(); true as soon as it holds.
   template <class Ready>
   static bool spin_until(Ready ready) {
-    const auto until = std::chrono::steady_clock::now() + spin_time();
+    const auto start = std::chrono::steady_clock::now();
+    const auto until = start + spin_time(), pause_until = start + pause_time();
+    bool yielding = false;
     for (int i = 0;; ++i) {
       if (ready()) return true;
-      if ((i & 63) == 0 && std::chrono::steady_clock::now() > until) return false;
-      cpu_relax();
+      if ((i & 63) == 0) {
+        const auto now = std::chrono::steady_clock::now();
+        if (now > until) return false;
+        yielding = pool_spin_yield() && now > pause_until;
+      }
+      cpu_relax(yielding);
     }
   }
 
-  // Yielding (the default) lets the process's other threads (the caller
-  // replaying the graph, MLX's stream thread) have the core while the helper
-  // waits: on a shared 2-core machine a pausing spin held a core through a
-  // whole decode step (16 % of its samples) and the step took ~1.5x longer. On
-  // an idle core the yield returns at once, so the helper still sees a job
-  // within about a microsecond.
-  static void cpu_relax() {
-    if (pool_spin_yield()) {
+  // Yielding (when on, past pause_time()) lets the process's other threads
+  // (the caller replaying the graph, MLX's stream thread) have the core while
+  // the helper waits: on a shared 2-core machine a pausing spin held a core
+  // through a whole decode step (16 % of its samples) and the step took ~1.5x
+  // longer. On an idle core the yield returns at once, so the helper still
+  // sees a job within about a microsecond.
+  static void cpu_relax(bool yield) {
+    if (yield) {
       sched_yield();
       return;
     }

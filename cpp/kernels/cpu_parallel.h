@@ -36,8 +36,9 @@ bool cpu_kernels_enabled();
 bool set_blas_split(bool on);
 
 // How the kernel pool's helpers wait between jobs (MLX_DELEGATE_SPIN_US long):
-// yielding the core at each step (the default; MLX_DELEGATE_SPIN_YIELD=0 turns
-// it off) or pausing on it. Process-wide; this switch is for A/B runs in one process.
+// pausing on the core (the default), or, past MLX_DELEGATE_SPIN_PAUSE_US,
+// yielding it at each step (MLX_DELEGATE_SPIN_YIELD=1). Process-wide; this
+// switch is for A/B runs in one process.
 void set_pool_spin_yield(bool on);
 bool pool_spin_yield();
 

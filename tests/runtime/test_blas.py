@@ -87,21 +87,24 @@ def test_large_products_split_over_the_pool(ta, tb, m, n, k):
 
 
 def test_measured_split_tries_both_ways_and_keeps_results():
-    """Under the default policy a product shape runs split and as one call (each timed, then
+    """Under the measured policy a product shape runs split and as one call (each timed, then
     the faster, the other retried now and then): both ways serve it, and give the same product."""
     import mlx.core as mx
 
-    assert _blas.set_split_policy("measured") == "measured"
+    previous = _blas.set_split_policy("measured")
     rng = np.random.default_rng(2)
     a = rng.standard_normal((96, 200)).astype(np.float32)
     b = rng.standard_normal((200, 333)).astype(np.float32)  # a shape no other test uses
     xa, xb = mx.array(a), mx.array(b)
     split0, serial0 = _blas.split_calls(), _blas.serial_choices()
     outs = []
-    for _ in range(20):
-        out = xa @ xb
-        mx.eval(out)
-        outs.append(np.array(out))
+    try:
+        for _ in range(20):
+            out = xa @ xb
+            mx.eval(out)
+            outs.append(np.array(out))
+    finally:
+        assert _blas.set_split_policy(previous) == "measured"
     assert _blas.split_calls() > split0 and _blas.serial_choices() > serial0
     for out in outs:
         np.testing.assert_allclose(out, a @ b, rtol=1e-4, atol=1e-4)
