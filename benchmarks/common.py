@@ -116,24 +116,31 @@ def _executorch(make_partitioner: Callable[[], Any]) -> Engine:
     return prepare
 
 
-def _node_by_node(engine: Engine) -> Engine:
-    """`engine` with the delegate's compiled graphs off during its calls (MLX_DELEGATE_COMPILE=0)."""
-    from mlx_delegate import _runtime
+def switched(engine: Engine, get: Callable[[], Any], set_: Callable[[Any], Any], value: Any) -> Engine:
+    """`engine` (the same program) with a process-wide switch at `value` during its calls only:
+    `get()` reads the switch, `set_(v)` sets it; it is restored after each call."""
 
     def prepare(w: Workload) -> Prepared:
         p = engine(w)
 
         def run() -> Any:
-            was = _runtime.compile_enabled()
-            _runtime.set_compile(False)
+            was = get()
+            set_(value)
             try:
                 return p.run()
             finally:
-                _runtime.set_compile(was)
+                set_(was)
 
         return replace(p, run=run)
 
     return prepare
+
+
+def _node_by_node(engine: Engine) -> Engine:
+    """`engine` with the delegate's compiled graphs off during its calls (MLX_DELEGATE_COMPILE=0)."""
+    from mlx_delegate import _runtime
+
+    return switched(engine, _runtime.compile_enabled, _runtime.set_compile, False)
 
 
 def _xnnpack_partitioner() -> Any:

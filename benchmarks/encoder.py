@@ -42,7 +42,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import common
@@ -59,23 +59,26 @@ LENGTHS = (128, 512, 1500)
 QUICK_LENGTHS = (128,)
 
 
+def _env(name: str) -> Callable[[], str | None]:
+    return lambda: os.environ.get(name)
+
+
+def _set_env(name: str) -> Callable[[str | None], None]:
+    def set_(value: str | None) -> None:
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    return set_
+
+
+def _delegate_with(get: Callable[[], Any], set_: Callable[[Any], Any], value: Any) -> common.Engine:
+    return lambda w: common.switched(ENGINES["delegate"][1], get, set_, value)(w)
+
+
 def _composed(w: Workload) -> common.Prepared:
     """The delegate with the blocked attention kernel off while its graphs are built and run."""
-    def scoped(fn: Callable[[], Any]) -> Callable[[], Any]:
-        def run() -> Any:
-            was = os.environ.get("MLX_DELEGATE_SDPA_BLOCKED")
-            os.environ["MLX_DELEGATE_SDPA_BLOCKED"] = "0"
-            try:
-                return fn()
-            finally:
-                if was is None:
-                    del os.environ["MLX_DELEGATE_SDPA_BLOCKED"]
-                else:
-                    os.environ["MLX_DELEGATE_SDPA_BLOCKED"] = was
-        return run
-
-    p = ENGINES["delegate"][1](w)
-    return replace(p, run=scoped(p.run))
+    return _delegate_with(_env("MLX_DELEGATE_SDPA_BLOCKED"), _set_env("MLX_DELEGATE_SDPA_BLOCKED"), "0")(w)
 
 
 def _omp_team(w: Workload) -> common.Prepared:
@@ -83,16 +86,7 @@ def _omp_team(w: Workload) -> common.Prepared:
     runtime cut them into blocks on its own helper pool: `_runtime.set_blas_split(False)`)."""
     from mlx_delegate import _runtime
 
-    p = ENGINES["delegate"][1](w)
-
-    def run() -> Any:
-        _runtime.set_blas_split(False)
-        try:
-            return p.run()
-        finally:
-            _runtime.set_blas_split(True)
-
-    return replace(p, run=run)
+    return _delegate_with(lambda: True, _runtime.set_blas_split, False)(w)
 
 
 def _measured_split(w: Workload) -> common.Prepared:
@@ -100,16 +94,7 @@ def _measured_split(w: Workload) -> common.Prepared:
     call, by measured time (`_blas.set_split_policy("measured")`)."""
     from mlx_delegate import _blas
 
-    p = ENGINES["delegate"][1](w)
-
-    def run() -> Any:
-        previous = _blas.set_split_policy("measured")
-        try:
-            return p.run()
-        finally:
-            _blas.set_split_policy(previous)
-
-    return replace(p, run=run)
+    return _delegate_with(_blas.split_policy, _blas.set_split_policy, "measured")(w)
 
 
 LOCAL_ENGINES = {

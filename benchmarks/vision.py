@@ -161,20 +161,7 @@ def _conv_tiles_off(engine: common.Engine) -> common.Engine:
     """`engine` with the CPU convolution's tiled path off during its calls (the same program)."""
     from mlx_delegate import _runtime
 
-    def prepare(w: Workload) -> common.Prepared:
-        p = engine(w)
-
-        def run() -> Any:
-            was = _runtime.conv_tiles()
-            _runtime.set_conv_tiles(False)
-            try:
-                return p.run()
-            finally:
-                _runtime.set_conv_tiles(was)
-
-        return replace(p, run=run)
-
-    return prepare
+    return common.switched(engine, _runtime.conv_tiles, _runtime.set_conv_tiles, False)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

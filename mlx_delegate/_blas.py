@@ -95,6 +95,13 @@ def serial_choices() -> int:
 _SPLIT_POLICIES = ("never", "measured", "always")
 
 
+def split_policy() -> str:
+    """The current split policy (see `set_split_policy`)."""
+    previous = set_split_policy("always")
+    set_split_policy(previous)
+    return previous
+
+
 def set_split_policy(policy: str) -> str:
     """How large fp32 products use the runtime's helper pool while splitting is on: "always" (the
     default), "measured" (each product shape runs split or as one call, whichever its recent calls
