@@ -99,9 +99,9 @@ void run_problem(const Problem& p, int bits) {
 
 // ---- The MLX primitive --------------------------------------------------------
 
-class QGemmCpu : public mx::UnaryPrimitive {
+class QGemmCpu : public QuantizedProductCpu {
  public:
-  QGemmCpu(mx::Stream s, int group_size, int bits) : mx::UnaryPrimitive(s), group_size_(group_size), bits_(bits) {}
+  QGemmCpu(mx::Stream s, int group_size, int bits) : QuantizedProductCpu(s, "QGemmCpu", group_size, bits) {}
 
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -123,22 +123,6 @@ class QGemmCpu : public mx::UnaryPrimitive {
       run_problem(p, bits);
     });
   }
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("QGemmCpu runs on the CPU only");
-  }
-  const char* name() const override { return "QGemmCpu"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const QGemmCpu&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_;
-  }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
-    auto shape = in[0].shape();
-    shape.back() = in[1].shape(0);
-    return {shape};
-  }
-
- private:
-  int group_size_, bits_;
 };
 
 }  // namespace

@@ -666,9 +666,9 @@ void run_problem(Problem p, int scales, int bits, int64_t m) {
 
 // ---- The MLX primitive --------------------------------------------------------
 
-class QGemvCpu : public mx::UnaryPrimitive {
+class QGemvCpu : public QuantizedProductCpu {
  public:
-  QGemvCpu(mx::Stream s, int group_size, int bits) : mx::UnaryPrimitive(s), group_size_(group_size), bits_(bits) {}
+  QGemvCpu(mx::Stream s, int group_size, int bits) : QuantizedProductCpu(s, "QGemvCpu", group_size, bits) {}
 
   // inputs: x [..., K] (float32 / bfloat16 / float16), w [N, K * bits / 32] uint32, scales and
   // biases [N, G] (one float dtype, read as stored); any layout. Output [..., N] float32.
@@ -708,22 +708,6 @@ class QGemvCpu : public mx::UnaryPrimitive {
       run_problem(p, scale_kind(in[2].dtype()), bits, m);
     });
   }
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("QGemvCpu runs on the CPU only");
-  }
-  const char* name() const override { return "QGemvCpu"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const QGemvCpu&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_;
-  }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
-    auto shape = in[0].shape();
-    shape.back() = in[1].shape(0);
-    return {shape};
-  }
-
- private:
-  int group_size_, bits_;
 };
 
 }  // namespace

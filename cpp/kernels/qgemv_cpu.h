@@ -7,8 +7,12 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
 
 #include <mlx/mlx.h>
+#include <mlx/primitives.h>
 
 namespace mlxd::rt {
 
@@ -24,6 +28,31 @@ bool qgemv_cpu_applies(const mlx::core::array& x, int group_size, int bits);
 bool quantized_layout_ok(const mlx::core::array& x, int group_size, int bits);
 void check_quantized_operands(const char* who, const mlx::core::array& x, const mlx::core::array& w,
                               const mlx::core::array& scales, const mlx::core::array& biases, int group_size, int bits);
+
+// The MLX-primitive parts both quantized CPU kernels share: y [..., N] from x [..., K] and w [N, ...],
+// CPU only, equivalent (for MLX's compile) when the kernel, group size and bit width are.
+class QuantizedProductCpu : public mlx::core::UnaryPrimitive {
+ public:
+  QuantizedProductCpu(mlx::core::Stream s, const char* name, int group_size, int bits)
+      : mlx::core::UnaryPrimitive(s), name_(name), group_size_(group_size), bits_(bits) {}
+  void eval_gpu(const std::vector<mlx::core::array>&, mlx::core::array&) override {
+    throw std::runtime_error(std::string(name_) + " runs on the CPU only");
+  }
+  const char* name() const override { return name_; }
+  bool is_equivalent(const mlx::core::Primitive& other) const override {
+    const auto& o = static_cast<const QuantizedProductCpu&>(other);
+    return name_ == o.name_ && group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+  std::vector<mlx::core::Shape> output_shapes(const std::vector<mlx::core::array>& in) override {
+    auto shape = in[0].shape();
+    shape.back() = in[1].shape(0);
+    return {shape};
+  }
+
+ protected:
+  const char* name_;
+  int group_size_, bits_;
+};
 
 // x [..., K] float32, w [N, K * bits / 32] uint32, scales and biases [N, K / group_size]
 // float32; returns [..., N] float32.
