@@ -1,10 +1,11 @@
 """Vision models on CPU: the delegate, eager torch and ExecuTorch XNNPACK, interleaved in one process.
 
-ResNet-18/50, MobileNetV2, EfficientNet-B0 and a ViT-B/16-shaped model at 224x224, batch 1 and 8,
+ResNet-18/50, MobileNetV2/V3, EfficientNet-B0 and a ViT-B/16-shaped model at 224x224, batch 1 and 8,
 built from transformers configs with random weights (timm and torchvision are not installable beside
 our torch pin), in eval mode. Each engine is checked against eager torch, then the engines take turns
 call by call; each sample records wall time and the process's CPU time over the same calls (every
-thread counts, so a runtime that spins while waiting shows it). transformers has no MobileNetV3.
+thread counts, so a runtime that spins while waiting shows it). transformers has no MobileNetV3 (and timm
+needs torchvision), so MobileNetV3-Large is built here from `torch.nn` modules after the paper's layer table.
 
 - mlx_delegate: `MLXPartitioner`, loaded by the stock `executorch.runtime`, compiled graphs (default)
 - eager torch: the module itself under `torch.no_grad()`, 2 threads
@@ -47,11 +48,12 @@ import mlx_delegate.partitioner
 
 
 def _hf(model_cls: str, config_cls: str, **config: Any) -> torch.nn.Module:
+    """A transformers image classifier with random weights, taking pixels and returning logits."""
     import transformers
 
     torch.manual_seed(0)
     cfg = getattr(transformers, config_cls)(**config)
-    return getattr(transformers, model_cls)(cfg).eval()
+    return Logits(getattr(transformers, model_cls)(cfg).eval())
 
 
 class Logits(torch.nn.Module):
@@ -65,6 +67,76 @@ class Logits(torch.nn.Module):
         return self.inner(pixel_values=pixel_values)[0]
 
 
+def _divisible8(c: float) -> int:
+    """Channels rounded to a multiple of 8, never more than 10 % below c (MobileNet's rule)."""
+    r = max(8, int(c + 4) // 8 * 8)
+    return r + 8 if r < 0.9 * c else r
+
+
+def _conv_bn(cin: int, cout: int, k: int, stride: int = 1, groups: int = 1,
+             act: type[torch.nn.Module] | None = None) -> torch.nn.Sequential:
+    layers = [torch.nn.Conv2d(cin, cout, k, stride, k // 2, groups=groups, bias=False), torch.nn.BatchNorm2d(cout)]
+    return torch.nn.Sequential(*layers, *([act()] if act else []))
+
+
+class _SqueezeExcite(torch.nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        mid = _divisible8(c / 4)
+        self.gate = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Conv2d(c, mid, 1), torch.nn.ReLU(),
+                                        torch.nn.Conv2d(mid, c, 1), torch.nn.Hardsigmoid())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gate(x)
+
+
+class _InvertedResidual(torch.nn.Module):
+    """Expand 1x1 (skipped when it would not widen), depthwise k x k, optional squeeze-excite, project 1x1."""
+
+    def __init__(self, cin: int, k: int, expand: int, cout: int, se: bool, act: type[torch.nn.Module],
+                 stride: int) -> None:
+        super().__init__()
+        layers = [] if expand == cin else [_conv_bn(cin, expand, 1, act=act)]
+        layers += [_conv_bn(expand, expand, k, stride, groups=expand, act=act)]
+        layers += [_SqueezeExcite(expand)] if se else []
+        layers += [_conv_bn(expand, cout, 1)]
+        self.block = torch.nn.Sequential(*layers)
+        self.residual = stride == 1 and cin == cout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.block(x)
+        return x + y if self.residual else y
+
+
+# MobileNetV3-Large's bottlenecks (Howard et al. 2019, table 1): kernel, expansion, out, SE, hard-swish, stride.
+_V3_LARGE = [(3, 16, 16, 0, 0, 1), (3, 64, 24, 0, 0, 2), (3, 72, 24, 0, 0, 1), (5, 72, 40, 1, 0, 2),
+             (5, 120, 40, 1, 0, 1), (5, 120, 40, 1, 0, 1), (3, 240, 80, 0, 1, 2), (3, 200, 80, 0, 1, 1),
+             (3, 184, 80, 0, 1, 1), (3, 184, 80, 0, 1, 1), (3, 480, 112, 1, 1, 1), (3, 672, 112, 1, 1, 1),
+             (5, 672, 160, 1, 1, 2), (5, 960, 160, 1, 1, 1), (5, 960, 160, 1, 1, 1)]
+
+
+class MobileNetV3Large(torch.nn.Module):
+    def __init__(self, classes: int = 1000) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        layers, c = [_conv_bn(3, 16, 3, 2, act=torch.nn.Hardswish)], 16
+        for k, e, out, se, hs, s in _V3_LARGE:
+            layers.append(_InvertedResidual(c, k, e, out, bool(se), torch.nn.Hardswish if hs else torch.nn.ReLU, s))
+            c = out
+        layers += [_conv_bn(c, 960, 1, act=torch.nn.Hardswish), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()]
+        self.features = torch.nn.Sequential(*layers)
+        self.head = torch.nn.Sequential(torch.nn.Linear(960, 1280), torch.nn.Hardswish(), torch.nn.Dropout(0.2),
+                                        torch.nn.Linear(1280, classes))
+        for m in self.modules():  # BatchNorm statistics away from identity, as in a trained network
+            if isinstance(m, torch.nn.BatchNorm2d):
+                torch.nn.init.uniform_(m.running_mean, -0.1, 0.1)
+                torch.nn.init.uniform_(m.running_var, 0.5, 1.5)
+        self.eval()
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(pixel_values))
+
+
 # name -> builder. Shapes follow the reference architectures at 224x224 with 1000 classes.
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "resnet18": lambda: _hf("ResNetForImageClassification", "ResNetConfig", layer_type="basic", depths=[2, 2, 2, 2],
@@ -74,6 +146,7 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
                             num_labels=1000),
     "mobilenet_v2": lambda: _hf("MobileNetV2ForImageClassification", "MobileNetV2Config", image_size=224,
                                 depth_multiplier=1.0, num_labels=1000),
+    "mobilenet_v3": MobileNetV3Large,
     "efficientnet_b0": lambda: _hf("EfficientNetForImageClassification", "EfficientNetConfig", image_size=224,
                                    width_coefficient=1.0, depth_coefficient=1.0, dropout_rate=0.2,
                                    hidden_dim=1280, num_labels=1000),
@@ -87,7 +160,7 @@ VISION_ENGINES = ("delegate", "eager", "xnnpack")
 
 def workloads(models: Sequence[str], batches: Sequence[int]) -> Any:
     for name in models:
-        module = Logits(MODELS[name]())
+        module = MODELS[name]()
         for batch in batches:
             x = torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(batch))
             yield Workload(f"{name} b{batch}", module, (x,), mlx_factory=lambda: None)
