@@ -442,10 +442,7 @@ class SdpaCpu : public mx::UnaryPrimitive {
 
   // in: q, k, v, then the mask when present (any strides).
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : in) encoder.set_input_array(a);
-    encoder.set_output_array(out);
+    auto& encoder = begin_cpu_task(stream(), in, out);
     const auto &q = in[0], &k = in[1], &v = in[2];
     Problem p{view_of(q), view_of(k), view_of(v), has_mask_ ? view_of(in[3]) : View4{},
               has_mask_, causal_, scale_,

@@ -518,10 +518,7 @@ class ConvCpu : public mx::UnaryPrimitive {
   // in: x [N, C, H, W], w [O, C/g, KH, KW], then the bias [O] and the
   // residual [N, O, OH, OW] when present; any strides.
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : in) encoder.set_input_array(a);
-    encoder.set_output_array(out);
+    auto& encoder = begin_cpu_task(stream(), in, out);
     Geometry g = g_;
     g.N = in[0].shape(0);
     ConvCall c{tensor(in[0]), tensor(in[1]), std::nullopt, std::nullopt, out.data<void>(), out.dtype(), g};

@@ -394,4 +394,13 @@ SerialSgemmFn serial_sgemm() {
   return f;
 }
 
+mlx::core::cpu::CommandEncoder& begin_cpu_task(const mlx::core::Stream& s, const std::vector<mlx::core::array>& in,
+                                               mlx::core::array& out, bool has_buffer) {
+  if (!has_buffer) out.set_data(mlx::core::allocator::malloc(out.nbytes()));
+  auto& encoder = mlx::core::cpu::get_command_encoder(s);
+  for (const auto& a : in) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  return encoder;
+}
+
 }  // namespace mlxd::rt

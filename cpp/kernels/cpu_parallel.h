@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include <mlx/backend/cpu/encoder.h>
 #include <mlx/mlx.h>
 
 namespace mlxd::rt {
@@ -66,6 +67,13 @@ constexpr int64_t kCpuMinParallel = 1 << 14;
 // (MLX_DELEGATE_SPIN_US): for the end of a call when the next is not expected
 // soon, so the spin does not take a core from other work in the meantime.
 void cpu_pool_park();
+
+// The start of every CPU kernel primitive's eval_cpu: gives `out` a buffer of
+// its own unless it already has one (an input's, donated), and tells MLX's CPU
+// encoder the task's inputs and output, so they stay alive until the task
+// dispatched on the returned encoder has run.
+mlx::core::cpu::CommandEncoder& begin_cpu_task(const mlx::core::Stream& s, const std::vector<mlx::core::array>& in,
+                                               mlx::core::array& out, bool has_buffer = false);
 
 // Call counters by kernel name ("softmax", "silu", ...): tests prove which code ran.
 void cpu_kernel_note_call(const char* name);

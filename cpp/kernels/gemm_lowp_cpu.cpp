@@ -422,10 +422,7 @@ class GemmLowpCpu : public mx::UnaryPrimitive {
   // Operands go in as they are: a reshape or transpose node per call costs
   // more dispatch than a decode GEMV's arithmetic.
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& x : in) encoder.set_input_array(x);
-    encoder.set_output_array(out);
+    auto& encoder = begin_cpu_task(stream(), in, out);
     const auto &a = in[0], &b = in[1];
     Product p{operand(a), operand(b, weight_nk_), out.data<void>(), out.shape(0), out.shape(1), out.shape(2), a.shape(2),
               dtype_code(out.dtype())};

@@ -124,10 +124,7 @@ class MaxPoolCpu : public mx::UnaryPrimitive {
   MaxPoolCpu(mx::Stream s, Window w, bool two_d) : mx::UnaryPrimitive(s), w_(w), two_d_(two_d) {}
 
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(in[0]);
-    encoder.set_output_array(out);
+    auto& encoder = begin_cpu_task(stream(), in, out);
     const auto& x = in[0];
     PoolCall c{x.data<void>(), x.dtype(), x.shape(), x.strides(), x.flags().row_contiguous, out.data<void>(),
                static_cast<int64_t>(x.size() / (int64_t{w_.H} * w_.W)), w_};

@@ -104,10 +104,7 @@ class QGemmCpu : public QuantizedProductCpu {
   QGemmCpu(mx::Stream s, int group_size, int bits) : QuantizedProductCpu(s, "QGemmCpu", group_size, bits) {}
 
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : in) encoder.set_input_array(a);
-    encoder.set_output_array(out);
+    auto& encoder = begin_cpu_task(stream(), in, out);
     const int64_t k = in[0].shape(-1), n = in[1].shape(0);
     Problem p{nullptr, nullptr, nullptr, nullptr, out.data<float>(), static_cast<int64_t>(in[0].size()) / k, n, k,
               k / group_size_, group_size_, in[1].shape(1)};

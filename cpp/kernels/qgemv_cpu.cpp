@@ -673,10 +673,7 @@ class QGemvCpu : public QuantizedProductCpu {
   // inputs: x [..., K] (float32 / bfloat16 / float16), w [N, K * bits / 32] uint32, scales and
   // biases [N, G] (one float dtype, read as stored); any layout. Output [..., N] float32.
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : in) encoder.set_input_array(a);
-    encoder.set_output_array(out);
+    auto& encoder = begin_cpu_task(stream(), in, out);
     const int64_t k = in[0].shape(-1), m = static_cast<int64_t>(in[0].size()) / k, n = in[1].shape(0);
     Problem p{nullptr, nullptr, nullptr, nullptr, nullptr, out.data<float>(), n, k, k / group_size_, group_size_,
               in[1].shape(1)};

@@ -173,10 +173,7 @@ class RopeCpu : public mx::UnaryPrimitive {
 
   // in: x, then the offset array and the inverse frequencies when present.
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : in) encoder.set_input_array(a);
-    encoder.set_output_array(out);
+    auto& encoder = begin_cpu_task(stream(), in, out);
     const auto& x = in[0];
     RopeCall c{x.data<void>(), x.dtype(), x.shape(), x.strides(), x.flags().row_contiguous, out.data<void>(),
                dims_, traditional_, base_, scale_, offset_, nullptr, mx::int32, nullptr, mx::float32, 0};

@@ -243,10 +243,7 @@ class RowsCpu : public mx::UnaryPrimitive {
   // in: x (any layout), then the weight and the bias when present (float32,
   // n row-contiguous elements).
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : in) encoder.set_input_array(a);
-    encoder.set_output_array(out);
+    auto& encoder = begin_cpu_task(stream(), in, out);
     const auto& x = in[0];
     const int64_t n = x.shape(-1);
     size_t next = 1;

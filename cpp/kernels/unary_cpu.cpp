@@ -133,17 +133,11 @@ class UnaryCpu : public mx::UnaryPrimitive {
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     const auto& x = in[0];
     const bool contiguous = x.flags().row_contiguous;
-    if (contiguous && x.is_donatable() && x.itemsize() == out.itemsize()) {
-      out.copy_shared_buffer(x);  // in place: the input has no other reader
-    } else {
-      out.set_data(mx::allocator::malloc(out.nbytes()));
-    }
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(x);
-    encoder.set_output_array(out);
+    const bool in_place = contiguous && x.is_donatable() && x.itemsize() == out.itemsize();
+    if (in_place) out.copy_shared_buffer(x);  // the input has no other reader
+    auto& encoder = begin_cpu_task(stream(), in, out, in_place);
     if (in.size() > 1) {
       const auto& bias = in[1];
-      encoder.set_input_array(bias);
       cpu_kernel_note_call("bias_act");
       encoder.dispatch([f = pick(kind_), src = x.data<void>(), dst = out.data<void>(), dtype = x.dtype(),
                         n = static_cast<int64_t>(x.size()), shape = x.shape(), strides = x.strides(), contiguous,
