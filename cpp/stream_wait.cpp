@@ -225,7 +225,11 @@ void eval_impl(std::vector<mx::array>& arrays, EvalPace* pace, bool small) {
   if (token >= 0 && pace) g_held.fetch_add(1, std::memory_order_relaxed);
   const int gate_mode = stream_gate();
   std::shared_ptr<Gate> gate;
-  if (small && token < 0 && gate_mode > 0) gate = std::make_shared<Gate>();
+  // Only for calls with long gaps (no linger chosen): back to back, a linger
+  // that just ended is followed within microseconds by the next, and gating
+  // there made the back-to-back median worse in overhead.py (a gated caller
+  // spinning while the woken thread waited for a core on a loaded machine).
+  if (small && token < 0 && gate_mode > 0 && linger_ns == 0) gate = std::make_shared<Gate>();
   // While calls come back to back, or behind a gate, the caller spins
   // (yielding) for its result when recent evaluations of this graph were
   // short: asleep, it would need a wake-up (and back to back, by the time it
