@@ -289,7 +289,7 @@ NB_MODULE(_runtime, m) {
   m.def("stream_linger", &linger_us);
   m.def("set_stream_gate", &set_stream_gate, nb::arg("mode"),
         "Small graphs sent to a sleeping MLX stream thread wake it once, for a gate task, instead of once per "
-        "task: 0 off, 1 on, 2 (default) on with the caller spinning for the result (MLX_DELEGATE_STREAM_GATE at start-up).");
+        "task: 0 off, 1 on (default), 2 on with the caller spinning for the result (MLX_DELEGATE_STREAM_GATE at start-up).");
   m.def("stream_gate", &stream_gate);
   m.def("stream_wait_stats", [] {
     auto s = stream_wait_stats();

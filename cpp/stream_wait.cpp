@@ -41,7 +41,7 @@ int64_t env_linger_us() {
 
 int env_gate() {
   const char* v = std::getenv("MLX_DELEGATE_STREAM_GATE");
-  return v ? std::clamp(static_cast<int>(std::strtol(v, nullptr, 10)), 0, 2) : 2;
+  return v ? std::clamp(static_cast<int>(std::strtol(v, nullptr, 10)), 0, 2) : 1;
 }
 
 std::atomic<int64_t> g_linger_us{env_linger_us()};
@@ -112,10 +112,12 @@ struct Linger {
 // wake and two context switches; four per call for a two-op compiled graph).
 // The gate, enqueued first, is the only task that wakes it: the thread waits
 // in it, spinning, until the caller has enqueued the rest, so it runs them all
-// in one wake-up. Time-bounded like a hold. The caller then spins (yielding)
-// for the result, bounded by the graph's recent evaluation time, instead of
-// sleeping until the last task wakes it: at a call every 10 ms (load 3-6) the
-// best blocks of calls cost 10-43 % less CPU per call, the medians -1 to 7 %.
+// in one wake-up. Time-bounded like a hold. Mode 2 (opt-in) also has the caller
+// spin (yielding) for the result, bounded by the graph's recent evaluation
+// time, instead of sleeping until the last task wakes it: at a call every 10 ms
+// (load 3-6) its best blocks of calls cost 10-43 % less CPU per call than with
+// no gate, the medians -1 to 7 %, but on a quiet machine the spin would also
+// cover the sleeping thread's wake-up latency, so it stays off until measured.
 struct Gate {
   std::atomic<bool> open{false};
   void pass() const {

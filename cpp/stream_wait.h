@@ -16,8 +16,9 @@
 // - calls with long gaps (an app polling at 100 Hz): no linger, so an idle
 //   process burns nothing between calls; a small graph is "gated" (one task
 //   enqueued first holds the woken stream thread until all its tasks are
-//   queued, so it is woken once rather than once per task) and the caller
-//   spins for its result only as long as this graph's evaluations took lately.
+//   queued, so it is woken once rather than once per task); the caller
+//   sleeps for its result (or, opt-in, spins as long as this graph's
+//   evaluations took lately).
 // Everything that can wait (the linger, the caller's spin) is time-bounded, and
 // other work sent to the stream (an mx::eval elsewhere) waits at most one
 // linger; runtime code that evaluates mid-graph uses eval_follow_up().
@@ -58,8 +59,8 @@ int64_t linger_us();
 void set_linger_us(int64_t us);
 
 // Whether a small graph sent to a sleeping stream thread is gated (see Gate in
-// stream_wait.cpp): 0 off, 1 on, 2 on and the caller spins for the result as
-// it does back to back (default). MLX_DELEGATE_STREAM_GATE sets it at start-up.
+// stream_wait.cpp): 0 off, 1 on (default), 2 on and the caller spins for the
+// result as it does back to back. MLX_DELEGATE_STREAM_GATE sets it at start-up.
 int stream_gate();
 void set_stream_gate(int mode);
 

@@ -1,7 +1,7 @@
 """The adaptive wait on MLX's CPU stream thread (cpp/stream_wait.h): while calls come back to
 back the stream thread lingers between calls and the caller spins for small results; with gaps
-of milliseconds nothing lingers, and a small graph is gated (the sleeping stream thread is woken
-once, for a gate task, rather than once per task) with the caller spinning briefly for it. Results must not depend on which path a call took: every
+of milliseconds nothing lingers or spins, and a small graph is gated (the sleeping stream thread is
+woken once, for a gate task, rather than once per task). Results must not depend on which path a call took: every
 call here is checked against eager PyTorch (or a single-threaded run) through the stock
 `executorch.runtime`."""
 
@@ -82,14 +82,14 @@ def test_many_back_to_back_calls_linger_and_stay_exact(small):
         assert ran["calls"] == 0
 
 
-def test_calls_with_gaps_do_not_linger(small):
-    """At a call every few ms (an app polling a model) nothing spins between calls: no linger
-    keeps the stream thread awake after a call; the caller's own spin for a gated result is
-    bounded by the graph's recent evaluation time, inside the call."""
+def test_calls_with_gaps_neither_linger_nor_spin(small):
+    """At a call every few ms (an app polling a model) nothing spins: no linger keeps the stream
+    thread awake after a call, and the caller sleeps for its gated result (the default gate mode)."""
     method = small.method()
     xs = _inputs(4, seed=2)
-    was = _runtime.stream_linger()
+    was, gate = _runtime.stream_linger(), _runtime.stream_gate()
     _runtime.set_stream_linger(200)  # the default bound, whatever MLX_DELEGATE_LINGER_US says
+    _runtime.set_stream_gate(1)  # the default mode, whatever MLX_DELEGATE_STREAM_GATE says
     try:
         for x, y in xs[:2]:  # the first two gaps are measured here
             time.sleep(0.003)
@@ -101,7 +101,8 @@ def test_calls_with_gaps_do_not_linger(small):
         ran = {k: v - before[k] for k, v in _stats().items()}
     finally:
         _runtime.set_stream_linger(was)
-    assert ran["lingers"] == 0 and ran["held"] == 0, ran
+        _runtime.set_stream_gate(gate)
+    assert ran["lingers"] == 0 and ran["held"] == 0 and ran["spins"] == 0, ran
     if _on_cpu_stream():
         # Each call's small graph woke the sleeping stream thread through a gate.
         assert ran["gates"] >= 12, ran
