@@ -9,7 +9,9 @@ costs before any backend runs. Under the table it splits the delegate's call
 into that floor, MLX Python's own evaluation of the graph, and the rest (ours),
 and (without --quick) the CPU time each call costs at 100 Hz, delegate beside eager. The
 `wait off` row is the delegate with its adaptive wait on MLX's stream thread switched off
-(`_runtime.set_stream_linger(0)` around each call; the switch costs well under a microsecond).
+(`_runtime.set_stream_linger(0)` around each call; the switch costs well under a microsecond); the
+`gate off` row the delegate without the gate for small graphs sent to a sleeping stream thread
+(`_runtime.set_stream_gate(0)`: one wake-up per task, the caller sleeping for the result).
 
     python benchmarks/overhead.py [--quick] [--json out.json] [--engines ...]
 """
@@ -75,11 +77,31 @@ def _no_linger(w: Workload) -> Prepared:
     return replace(p, run=run, note="adaptive wait off")
 
 
+def _no_gate(w: Workload) -> Prepared:
+    """The delegate with the gate off (MLX_DELEGATE_STREAM_GATE=0) during its calls: a small graph
+    sent to a sleeping stream thread wakes it once per task, and the caller sleeps for the result."""
+    from mlx_delegate import _runtime
+
+    p = common.ENGINES["delegate"][1](w)
+
+    def run() -> Any:
+        was = _runtime.stream_gate()
+        _runtime.set_stream_gate(0)
+        try:
+            return p.run()
+        finally:
+            _runtime.set_stream_gate(was)
+
+    return replace(p, run=run, note="gate off")
+
+
 FLOOR = "et_floor"
 NO_LINGER = "no_linger"
+NO_GATE = "no_gate"
 common.ENGINES[FLOOR] = ("ExecuTorch floor", _et_floor)
 common.ENGINES[NO_LINGER] = ("mlx_delegate, wait off", _no_linger)
-DEFAULT = ["delegate", NO_LINGER, "nodes", FLOOR, "mlx", "eager"]  # also the table order
+common.ENGINES[NO_GATE] = ("mlx_delegate, gate off", _no_gate)
+DEFAULT = ["delegate", NO_LINGER, NO_GATE, "nodes", FLOOR, "mlx", "eager"]  # also the table order
 
 
 def breakdown(results: Sequence[Result]) -> list[str]:
@@ -89,7 +111,7 @@ def breakdown(results: Sequence[Result]) -> list[str]:
     rows = []
     for case in dict.fromkeys(r.case for r in results):
         floor, mlx = by.get((case, floor_name)), by.get((case, mlx_name))
-        for key in ("delegate", NO_LINGER, "nodes"):
+        for key in ("delegate", NO_LINGER, NO_GATE, "nodes"):
             total = by.get((case, common.ENGINES[key][0]))
             if total is None or floor is None or mlx is None:
                 continue
@@ -103,7 +125,7 @@ def breakdown(results: Sequence[Result]) -> list[str]:
     return ["", "Breakdown (medians of this run): call = ExecuTorch floor + MLX Python + ours", table]
 
 
-IDLE_KEYS = ("delegate", NO_LINGER, "eager")
+IDLE_KEYS = ("delegate", NO_LINGER, NO_GATE, FLOOR, "eager")
 IDLE_GAP_S = 0.01  # a call every ~10 ms: an app polling a small model at 100 Hz
 
 

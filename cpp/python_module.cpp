@@ -287,11 +287,16 @@ NB_MODULE(_runtime, m) {
         "Longest time (us) MLX's CPU stream thread stays awake after a call while calls come back to back "
         "(0: never; MLX_DELEGATE_LINGER_US sets it at start-up, default 200).");
   m.def("stream_linger", &linger_us);
+  m.def("set_stream_gate", &set_stream_gate, nb::arg("mode"),
+        "Small graphs sent to a sleeping MLX stream thread wake it once, for a gate task, instead of once per "
+        "task: 0 off, 1 on (default), 2 on with the caller spinning for the result (MLX_DELEGATE_STREAM_GATE at start-up).");
+  m.def("stream_gate", &stream_gate);
   m.def("stream_wait_stats", [] {
     auto s = stream_wait_stats();
     return std::map<std::string, uint64_t>{{"calls", s.calls}, {"held", s.held}, {"lingers", s.lingers},
                                            {"spins", s.spins}, {"spin_hits", s.spin_hits},
-                                           {"linger_timeouts", s.linger_timeouts}, {"parks", s.parks}};
+                                           {"linger_timeouts", s.linger_timeouts}, {"parks", s.parks},
+                                           {"gates", s.gates}};
   }, "Process-wide counters of the adaptive wait: evaluations, those that found the stream thread awake (held), "
      "lingers enqueued, caller spins (and those that saw the result), lingers that ended unused, calls that "
      "sent the kernels' helper threads to sleep at their end (parks).");

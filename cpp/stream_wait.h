@@ -13,8 +13,12 @@
 //   awake, spinning, for a short time bounded by the recent gaps (at most
 //   linger_us()), and a call that finds the thread lingering holds it awake
 //   while it enqueues, then spins for its result when the graph is small;
-// - calls with long gaps (an app polling at 100 Hz): no linger and no spin, a
-//   plain blocking evaluation, so an idle process burns nothing.
+// - calls with long gaps (an app polling at 100 Hz): no linger, so an idle
+//   process burns nothing between calls; a small graph is "gated" (one task
+//   enqueued first holds the woken stream thread until all its tasks are
+//   queued, so it is woken once rather than once per task); the caller
+//   sleeps for its result (or, opt-in, spins as long as this graph's
+//   evaluations took lately).
 // Everything that can wait (the linger, the caller's spin) is time-bounded, and
 // other work sent to the stream (an mx::eval elsewhere) waits at most one
 // linger; runtime code that evaluates mid-graph uses eval_follow_up().
@@ -54,6 +58,12 @@ void end_linger();
 int64_t linger_us();
 void set_linger_us(int64_t us);
 
+// Whether a small graph sent to a sleeping stream thread is gated (see Gate in
+// stream_wait.cpp): 0 off, 1 on (default), 2 on and the caller spins for the
+// result as it does back to back. MLX_DELEGATE_STREAM_GATE sets it at start-up.
+int stream_gate();
+void set_stream_gate(int mode);
+
 // Process-wide counters (tests and benchmarks).
 struct StreamWaitStats {
   uint64_t calls = 0;        // evaluations through eval_adaptive on a CPU stream
@@ -63,6 +73,7 @@ struct StreamWaitStats {
   uint64_t spin_hits = 0;    // ... and got it within the spin
   uint64_t linger_timeouts = 0;  // lingers that ended with no call (spin time wasted)
   uint64_t parks = 0;        // calls with no linger that sent the kernels' helper threads to sleep at their end
+  uint64_t gates = 0;        // evaluations that gated a small graph for a sleeping stream thread
 };
 StreamWaitStats stream_wait_stats();
 void reset_stream_wait_stats();

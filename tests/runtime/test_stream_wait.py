@@ -1,6 +1,7 @@
 """The adaptive wait on MLX's CPU stream thread (cpp/stream_wait.h): while calls come back to
 back the stream thread lingers between calls and the caller spins for small results; with gaps
-of milliseconds neither happens. Results must not depend on which path a call took: every
+of milliseconds nothing lingers or spins, and a small graph is gated (the sleeping stream thread is
+woken once, for a gate task, rather than once per task). Results must not depend on which path a call took: every
 call here is checked against eager PyTorch (or a single-threaded run) through the stock
 `executorch.runtime`."""
 
@@ -82,11 +83,13 @@ def test_many_back_to_back_calls_linger_and_stay_exact(small):
 
 
 def test_calls_with_gaps_neither_linger_nor_spin(small):
-    """At a call every few ms (an app polling a model) nothing spins between calls."""
+    """At a call every few ms (an app polling a model) nothing spins: no linger keeps the stream
+    thread awake after a call, and the caller sleeps for its gated result (the default gate mode)."""
     method = small.method()
     xs = _inputs(4, seed=2)
-    was = _runtime.stream_linger()
+    was, gate = _runtime.stream_linger(), _runtime.stream_gate()
     _runtime.set_stream_linger(200)  # the default bound, whatever MLX_DELEGATE_LINGER_US says
+    _runtime.set_stream_gate(1)  # the default mode, whatever MLX_DELEGATE_STREAM_GATE says
     try:
         for x, y in xs[:2]:  # the first two gaps are measured here
             time.sleep(0.003)
@@ -98,11 +101,79 @@ def test_calls_with_gaps_neither_linger_nor_spin(small):
         ran = {k: v - before[k] for k, v in _stats().items()}
     finally:
         _runtime.set_stream_linger(was)
-    assert ran["lingers"] == 0 and ran["spins"] == 0 and ran["held"] == 0, ran
+        _runtime.set_stream_gate(gate)
+    assert ran["lingers"] == 0 and ran["held"] == 0 and ran["spins"] == 0, ran
     if _on_cpu_stream():
+        # Each call's small graph woke the sleeping stream thread through a gate.
+        assert ran["gates"] >= 12, ran
         # ... and each call sends the kernels' helper threads to sleep as it ends, rather than
         # leaving them spinning for a next product that is milliseconds away.
         assert ran["parks"] >= 12, ran
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_gated_calls_stay_exact_in_every_gate_mode(small, mode):
+    """Gate off, gate alone, gate with the caller spinning: the same results."""
+    method = small.method()
+    xs = _inputs(4, seed=7)
+    was = _runtime.stream_gate()
+    _runtime.set_stream_gate(mode)
+    try:
+        before = _stats()["gates"]
+        for i in range(12):
+            time.sleep(0.002)
+            _check(method, *xs[i % len(xs)])
+        gated = _stats()["gates"] - before
+    finally:
+        _runtime.set_stream_gate(was)
+    if mode == 0:
+        assert gated == 0
+    elif _on_cpu_stream():
+        assert gated >= 12
+
+
+def test_gated_calls_from_two_threads_while_mlx_evaluates_elsewhere(small):
+    """Two threads calling with gaps (each call gated: own methods and a shared one) while a
+    third evaluates MLX Python work: no deadlock, every result exact."""
+    import mlx.core as mx
+
+    own = [small.method(), small.method()]
+    shared = small.method()
+    xs = _inputs(8, seed=8)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def call(t: int) -> None:
+        try:
+            for i in range(25):
+                x, y = xs[(i + t) % len(xs)]
+                time.sleep(0.001)
+                _check(own[t], x, y)
+                _check(shared, x, y)
+        except BaseException as e:  # noqa: BLE001  (re-raised on the main thread)
+            errors.append(e)
+
+    def mlx_work() -> None:
+        try:
+            x = xs[0][0]
+            while not stop.is_set():
+                a = mx.array(x.numpy()) * 3.0 + 1.0
+                mx.eval(a)
+                assert_close([torch.from_numpy(np.array(a))], x * 3.0 + 1.0, 1e-6, 1e-6)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(t,)) for t in range(2)]
+    other = threading.Thread(target=mlx_work)
+    other.start()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    stop.set()
+    other.join(timeout=120)
+    assert not any(th.is_alive() for th in [*threads, other]), "a gated call or MLX's evaluation hung"
+    assert not errors, errors[0]
 
 
 def test_bursts_and_gaps_alternate(small):
@@ -170,15 +241,18 @@ def test_mlx_work_between_calls_is_not_held_up(small):
         assert_close([torch.from_numpy(np.array(a))], x * 3.0, 1e-6, 1e-6)
 
 
-def test_errors_mid_graph_and_bad_inputs_between_back_to_back_calls():
-    """The mid-graph evaluation that refuses an integer zero divisor goes ahead of a linger; a
-    refused call (zero divisor, wrong dtype) leaves the next back-to-back calls exact."""
+@pytest.mark.parametrize("gap", [0.0, 0.002])
+def test_errors_mid_graph_and_bad_inputs_between_calls(gap):
+    """The mid-graph evaluation that refuses an integer zero divisor goes ahead of a linger (back
+    to back) or through a gate (with gaps); a refused call (zero divisor, wrong dtype) leaves the
+    next calls exact."""
     a = torch.tensor([7, -7, 9, 10], dtype=torch.int32)
     b = torch.tensor([2, 2, -4, 3], dtype=torch.int32)
     method = lower(IntDiv(), (a, b)).method()
     expected = torch.div(a, b, rounding_mode="floor")
     zero = torch.tensor([2, 0, 1, 1], dtype=torch.int32)
-    for i in range(60):
+    for i in range(60 if gap == 0 else 24):
+        time.sleep(gap)
         assert torch.equal(method.execute([a, b])[0], expected)
         if i % 20 == 10:
             with pytest.raises(Exception):
