@@ -215,8 +215,8 @@ ShapeTimes g_shapes[kShapeSlots];
 // 0: never split; 1: by measured time; 2: always (default).
 std::atomic<int> g_split_policy{2};
 std::atomic<uint64_t> g_serial_choices{0};  // products the measured choice ran as one call
-std::atomic<int> g_parts_per_thread{2};
-std::atomic<int> g_split_axis{0};  // 0 the longer output axis, 1 rows, 2 columns
+std::atomic<int> g_parts_per_thread{1};  // blocks per pool thread (_blas.set_split_shape)
+std::atomic<int> g_split_axis{0};         // 0 the longer output axis, 1 rows, 2 columns
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -266,7 +266,9 @@ static bool split_sgemm(sgemm_fn f, int order, int ta, int tb, int m, int n, int
   if (parallel == nullptr || threads < 2 || g_set_threads_local.load() == nullptr || order != CblasRowMajor ||
       static_cast<double>(m) * n * k < kSerialMacs)
     return false;
-  // Cut the longer of the output's two axes; two parts per thread even out a late thread.
+  // Cut the longer of the output's two axes, one part per thread by default: two per thread (to even
+  // out a late thread) made smaller blocks, each re-packing the shared operand, and lost in the demo
+  // block's products (2026-11-26, load ~5, two runs: 1.40 / 1.86 ms against 1.46 / 1.95 ms).
   const int axis = g_split_axis.load(std::memory_order_relaxed);
   const bool by_rows = axis == 0 ? m > n : axis == 1;
   const int extent = by_rows ? m : n;

@@ -282,7 +282,7 @@ NB_MODULE(_runtime, m) {
   m.def("set_linear_kernel", &mlxd::rt::set_linear_cpu, nb::arg("on"),
         "fp32 linears on the CPU as one kernel with the bias folded into the sgemm (on by default; "
         "MLX_DELEGATE_LINEAR_KERNEL=0 starts with it off) instead of MLX's matmul and a broadcast add; read "
-        "while a graph is built.");
+        "while a graph is built. Returns the previous setting.");
   m.def("linear_kernel", &mlxd::rt::linear_cpu_enabled);
   m.def("set_pool_spin_yield", &mlxd::rt::set_pool_spin_yield, nb::arg("on"),
         "Kernel-pool helpers yield the core while they wait for a job (on) or pause on it (off).");

@@ -118,7 +118,7 @@ std::atomic<bool>& enabled_flag() {
 
 }  // namespace
 
-void set_linear_cpu(bool on) { enabled_flag().store(on, std::memory_order_relaxed); }
+bool set_linear_cpu(bool on) { return enabled_flag().exchange(on, std::memory_order_relaxed); }
 bool linear_cpu_enabled() { return enabled_flag().load(std::memory_order_relaxed); }
 
 bool linear_cpu_applies(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias) {

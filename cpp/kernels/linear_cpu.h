@@ -18,7 +18,7 @@ namespace mlxd::rt {
 // On unless MLX_DELEGATE_LINEAR_KERNEL=0; read while a graph is built (a
 // compiled graph keeps the choice it was traced with), switchable for A/B
 // runs in one process.
-void set_linear_cpu(bool on);
+bool set_linear_cpu(bool on);  // returns the previous setting
 bool linear_cpu_enabled();
 
 // Whether linear_cpu takes x @ w^T (+ bias): linear_cpu_enabled(), CPU kernels active, the BLAS
