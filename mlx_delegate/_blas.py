@@ -58,6 +58,7 @@ def install() -> str:
     lib.mlxd_blas_serial_choices.restype = ctypes.c_uint64
     lib.mlxd_blas_set_split_policy.argtypes = [ctypes.c_int]
     lib.mlxd_blas_set_split_shape.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.mlxd_blas_split_shape.argtypes = []
     lib.mlxd_gemm_lowp_ready.argtypes = [ctypes.c_int]
     if lib.mlxd_blas_init(str(fast).encode(), str(reference).encode() if reference else None) != 1:
         _state["mode"] = "reference"
@@ -129,3 +130,11 @@ def set_split_shape(parts_per_thread: int, axis: str = "longer") -> tuple[int, s
         return (parts_per_thread, axis)
     previous = _state["lib"].mlxd_blas_set_split_shape(parts_per_thread, _SPLIT_AXES.index(axis))
     return (previous // 4, _SPLIT_AXES[previous % 4])
+
+
+def split_shape() -> tuple[int, str]:
+    """The current split shape (see `set_split_shape`)."""
+    if _state["lib"] is None:
+        return (1, "longer")
+    code = _state["lib"].mlxd_blas_split_shape()
+    return (code // 4, _SPLIT_AXES[code % 4])
