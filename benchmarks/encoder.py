@@ -26,9 +26,9 @@ what it did before it cut them into blocks on its own helper pool), `measured` (
 shape split over that pool or run as one single-threaded call, whichever its recent calls timed faster:
 `_blas.set_split_policy("measured")`; the default splits every one) and `unfused-act` (the delegate
 lowered with `disable={"fuse_linear_activation"}`: a linear's bias add and GELU as separate passes),
-`no-linear-kernel` (fp32 linears as MLX's matmul plus a broadcast bias add instead of the CPU linear
-kernel that folds the bias into the sgemm: `_runtime.set_linear_kernel(False)` while its graphs are
-built) and `two-blocks` (split products cut into two blocks per pool thread instead of one:
+`linear-kernel` (fp32 linears on the opt-in CPU linear kernel, each output block's bias added in
+cache, instead of MLX's matmul plus a broadcast add: `_runtime.set_linear_kernel(True)` while its
+graphs are built) and `two-blocks` (split products cut into two blocks per pool thread instead of one:
 `_blas.set_split_shape(2)`).
 Each is checked against
 eager torch, then the engines take turns call by call (interleaved rounds, the order rotating). Every
@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ENGINE_KEYS = ("delegate", "composed", "omp", "measured", "unfused-act", "no-linear-kernel", "two-blocks", "eager",
+ENGINE_KEYS = ("delegate", "composed", "omp", "measured", "unfused-act", "linear-kernel", "two-blocks", "eager",
                "xnnpack")
 DEFAULT_ENGINES = ("delegate", "eager", "xnnpack")
 CASES = ("torch-layer", "bert", "vit", "whisper-encoder", "demo-block", "attention", "llama-prefill")
@@ -102,12 +102,12 @@ def _measured_split(w: Workload) -> common.Prepared:
     return _delegate_with(_blas.split_policy, _blas.set_split_policy, "measured")(w)
 
 
-def _no_linear_kernel(w: Workload) -> common.Prepared:
-    """The delegate with fp32 linears as MLX's matmul and a broadcast bias add (the linear kernel
-    off while its graphs are built: `_runtime.set_linear_kernel(False)`)."""
+def _linear_kernel(w: Workload) -> common.Prepared:
+    """The delegate with fp32 linears on its opt-in CPU linear kernel (bias added per output block in
+    cache) while its graphs are built: `_runtime.set_linear_kernel(True)`."""
     from mlx_delegate import _runtime
 
-    return _delegate_with(_runtime.linear_kernel, _runtime.set_linear_kernel, False)(w)
+    return _delegate_with(_runtime.linear_kernel, _runtime.set_linear_kernel, True)(w)
 
 
 def _two_blocks(w: Workload) -> common.Prepared:
@@ -119,7 +119,7 @@ def _two_blocks(w: Workload) -> common.Prepared:
 
 
 LOCAL_ENGINES = {
-    "no-linear-kernel": ("mlx_delegate, linear kernel off", _no_linear_kernel),
+    "linear-kernel": ("mlx_delegate, linear kernel on", _linear_kernel),
     "two-blocks": ("mlx_delegate, 2 blocks per thread", _two_blocks),
     "composed": ("mlx_delegate, attention composed", _composed),
     "omp": ("mlx_delegate, products on MKL's OpenMP team", _omp_team),

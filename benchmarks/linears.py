@@ -1,8 +1,8 @@
 """Chains of fp32 linears over 128 rows (the demo block's products), per linear: the delegate with
-its CPU linear kernel (bias folded into the sgemm) and without it (MLX's matmul and a broadcast bias
-add), and eager torch, in the compiled (normal) run. Each chain is lowered once and loaded twice, one
+its opt-in CPU linear kernel (each output block's bias added in cache) and without it (MLX's matmul
+and a broadcast bias add, the default), and eager torch, in the compiled (normal) run. Each chain is lowered once and loaded twice, one
 copy traced with `_runtime.set_linear_kernel(False)`, the other with it on; the three take turns in
-blocks of 5 calls. Wall and process CPU time per call, divided by the chain's length.
+blocks of 5 calls, the order rotating. Wall and process CPU time per call, divided by the chain's length.
 
     python benchmarks/linears.py [--cycles 20] [--shapes ffn,qkv,square]
 """
@@ -72,8 +72,11 @@ def main() -> None:
                 runs["eager torch"] = lambda: model(x)
                 wall: dict[str, list[float]] = {k: [] for k in runs}
                 cpu: dict[str, list[float]] = {k: [] for k in runs}
-                for _ in range(args.cycles):
-                    for k, run in runs.items():
+                keys = list(runs)
+                for cycle in range(args.cycles):
+                    # The order rotates: whoever follows eager meets its OpenMP workers still spinning.
+                    for k in keys[cycle % len(keys):] + keys[:cycle % len(keys)]:
+                        run = runs[k]
                         for _ in range(5):
                             t, c = time.perf_counter(), time.process_time()
                             run()

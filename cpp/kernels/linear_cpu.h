@@ -1,12 +1,10 @@
-// A float32 linear layer on the CPU, y = x w^T (+ bias), as one MLX primitive:
-// the bias is folded into the product (the output block starts as the
-// broadcast bias and the sgemm adds onto it with beta = 1, as torch's addmm
-// does), so a linear with a bias is one pass over its output instead of an
-// sgemm and a separate broadcast add (MLX's add is a single-core map). The
-// sgemm is torch's MKL through the BLAS front (blas_shim.cpp), cut into
-// column (or row) blocks on the kernel pool the way the front cuts MLX's own
-// products (_blas.set_split_shape), each block's bias fill and single-threaded
-// sgemm one task while the block is in cache.
+// A float32 linear layer on the CPU, y = x w^T (+ bias), as one MLX primitive
+// (opt-in: see linear_cpu_enabled): the bias is added in the task that
+// computes each output block, while the block is in cache, instead of a
+// separate broadcast add over the whole output (MLX's add is a single-core
+// map). The sgemm is torch's MKL through the BLAS front (blas_shim.cpp), cut
+// into column (or row) blocks on the kernel pool the way the front cuts MLX's
+// own products (_blas.set_split_shape), each block one task.
 #pragma once
 
 #include <optional>
@@ -15,7 +13,7 @@
 
 namespace mlxd::rt {
 
-// On unless MLX_DELEGATE_LINEAR_KERNEL=0; read while a graph is built (a
+// Off unless MLX_DELEGATE_LINEAR_KERNEL=1 (measured no faster, linear_cpu.cpp); read while a graph is built (a
 // compiled graph keeps the choice it was traced with), switchable for A/B
 // runs in one process.
 bool set_linear_cpu(bool on);  // returns the previous setting

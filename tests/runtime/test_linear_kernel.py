@@ -1,4 +1,5 @@
-"""The CPU fp32 linear with its bias folded into the sgemm (cpp/kernels/linear_cpu.cpp): linears
+"""The CPU fp32 linear kernel (cpp/kernels/linear_cpu.cpp, opt-in, switched on here), each output
+block's bias added in the task that computes it: linears
 large enough to be cut into column blocks, row blocks or run whole, with and without a bias,
 a strided bias, a non-contiguous input and 3-D inputs, match eager torch node by node, compiled
 and with the CPU kernels off (`lower_and_compare`); bf16 / fp16 take the low-precision matmul
@@ -36,6 +37,13 @@ CASES = [
     *cases("noncontig_input_strided_bias", lambda x, w, b: F.linear(x.transpose(0, 1), w, b[::2]),
            randn((144, 140), (130, 144), (260,)), FLOATS, **tol(144)),
 ]
+
+@pytest.fixture(autouse=True)
+def linear_kernel_on():
+    previous = _runtime.set_linear_kernel(True)
+    yield
+    _runtime.set_linear_kernel(previous)
+
 
 def kernel_calls() -> int:
     return _runtime.cpu_kernel_call_counts().get("linear_f32", 0)
