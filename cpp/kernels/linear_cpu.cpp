@@ -114,7 +114,7 @@ class LinearCpu : public mx::UnaryPrimitive {
 };
 
 // Off by default: in the compiled run MLX's bias add after its matmul costs little (it is fused
-// with what follows), and this kernel took 2-9 % more CPU per linear than matmul + add in chains of
+// with what follows), and this kernel took 2-10 % more CPU per linear than matmul + add in chains of
 // 128-row linears (benchmarks/linears.py, 2026-11-26, load 5-7); the demo block A/B was within noise.
 std::atomic<bool>& enabled_flag() {
   static std::atomic<bool> on{[] {
