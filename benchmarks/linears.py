@@ -69,7 +69,7 @@ def main() -> None:
                     torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-3)
                     engines["kernel" if on else "matmul + add"] = (program, method)
                 runs = {k: (lambda m=m: m.execute([x])) for k, (_, m) in engines.items()}
-                runs["eager torch"] = lambda: model(x)
+                runs["eager torch"] = lambda model=model: model(x)
                 wall: dict[str, list[float]] = {k: [] for k in runs}
                 cpu: dict[str, list[float]] = {k: [] for k in runs}
                 keys = list(runs)

@@ -15,6 +15,8 @@ import ctypes
 import os
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import common  # noqa: F401  (imports mlx_delegate first: the BLAS route)
 import torch
@@ -25,6 +27,27 @@ from mlx_delegate import _blas
 SHAPES = ((128, 256, 768), (128, 256, 256), (128, 256, 1024), (128, 1024, 256))  # M x K x N: QKV, out, FFN in/out
 SPLITS = {"2 / thread, longer axis": (2, "longer"), "1 / thread, longer axis": (1, "longer"),
           "1 / thread, rows": (1, "rows"), "2 / thread, rows": (2, "rows")}
+
+
+def calls(sgemm: Any, serial: Any, modes: dict[str, tuple[str, tuple[int, str]]], x: torch.Tensor,
+          w: torch.Tensor, c: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """c = x @ w^T (row-major) each way: through the front under each mode, one serial MKL call, eager."""
+    (m, k), n = x.shape, w.shape[0]
+    fp = ctypes.POINTER(ctypes.c_float)
+    px, pw, pc = (ctypes.cast(t.data_ptr(), fp) for t in (x, w, c))
+
+    def split(policy: str, shape: tuple[int, str]) -> Callable[[], object]:
+        def run() -> None:
+            previous, was = _blas.set_split_policy(policy), _blas.set_split_shape(*shape)
+            sgemm(101, 111, 112, m, n, k, 1.0, px, k, pw, k, 0.0, pc, n)  # CblasRowMajor, NoTrans, Trans
+            _blas.set_split_policy(previous)
+            _blas.set_split_shape(*was)
+        return run
+
+    runs: dict[str, Callable[[], object]] = {name: split(*mode) for name, mode in modes.items()}
+    runs["one single-threaded call"] = lambda: serial(0, 1, m, n, k, 1.0, px, k, pw, k, 0.0, pc, n)
+    runs["eager F.linear"] = lambda: torch.nn.functional.linear(x, w)
+    return runs
 
 
 def main() -> None:
@@ -48,17 +71,7 @@ def main() -> None:
     rows = []
     for m, k, n in SHAPES:
         x, w, c = torch.randn(m, k), torch.randn(n, k), torch.empty(m, n)
-        ptr = lambda t: ctypes.cast(t.data_ptr(), fp)  # noqa: E731
-        runs = {}
-        for name, (policy, shape) in modes.items():
-            def run(policy: str = policy, shape: tuple = shape) -> None:
-                previous, was = _blas.set_split_policy(policy), _blas.set_split_shape(*shape)
-                sgemm(101, 111, 112, m, n, k, 1.0, ptr(x), k, ptr(w), k, 0.0, ptr(c), n)  # row-major x @ w^T
-                _blas.set_split_policy(previous)
-                _blas.set_split_shape(*was)
-            runs[name] = run
-        runs["one single-threaded call"] = lambda: serial(0, 1, m, n, k, 1.0, ptr(x), k, ptr(w), k, 0.0, ptr(c), n)
-        runs["eager F.linear"] = lambda: torch.nn.functional.linear(x, w)
+        runs = calls(sgemm, serial, modes, x, w, c)
         times: dict[str, list[float]] = {name: [] for name in runs}
         for _ in range(args.reps):
             for name, run in runs.items():

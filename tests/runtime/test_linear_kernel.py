@@ -1,9 +1,9 @@
 """The CPU fp32 linear kernel (cpp/kernels/linear_cpu.cpp, opt-in, switched on here), each output
-block's bias added in the task that computes it: linears
-large enough to be cut into column blocks, row blocks or run whole, with and without a bias,
-a strided bias, a non-contiguous input and 3-D inputs, match eager torch node by node, compiled
-and with the CPU kernels off (`lower_and_compare`); bf16 / fp16 take the low-precision matmul
-and must still match. The call counter proves the kernel ran on fp32 and not on the half types."""
+block's bias added in the task that computes it: linears large enough to be cut into column blocks,
+row blocks or run whole, with and without a bias, a strided bias, a non-contiguous input and 3-D
+inputs, match eager torch node by node, compiled and with the CPU kernels off (`lower_and_compare`);
+bf16 / fp16 take the low-precision matmul and must still match. The call counter proves the kernel
+ran on fp32 and not on the half types."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def randn(*shapes):
 
 
 def tol(k: int) -> dict:
-    return dict(tolerance={torch.float32: fp32_tolerance(k), **HALF})
+    return {"tolerance": {torch.float32: fp32_tolerance(k), **HALF}}
 
 
 # 74 x 200 x 160 (2.4M multiply-adds): split into column blocks whose bounds fall off 16s;
@@ -37,6 +37,7 @@ CASES = [
     *cases("noncontig_input_strided_bias", lambda x, w, b: F.linear(x.transpose(0, 1), w, b[::2]),
            randn((144, 140), (130, 144), (260,)), FLOATS, **tol(144)),
 ]
+
 
 @pytest.fixture(autouse=True)
 def linear_kernel_on():
