@@ -8,9 +8,12 @@ split policies against eager torch in the demo's own alternation.
    uses them: the calling thread, the delegate's (MLX's stream thread, the kernels' helper pool)
    and eager's (its OpenMP workers).
 2. The demo's alternation (delegate, eager / eager, delegate, ...) in blocks of 10 rounds per
-   product split policy (`_blas.set_split_policy`: "measured" chooses per product
-   shape by measured time; "always", the default, splits every large product over the pool), the policies
-   rotating block by block in one process. Medians per policy.
+   configuration, rotating block by block in one process, medians per configuration:
+   - the product split policy (`_blas.set_split_policy`: "measured" chooses per product shape by
+     measured time; "always", the default, splits every large product over the pool);
+   - the split shape (`_blas.set_split_shape`: blocks per pool thread, 1 by default, 2 before);
+   - the opt-in fp32 linear kernel (bias added per output block in cache; `_runtime.set_linear_kernel`,
+     read when a graph is built, so the program is loaded twice: one copy traced with it off, one on).
 
     python benchmarks/demo_block.py [--rounds 200] [--cycles 20]
 """
@@ -28,7 +31,7 @@ import torch
 from common import format_table, heading, machine_meta
 from executorch.runtime import Runtime
 
-from mlx_delegate import _blas
+from mlx_delegate import _blas, _runtime
 from mlx_delegate.cli.demo import DemoBlock, DemoConfig, lower_to_file
 from mlx_delegate.pipelines.cache import cache_dir
 
@@ -81,7 +84,15 @@ def main() -> None:
     model = DemoBlock(cfg).eval()
     x = torch.randn(1, cfg.seq, cfg.dim)
     path = lower_to_file(model, (x,), cache_dir() / f"demo-{cfg.tag}.pte")
-    method = Runtime.get().load_program(path).load_method("forward")
+    methods = {}
+    for on in (False, True):  # each copy traces its compiled graph with the kernel off / on
+        previous = _runtime.set_linear_kernel(on)
+        program = Runtime.get().load_program(path)
+        methods[on] = (program, program.load_method("forward"))  # keep the program referenced
+        for _ in range(3):
+            methods[on][1].execute([x])
+        _runtime.set_linear_kernel(previous)
+    method = methods[_runtime.linear_kernel()][1]
 
     def delegate() -> object:
         return method.execute([x])
@@ -107,24 +118,33 @@ def main() -> None:
                             "caller thread", "delegate's threads", "eager's OpenMP workers"], rows,
                            [False, False, True, True, True, True, True]))
 
-        policies = ("measured", "always")
-        res: dict[str, dict[str, list[float]]] = {v: {"delegate": [], "eager": []} for v in policies}
+        # (split policy, blocks per thread, linear kernel)
+        configs = [("always", 2, False), ("always", 1, False), ("always", 2, True), ("always", 1, True),
+                   ("measured", 1, False)]
+        res: dict[tuple, dict[str, list[float]]] = {c: {"delegate": [], "eager": [], "cpu": []} for c in configs}
         for _ in range(args.cycles):
-            for policy in policies:
-                previous = _blas.set_split_policy(policy)
+            for config in configs:
+                policy, parts, kernel = config
+                previous, shape = _blas.set_split_policy(policy), _blas.set_split_shape(parts)
+                run = methods[kernel][1].execute
                 for r in range(10):
                     for k in (("delegate", "eager") if r % 2 == 0 else ("eager", "delegate")):
-                        t = time.perf_counter()
-                        delegate() if k == "delegate" else eager()
-                        res[policy][k].append(time.perf_counter() - t)
+                        t, c = time.perf_counter(), time.process_time()
+                        run([x]) if k == "delegate" else eager()
+                        res[config][k].append(time.perf_counter() - t)
+                        if k == "delegate":
+                            res[config]["cpu"].append(time.process_time() - c)
                 _blas.set_split_policy(previous)
+                _blas.set_split_shape(*shape)
     rows = []
-    for policy, r in res.items():
+    for (policy, parts, kernel), r in res.items():
         d, e = statistics.median(r["delegate"]) * 1e3, statistics.median(r["eager"]) * 1e3
-        rows.append([policy, f"{d:.3f} ms", f"{e:.3f} ms", f"{e / d:.2f}x"])
+        rows.append([policy, str(parts), "on" if kernel else "off", f"{d:.3f} ms",
+                     f"{statistics.median(r['cpu']) * 1e3:.3f} ms", f"{e:.3f} ms", f"{e / d:.2f}x"])
     print()
-    print(format_table(["split policy", "delegate", "eager torch", "eager / delegate"], rows,
-                       [False, True, True, True]))
+    print(format_table(["split policy", "blocks per thread", "linear kernel", "delegate",
+                        "delegate CPU (process)", "eager torch", "eager / delegate"], rows,
+                       [False, True, False, True, True, True, True]))
     print(f"\nload average at the end: {os.getloadavg()[0]:.2f}; products run as one call by the measured "
           f"choice: {_blas.serial_choices()}, split: {_blas.split_calls()}")
 

@@ -25,13 +25,17 @@ fp32 products as one MKL call on MKL's OpenMP team, `_runtime.set_blas_split(Fal
 what it did before it cut them into blocks on its own helper pool), `measured` (each large fp32 product
 shape split over that pool or run as one single-threaded call, whichever its recent calls timed faster:
 `_blas.set_split_policy("measured")`; the default splits every one) and `unfused-act` (the delegate
-lowered with `disable={"fuse_linear_activation"}`: a linear's bias add and GELU as separate passes).
+lowered with `disable={"fuse_linear_activation"}`: a linear's bias add and GELU as separate passes),
+`linear-kernel` (fp32 linears on the opt-in CPU linear kernel, each output block's bias added in
+cache, instead of MLX's matmul plus a broadcast add: `_runtime.set_linear_kernel(True)` while its
+graphs are built) and `two-blocks` (split products cut into two blocks per pool thread instead of one:
+`_blas.set_split_shape(2)`).
 Each is checked against
 eager torch, then the engines take turns call by call (interleaved rounds, the order rotating). Every
 row shows wall time and process CPU time per call (all threads, so 2 busy cores give CPU = 2 x wall).
 
     python benchmarks/encoder.py [--quick] [--cases torch-layer,whisper-encoder] [--engines delegate,eager]
-                                 [--budget S] [--json out.json]
+                                 [--lengths 128,512] [--budget S] [--json out.json]
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ENGINE_KEYS = ("delegate", "composed", "omp", "measured", "unfused-act", "eager", "xnnpack")
+ENGINE_KEYS = ("delegate", "composed", "omp", "measured", "unfused-act", "linear-kernel", "two-blocks", "eager",
+               "xnnpack")
 DEFAULT_ENGINES = ("delegate", "eager", "xnnpack")
 CASES = ("torch-layer", "bert", "vit", "whisper-encoder", "demo-block", "attention", "llama-prefill")
 LENGTHS = (128, 512, 1500)
@@ -97,7 +102,25 @@ def _measured_split(w: Workload) -> common.Prepared:
     return _delegate_with(_blas.split_policy, _blas.set_split_policy, "measured")(w)
 
 
+def _linear_kernel(w: Workload) -> common.Prepared:
+    """The delegate with fp32 linears on its opt-in CPU linear kernel (bias added per output block in
+    cache) while its graphs are built: `_runtime.set_linear_kernel(True)`."""
+    from mlx_delegate import _runtime
+
+    return _delegate_with(_runtime.linear_kernel, _runtime.set_linear_kernel, True)(w)
+
+
+def _two_blocks(w: Workload) -> common.Prepared:
+    """The delegate with split products cut into two blocks per pool thread (the default before
+    2026-11-26 07:50: `_blas.set_split_shape(2)`)."""
+    from mlx_delegate import _blas
+
+    return _delegate_with(_blas.split_shape, lambda s: _blas.set_split_shape(*s), (2, "longer"))(w)
+
+
 LOCAL_ENGINES = {
+    "linear-kernel": ("mlx_delegate, linear kernel on", _linear_kernel),
+    "two-blocks": ("mlx_delegate, 2 blocks per thread", _two_blocks),
     "composed": ("mlx_delegate, attention composed", _composed),
     "omp": ("mlx_delegate, products on MKL's OpenMP team", _omp_team),
     "measured": ("mlx_delegate, split by measured time", _measured_split),
@@ -211,8 +234,8 @@ def llama_prefill(tokens: int) -> Iterator[Workload]:
     yield Workload(f"llama-prefill T={tokens}", Prefill().eval(), (ids,), _no_mlx, tokens=tokens)
 
 
-def workloads(cases: Sequence[str], quick: bool) -> Iterator[Workload]:
-    lengths = QUICK_LENGTHS if quick else LENGTHS
+def workloads(cases: Sequence[str], quick: bool, lengths: Sequence[int] | None = None) -> Iterator[Workload]:
+    lengths = lengths or (QUICK_LENGTHS if quick else LENGTHS)
     sources: dict[str, Callable[[], Iterator[Workload]]] = {
         "torch-layer": lambda: torch_layer(lengths),
         "bert": lambda: bert(lengths),
@@ -329,6 +352,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
                    help=f"comma-separated subset of {','.join(ENGINE_KEYS)} (default: {','.join(DEFAULT_ENGINES)})")
     p.add_argument("--budget", type=float, help="timed seconds per case (default 10, quick 2)")
+    p.add_argument("--lengths", type=lambda v: [int(t) for t in v.split(",")],
+                   help=f"sequence lengths of torch-layer and bert (default {','.join(map(str, LENGTHS))}, quick 128)")
     p.add_argument("--json", metavar="PATH", help="also write meta and rows as JSON")
     args = p.parse_args(argv)
     for name, given, known in (("cases", args.cases, CASES), ("engines", args.engines, ENGINE_KEYS)):
@@ -346,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     started = time.perf_counter()
     meta = machine_meta(bandwidth=False) | {"quick": args.quick, "budget_s": budget}
     rows: list[Row] = []
-    for w in workloads(cases, args.quick):
+    for w in workloads(cases, args.quick, args.lengths):
         rows += run_case(w, engines, budget, min_rounds=3)
     meta |= {"loadavg_end": [round(x, 2) for x in os.getloadavg()], "wall_s": round(time.perf_counter() - started, 1)}
     common.print_report(meta, table(rows), args.json, {"rows": [asdict(r) for r in rows]})

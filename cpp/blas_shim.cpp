@@ -215,6 +215,8 @@ ShapeTimes g_shapes[kShapeSlots];
 // 0: never split; 1: by measured time; 2: always (default).
 std::atomic<int> g_split_policy{2};
 std::atomic<uint64_t> g_serial_choices{0};  // products the measured choice ran as one call
+std::atomic<int> g_parts_per_thread{1};  // blocks per pool thread (_blas.set_split_shape)
+std::atomic<int> g_split_axis{0};         // 0 the longer output axis, 1 rows, 2 columns
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -264,10 +266,13 @@ static bool split_sgemm(sgemm_fn f, int order, int ta, int tb, int m, int n, int
   if (parallel == nullptr || threads < 2 || g_set_threads_local.load() == nullptr || order != CblasRowMajor ||
       static_cast<double>(m) * n * k < kSerialMacs)
     return false;
-  // Cut the longer of the output's two axes; two parts per thread even out a late thread.
-  const bool by_rows = m > n;
+  // Cut the longer of the output's two axes, one part per thread by default: two per thread (to even
+  // out a late thread) made smaller blocks, each re-packing the shared operand, and lost in the demo
+  // block's products (2026-11-26, load ~5, two runs: 1.40 / 1.86 ms against 1.46 / 1.95 ms).
+  const int axis = g_split_axis.load(std::memory_order_relaxed);
+  const bool by_rows = axis == 0 ? m > n : axis == 1;
   const int extent = by_rows ? m : n;
-  const int parts = std::min(2 * threads, extent / 32);
+  const int parts = std::min(g_parts_per_thread.load(std::memory_order_relaxed) * threads, extent / 32);
   if (parts < 2) return false;
   const int policy = g_split_policy.load(std::memory_order_relaxed);
   if (policy == 0) return false;
@@ -346,6 +351,22 @@ extern "C" {
 // 2 always (default). Returns the previous policy.
 __attribute__((visibility("default"))) int mlxd_blas_set_split_policy(int policy) {
   return g_split_policy.exchange(policy < 0 || policy > 2 ? 2 : policy);
+}
+
+// How a split product is cut: parts per pool thread (1-4) and the axis (0 the
+// longer output axis, 1 rows, 2 columns). Returns the previous setting as
+// 4 * parts_per_thread + axis.
+__attribute__((visibility("default"))) int mlxd_blas_set_split_shape(int parts_per_thread, int axis) {
+  const int previous = 4 * g_parts_per_thread.load() + g_split_axis.load();
+  g_parts_per_thread = std::clamp(parts_per_thread, 1, 4);
+  g_split_axis = std::clamp(axis, 0, 2);
+  return previous;
+}
+
+// The current split shape, as mlxd_blas_set_split_shape returns it (the
+// runtime's linear kernel cuts its products the same way).
+__attribute__((visibility("default"))) int mlxd_blas_split_shape() {
+  return 4 * g_parts_per_thread.load() + g_split_axis.load();
 }
 
 // Products that the measured choice ran as one single-threaded call.

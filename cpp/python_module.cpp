@@ -20,6 +20,7 @@
 #include "interpreter.h"
 #include "kernels/conv_cpu.h"
 #include "kernels/cpu_parallel.h"
+#include "kernels/linear_cpu.h"
 #include "kernels/qgemv_cpu.h"
 #include "loader.h"
 #include "stream_wait.h"
@@ -278,6 +279,11 @@ NB_MODULE(_runtime, m) {
         "and small-map depthwise convolutions on a padded grid, instead of whole-image passes (on by default; MLX_DELEGATE_CONV_TILES=0 starts with them off), from the "
         "next call on.");
   m.def("conv_tiles", &mlxd::rt::conv_tiles);
+  m.def("set_linear_kernel", &mlxd::rt::set_linear_cpu, nb::arg("on"),
+        "fp32 linears on the CPU as one kernel, the bias added to each output block in cache (off by default; "
+        "MLX_DELEGATE_LINEAR_KERNEL=1 starts with it on) instead of MLX's matmul and a broadcast add; read "
+        "while a graph is built. Returns the previous setting.");
+  m.def("linear_kernel", &mlxd::rt::linear_cpu_enabled);
   m.def("set_pool_spin_yield", &mlxd::rt::set_pool_spin_yield, nb::arg("on"),
         "Kernel-pool helpers yield the core while they wait for a job (on) or pause on it (off).");
   m.def("pool_spin_yield", &mlxd::rt::pool_spin_yield);

@@ -57,6 +57,8 @@ def install() -> str:
     lib.mlxd_blas_split_calls.restype = ctypes.c_uint64
     lib.mlxd_blas_serial_choices.restype = ctypes.c_uint64
     lib.mlxd_blas_set_split_policy.argtypes = [ctypes.c_int]
+    lib.mlxd_blas_set_split_shape.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.mlxd_blas_split_shape.argtypes = []
     lib.mlxd_gemm_lowp_ready.argtypes = [ctypes.c_int]
     if lib.mlxd_blas_init(str(fast).encode(), str(reference).encode() if reference else None) != 1:
         _state["mode"] = "reference"
@@ -112,3 +114,27 @@ def set_split_policy(policy: str) -> str:
     if _state["lib"] is None:
         return "always"
     return _SPLIT_POLICIES[_state["lib"].mlxd_blas_set_split_policy(_SPLIT_POLICIES.index(policy))]
+
+
+_SPLIT_AXES = ("longer", "rows", "columns")
+
+
+def set_split_shape(parts_per_thread: int, axis: str = "longer") -> tuple[int, str]:
+    """How a split fp32 product is cut: `parts_per_thread` blocks (1-4) per pool thread, along the
+    output's "rows", "columns" or its "longer" axis. Returns the previous setting."""
+    if axis not in _SPLIT_AXES:
+        raise ValueError(f"split axis must be one of {_SPLIT_AXES}, got {axis!r}")
+    if not 1 <= parts_per_thread <= 4:
+        raise ValueError(f"parts per thread must be 1-4, got {parts_per_thread}")
+    if _state["lib"] is None:
+        return (parts_per_thread, axis)
+    previous = _state["lib"].mlxd_blas_set_split_shape(parts_per_thread, _SPLIT_AXES.index(axis))
+    return (previous // 4, _SPLIT_AXES[previous % 4])
+
+
+def split_shape() -> tuple[int, str]:
+    """The current split shape (see `set_split_shape`)."""
+    if _state["lib"] is None:
+        return (1, "longer")
+    code = _state["lib"].mlxd_blas_split_shape()
+    return (code // 4, _SPLIT_AXES[code % 4])

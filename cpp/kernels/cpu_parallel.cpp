@@ -313,6 +313,10 @@ void cpu_parallel_for(int64_t n, int64_t cost_per_item, int64_t align,
 
 void cpu_pool_park() { Pool::get().park(); }
 
+void cpu_parallel_parts(int parts, const std::function<void(int)>& fn) { Pool::get().run(parts, fn); }
+
+int cpu_pool_threads() { return Pool::get().size(); }
+
 void cpu_kernel_note_call(const char* name) {
   std::lock_guard<std::mutex> lock(g_counts_mutex);
   ++counts()[name];

@@ -63,6 +63,13 @@ void cpu_parallel_for(int64_t n, int64_t cost_per_item, int64_t align,
                       const std::function<void(int64_t, int64_t)>& fn);
 constexpr int64_t kCpuMinParallel = 1 << 14;
 
+// Runs fn(i) for i in [0, parts) on the pool, each part claimed by whichever
+// thread is free (the calling thread included): for kernels that size their
+// own parts (a product cut into as many blocks as threads).
+void cpu_parallel_parts(int parts, const std::function<void(int)>& fn);
+// Threads the pool computes with: the calling thread and its helpers.
+int cpu_pool_threads();
+
 // Sends the helper threads to sleep now instead of at the end of their spin
 // (MLX_DELEGATE_SPIN_US): for the end of a call when the next is not expected
 // soon, so the spin does not take a core from other work in the meantime.

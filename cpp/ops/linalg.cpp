@@ -1,6 +1,7 @@
 // Matrix products.
 #include "../ops_common.h"
 #include "kernels/gemm_lowp_cpu.h"
+#include "kernels/linear_cpu.h"
 
 namespace mlxd::rt {
 
@@ -20,11 +21,15 @@ void exec_LinearNode(const mlxd::LinearNode& n, ExecContext& ctx) {
   const auto& w = ctx.in(n.weight());
   if (w.ndim() != 2) throw NodeError("linear weight must be 2-D");
   const auto& x = ctx.in(n.x());
+  const auto* b = ctx.maybe_in(n.bias());
+  const auto bias = b ? std::optional<mx::array>(*b) : std::nullopt;
+  // fp32 on the CPU: the bias folded into the sgemm (kernels/linear_cpu.h); a fused activation
+  // keeps its own in-place pass, which takes the bias along.
+  if (!n.act() && linear_cpu_applies(x, w, bias)) return ctx.set(n.out(), linear_cpu(x, w, bias));
   // transpose is a view: the kernel reads the [N, K] weight in place.
   auto y = gemm_lowp_cpu_linear_applies(x, w) ? gemm_lowp_cpu_linear(x, w) : product(x, mx::transpose(w));
-  const auto* b = ctx.maybe_in(n.bias());
   // A fused activation takes the bias along: one pass over the product (in place on the CPU).
-  if (n.act()) return ctx.set(n.out(), unary_op(n.act_op(), y, b ? std::optional<mx::array>(*b) : std::nullopt));
+  if (n.act()) return ctx.set(n.out(), unary_op(n.act_op(), y, bias));
   if (b) y = mx::add(y, *b);
   ctx.set(n.out(), y);
 }
