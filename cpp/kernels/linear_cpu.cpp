@@ -81,10 +81,7 @@ class LinearCpu : public mx::UnaryPrimitive {
 
   // in: x (any layout, float32), w [N, K] row-major, bias [N] row-major when present.
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : in) encoder.set_input_array(a);
-    encoder.set_output_array(out);
+    auto& encoder = begin_cpu_task(stream(), in, out);
     const auto &x = in[0], &w = in[1];
     const int k = w.shape(1), n = w.shape(0);
     Linear p{x.data<float>(), w.data<float>(), bias_ ? in[2].data<float>() : nullptr, out.data<float>(),
