@@ -53,7 +53,8 @@ the process's CPU time per timed call (all threads, mean; on a loaded machine th
 decode calls has shown a bias against the fused copy (one process per path measured it ahead);
 check a surprising `sdpa` row with one process per setting. Nothing fails here.
 
-    python benchmarks/kernels.py [--ops unary,rows,rope,qgemv,sdpa] [--quick] [--nodes] [--budget S]
+    python benchmarks/kernels.py [--ops unary,rows,rope,qgemv,sdpa,attn] [--quick] [--nodes] [--budget S]
+                                 [--match TEXT,...]
 """
 
 from __future__ import annotations
@@ -482,6 +483,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--nodes", action="store_true", help="also time each delegate path node by node")
     p.add_argument("--budget", type=float, help="timed seconds per path and case (overrides the default)")
     p.add_argument("--threads", type=int, default=common.THREADS, help="eager torch's threads")
+    p.add_argument("--match", default="", help="comma-separated label substrings: only cases whose label has one")
     args = p.parse_args(argv)
     groups = args.ops.split(",")
     unknown = set(groups) - set(GROUPS)
@@ -497,7 +499,8 @@ def main(argv: list[str] | None = None) -> None:
     for group in GROUPS:
         if group in groups:
             for case in SOURCES[group](args.quick):
-                rows += run_case(case, settings, args.nodes)
+                if not args.match or any(m in case.label for m in args.match.split(",")):
+                    rows += run_case(case, settings, args.nodes)
     meta |= {"loadavg_end": [round(x, 2) for x in os.getloadavg()],
              "wall_s": round(time.perf_counter() - started, 1)}
     print()
