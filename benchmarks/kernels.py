@@ -24,6 +24,10 @@ Groups (`--ops`, default all):
 - `sdpa`: attention at SmolLM2-135M's shape (9 query heads, 3 key heads, head dim 64) over a
   256-slot cache under the position mask the Llama model uses (`arange(S) <= position`), for 1 to 64
   query rows.
+- `attn`: encoder-shaped attention (the blocked CPU kernel), q = k = v [1, H, L, 64], L 64 / 128 / 197 /
+  512 / 1500 at 4, 8 and 12 heads without a mask, then at 8 heads causal, with an additive float mask
+  [1, 1, L, L], and in bfloat16; eager torch's SDPA and eager's bmm + softmax + bmm (`eager bmm`) beside
+  it.
 
 Each case is lowered once on its own and its program loaded once per path (each copy compiles its own
 graph); the copies and eager torch take turns in rotating order, call by call
@@ -32,23 +36,25 @@ graph); the copies and eager torch take turns in rotating order, call by call
 
 - `kernels on`: the delegate as shipped, CPU kernels on (for `sdpa`, the fused decode-attention
   kernel wherever it applies: up to 2 query rows by default).
-- `composed` (`sdpa` only): kernels on, the fused attention kernel off
+- `composed` (`sdpa`, `attn`): kernels on, the fused (`sdpa`) / blocked (`attn`) attention kernel off
   (MLX_DELEGATE_SDPA_FUSED_MAX_L=0): scale, BLAS matmuls, the kernels' softmax and the mask ops it
   replaces. Where the fused kernel does not apply (more query rows) this is the same path as
   `kernels on`, a control for the noise.
 - `kernels off`: MLX's own ops (`_runtime.set_cpu_kernels(False)`).
 - `avx512 off` (`qgemv`, `qgemv1b`): the quantized GEMV's AVX2 kernels where the CPU has AVX-512 VNNI
   (`_runtime.set_qgemv_avx512_path(False)`).
-- `eager torch`: the torch op (`--threads`, default 2).
+- `eager torch`: the torch op (`--threads`, default 2); `attn` adds `eager bmm`.
 - with `--nodes`, each delegate path also node by node (`..., nodes`: compiled graphs off).
 
 Figures are per call through the delegate (its per-call overhead, tens of us, and the input/output
-copies included). `x on`: median over `kernels on`'s median; `x eager`: over eager torch's;
+copies included). `x on`: median over `kernels on`'s median; `x eager`: over eager torch's; `CPU`:
+the process's CPU time per timed call (all threads, mean; on a loaded machine the steadier figure);
 `max|err|`: the path's first call against eager torch. Caveat: in-process A/B of the tiny `sdpa`
 decode calls has shown a bias against the fused copy (one process per path measured it ahead);
 check a surprising `sdpa` row with one process per setting. Nothing fails here.
 
-    python benchmarks/kernels.py [--ops unary,rows,rope,qgemv,sdpa] [--quick] [--nodes] [--budget S]
+    python benchmarks/kernels.py [--ops unary,rows,rope,qgemv,sdpa,attn] [--quick] [--nodes] [--budget S]
+                                 [--match TEXT,...]
 """
 
 from __future__ import annotations
@@ -73,8 +79,9 @@ from mlx_delegate.custom_ops import rope_at
 from mlx_delegate.models.llama import apply_rope
 from mlx_delegate.testing import Lambda, lower
 
-GROUPS = ("unary", "rows", "rope", "qgemv", "qgemv1b", "sdpa")
+GROUPS = ("unary", "rows", "rope", "qgemv", "qgemv1b", "sdpa", "attn")
 SDPA_ENV = "MLX_DELEGATE_SDPA_FUSED_MAX_L"
+BLOCKED_ENV = "MLX_DELEGATE_SDPA_BLOCKED"
 
 
 @dataclass
@@ -89,6 +96,7 @@ class Case:
     paths: tuple[str, ...] = ("kernels on", "kernels off")
     bytes_read: int = 0  # weights + scales + biases one call reads: the table's GB/s column
     eager_timed: bool = True  # False: eager only checks the outputs (its fp32 weights would not fit)
+    peers: dict[str, Callable[[], Any]] = field(default_factory=dict)  # more eager forms, timed beside
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,7 @@ class RunAs:
 
 
 PATHS = {"kernels on": RunAs(), "composed": RunAs(env={SDPA_ENV: "0"}), "kernels off": RunAs(kernels=False),
+         "blocked off": RunAs(env={BLOCKED_ENV: "0"}),
          "group-32 path off": RunAs(group32=False), "avx512 off": RunAs(avx512=False)}
 
 
@@ -283,9 +292,49 @@ def sdpa_cases(quick: bool) -> Iterator[Case]:
                    lambda inputs=inputs: attention(*inputs), paths=("kernels on", "composed", "kernels off"))
 
 
+def attention_bmm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                  causal: bool = False) -> torch.Tensor:
+    """Eager's composed attention: bmm, softmax, bmm."""
+    scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if mask is not None:
+        scores = scores + mask
+    if causal:
+        scores = scores.masked_fill(torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(scores, -1) @ v
+
+
+ATTN_LENGTHS = (64, 128, 197, 512, 1500)
+
+
+def attn_cases(quick: bool) -> Iterator[Case]:
+    """Each configuration lowered once; `kernels on` against the blocked kernel switched off and eager."""
+    configs = [(length, heads, "none", torch.float32) for length in ATTN_LENGTHS for heads in (4, 8, 12)]
+    configs += [(length, 8, kind, dtype) for kind, dtype in (("causal", torch.float32), ("mask", torch.float32),
+                                                             ("none", torch.bfloat16)) for length in ATTN_LENGTHS]
+    if quick:
+        configs = [(128, 4, "none", torch.float32), (197, 8, "causal", torch.float32)]
+    for length, heads, kind, dtype in configs:
+        q, k, v = (torch.randn(1, heads, length, 64).to(dtype) for _ in range(3))
+        label = f"attn L {length} H {heads} {kind} {str(dtype).removeprefix('torch.')}"
+        paths = ("kernels on", "blocked off")
+        if kind == "mask":
+            mask = torch.randn(1, 1, length, length).to(dtype)
+            inputs: tuple[torch.Tensor, ...] = (q, k, v, mask)
+            yield Case("attn", label, Lambda(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m)),
+                       inputs, lambda i=inputs: F.scaled_dot_product_attention(*i[:3], attn_mask=i[3]), paths,
+                       peers={"eager bmm": lambda i=inputs: attention_bmm(*i)})
+        else:
+            causal = kind == "causal"
+            inputs = (q, k, v)
+            yield Case("attn", label,
+                       Lambda(lambda q, k, v, c=causal: F.scaled_dot_product_attention(q, k, v, is_causal=c)),
+                       inputs, lambda i=inputs, c=causal: F.scaled_dot_product_attention(*i, is_causal=c), paths,
+                       peers={"eager bmm": lambda i=inputs, c=causal: attention_bmm(*i, causal=c)})
+
+
 SOURCES: dict[str, Callable[[bool], Iterator[Case]]] = {
     "unary": unary_cases, "rows": rows_cases, "rope": rope_cases, "qgemv": qgemv_cases, "qgemv1b": qgemv1b_cases,
-    "sdpa": sdpa_cases}
+    "sdpa": sdpa_cases, "attn": attn_cases}
 
 
 # ---------------------------------------------------------------- running
@@ -327,6 +376,7 @@ class Row:
     max_abs_err: float | None = None
     error: str | None = None
     bytes_read: int = 0
+    cpu_s: float | None = None  # process CPU time per timed call (all threads), mean
 
 
 def run_case(case: Case, settings: common.Settings, nodes: bool) -> list[Row]:
@@ -336,7 +386,7 @@ def run_case(case: Case, settings: common.Settings, nodes: bool) -> list[Row]:
     paths = {name: PATHS[name] for name in case.paths}
     if nodes:
         paths |= {f"{name}, nodes": replace(PATHS[name], compiled=False) for name in case.paths}
-    rows = {name: Row(case.label, name) for name in [*paths, "eager torch"]}
+    rows = {name: Row(case.label, name) for name in [*paths, "eager torch", *case.peers]}
     print(f"  {case.label}: lowering ...", file=sys.stderr, flush=True)
     try:
         buffer = lower(case.module, case.inputs).buffer
@@ -365,6 +415,10 @@ def run_case(case: Case, settings: common.Settings, nodes: bool) -> list[Row]:
         rows["eager torch"].max_abs_err = 0.0
     else:
         del rows["eager torch"]
+    for name, peer in case.peers.items():
+        with torch.no_grad():
+            rows[name].max_abs_err = common.max_abs_err(peer(), reference)
+        runs[name] = peer
     estimates = {}
     for name, run in list(runs.items()):
         try:
@@ -372,7 +426,21 @@ def run_case(case: Case, settings: common.Settings, nodes: bool) -> list[Row]:
         except Exception as e:  # noqa: BLE001
             rows[name].error = common.one_line(e)
             del runs[name]
-    samples, errors = common.time_interleaved(runs, estimates, settings)
+    cpu = {name: [0.0, 0] for name in runs}
+
+    def with_cpu(name: str, fn: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            c0 = time.process_time()
+            try:
+                return fn()
+            finally:
+                cpu[name][0] += time.process_time() - c0
+                cpu[name][1] += 1
+        return run
+
+    samples, errors = common.time_interleaved({k: with_cpu(k, f) for k, f in runs.items()}, estimates, settings)
+    for name, (total, calls) in cpu.items():
+        rows[name].cpu_s = total / calls if calls else None
     for name, xs in samples.items():
         row = rows[name]
         row.bytes_read = case.bytes_read
@@ -387,8 +455,9 @@ def ratio(a: float | None, b: float | None) -> str:
 
 
 def table(rows: list[Row]) -> str:
-    headers = ["case", "path", "median", "p90", "n", "x on", "x eager", "GB/s", "max|err|", "error"]
-    right = [False, False, True, True, True, True, True, True, True, False]
+    headers = ["case", "path", "median", "p90", "n", "x on", "x eager", "CPU", "CPU x eager", "GB/s", "max|err|",
+               "error"]
+    right = [False, False, True, True, True, True, True, True, True, True, True, False]
     by_case: dict[str, dict[str, Row]] = {}
     for r in rows:
         by_case.setdefault(r.case, {})[r.path] = r
@@ -396,10 +465,12 @@ def table(rows: list[Row]) -> str:
     for case, paths in by_case.items():
         on = paths["kernels on"].median_s
         eager = paths["eager torch"].median_s if "eager torch" in paths else None
+        eager_cpu = paths["eager torch"].cpu_s if "eager torch" in paths else None
         for i, r in enumerate(paths.values()):
             lines.append([case if i == 0 else "", r.path, common.fmt_time(r.median_s),
                           common.fmt_time(r.p90_s),
                           str(r.rounds) if r.rounds else "-", ratio(r.median_s, on), ratio(r.median_s, eager),
+                          common.fmt_time(r.cpu_s), ratio(r.cpu_s, eager_cpu),
                           f"{r.bytes_read / r.median_s / 1e9:.1f}" if r.bytes_read and r.median_s else "-",
                           "-" if r.max_abs_err is None else f"{r.max_abs_err:.1e}", r.error or ""])
     return common.format_table(headers, lines, right)
@@ -412,6 +483,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--nodes", action="store_true", help="also time each delegate path node by node")
     p.add_argument("--budget", type=float, help="timed seconds per path and case (overrides the default)")
     p.add_argument("--threads", type=int, default=common.THREADS, help="eager torch's threads")
+    p.add_argument("--match", default="", help="comma-separated label substrings: only cases whose label has one")
     args = p.parse_args(argv)
     groups = args.ops.split(",")
     unknown = set(groups) - set(GROUPS)
@@ -427,7 +499,8 @@ def main(argv: list[str] | None = None) -> None:
     for group in GROUPS:
         if group in groups:
             for case in SOURCES[group](args.quick):
-                rows += run_case(case, settings, args.nodes)
+                if not args.match or any(m in case.label for m in args.match.split(",")):
+                    rows += run_case(case, settings, args.nodes)
     meta |= {"loadavg_end": [round(x, 2) for x in os.getloadavg()],
              "wall_s": round(time.perf_counter() - started, 1)}
     print()

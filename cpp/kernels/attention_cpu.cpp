@@ -28,6 +28,8 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+bool fits_int(int64_t x) { return x <= std::numeric_limits<int>::max(); }
+
 // A rank-4 operand as the kernel reads it: its first element, dtype and
 // element strides (0 along broadcast axes).
 struct View4 {
@@ -169,24 +171,67 @@ MLXD_AVX2 float max_avx2(const float* x, int64_t n) {
 
 constexpr VecOps kAvx2{dot_avx2, axpy_avx2, exp_sum_avx2, max_avx2, add_portable, keep_portable};
 
-// Softmax's exp and max on sixteen lanes (the blocked path spends a good part
-// of its time there at long S); dot and axpy stay on AVX2.
+// Softmax's exp and max on sixteen lanes (the blocked path spent ~20 % of a
+// block's time there: 6.4 us of 31 at 128 x 128); dot and axpy stay on AVX2.
+//
+// exp(x) for softmax, where x = score - row max is <= 0, -inf (a hidden key)
+// or NaN: exp16's reduction and polynomial without its overflow clamp and the
+// two edge blends. x is clamped from below at -110 instead of -87.3, so that
+// scalef's 2^n (n <= -159 there) underflows to exactly 0 for -inf; x in
+// (-110, -87.3) gives the denormal exp(x) instead of 0. NaN passes through
+// (max_ps returns its second operand when one is NaN). 13 vector ops instead
+// of 19.
+MLXD_AVX512 inline __m512 softmax_exp16(__m512 x) {
+  const __m512 xc = _mm512_max_ps(_mm512_set1_ps(-110.f), x);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+
+// Full vectors unmasked, two sums so consecutive adds do not wait on each
+// other, then one masked tail.
 MLXD_AVX512 float exp_sum_avx512(float* x, int64_t n, float shift) {
   const __m512 sv = _mm512_set1_ps(shift);
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) {
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512 e0 = softmax_exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), sv));
+    const __m512 e1 = softmax_exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i + 16), sv));
+    _mm512_storeu_ps(x + i, e0);
+    _mm512_storeu_ps(x + i + 16, e1);
+    acc0 = _mm512_add_ps(acc0, e0);
+    acc1 = _mm512_add_ps(acc1, e1);
+  }
+  for (; i < n; i += 16) {
     const __mmask16 m = vmath::first_lanes(n - i);
-    __m512 e = vmath::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), sv));
-    acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(m, e));
+    const __m512 e = softmax_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), sv));
+    acc0 = _mm512_mask_add_ps(acc0, m, acc0, e);
     _mm512_mask_storeu_ps(x + i, m, e);
   }
-  return _mm512_reduce_add_ps(acc);
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 
 MLXD_AVX512 float max_avx512(const float* x, int64_t n) {
-  __m512 m = _mm512_set1_ps(kNegInf);
-  for (int64_t i = 0; i < n; i += 16) m = _mm512_mask_max_ps(m, vmath::first_lanes(n - i), m, _mm512_maskz_loadu_ps(vmath::first_lanes(n - i), x + i));
-  return _mm512_reduce_max_ps(m);
+  __m512 m0 = _mm512_set1_ps(kNegInf), m1 = m0;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    m0 = _mm512_max_ps(m0, _mm512_loadu_ps(x + i));
+    m1 = _mm512_max_ps(m1, _mm512_loadu_ps(x + i + 16));
+  }
+  for (; i < n; i += 16) {
+    const __mmask16 k = vmath::first_lanes(n - i);
+    m0 = _mm512_mask_max_ps(m0, k, m0, _mm512_maskz_loadu_ps(k, x + i));
+  }
+  return _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
 }
 
 MLXD_AVX512 void add_avx512(float* y, const float* x, int64_t n) {
@@ -223,6 +268,7 @@ const VecOps& pick_ops() {
 struct Problem {
   View4 q, k, v, mask;
   bool has_mask, causal;
+  bool lowp;  // bfloat16 q / k / v may take the 16-bit products (blocked path)
   float scale;
   int64_t Hq, group, L, S, D, Dv;  // group: query heads per key head
   void* out;
@@ -336,11 +382,26 @@ HeadRows head_rows(const View4& t, int64_t b, int64_t h, int64_t n, int64_t widt
 }
 
 // Per-thread buffers of the blocked path; the widened keys / values of the
-// last head a thread saw are kept for its next block of the same head.
+// last head a thread saw are kept for its next block of the same head (within
+// one call: begin() forgets them). The buffers themselves live as long as the
+// thread (thread_local in run_attention_blocked): allocated per part instead,
+// the ~100-200 KiB of a block came back from the heap as fresh pages (glibc
+// trims its top past 128 KiB), and each call paid the page faults again.
 struct BlockScratch {
   std::vector<float> q, scores, out, inv_sum, bias, k, v;
   int64_t kv_b = -1, kv_h = -1;
   HeadRows kr, vr;
+
+  void begin() { kv_b = kv_h = -1; }
+  // A long-context call's buffers (several MiB) are not kept for the thread's lifetime.
+  void trim() {
+    constexpr size_t kKeepFloats = size_t{1} << 20;  // 4 MiB
+    size_t held = 0;
+    for (auto* b : {&q, &scores, &out, &inv_sum, &bias, &k, &v}) held += b->capacity();
+    if (held <= kKeepFloats) return;
+    for (auto* b : {&q, &scores, &out, &inv_sum, &bias, &k, &v}) std::vector<float>().swap(*b);
+    begin();
+  }
 };
 
 // Adds a mask row to the scores r[0, n): contiguous bool and float32 rows are
@@ -373,29 +434,25 @@ int64_t visible_end(const View4& m, int64_t at, int64_t n, int64_t floor) {
   return j;
 }
 
-void attend_block(const Problem& p, const VecOps& ops, SerialSgemmFn sgemm, int64_t b, int64_t h, int64_t l0,
-                  BlockScratch& s) {
-  const int64_t rows = std::min(block_rows(p.S), p.L - l0), hk = h / p.group;
-  // Causal rows of this block see keys [0, l0 + rows) at most; masked rows
-  // up to their last visible key (at least one column, so the products are
-  // never empty: a row that sees nothing gives zeros below).
+// The keys a block of `rows` query rows from l0 computes: causal rows see
+// keys [0, l0 + rows) at most; masked rows up to their last visible key (at
+// least one column, so the products are never empty: a row that sees nothing
+// gives zeros in softmax_block).
+int64_t block_keys(const Problem& p, int64_t b, int64_t h, int64_t l0, int64_t rows) {
   int64_t n = p.causal ? std::min(p.S, l0 + rows) : p.S;
   if (p.has_mask) {
     int64_t end = 1;
     for (int64_t i = 0; i < rows; ++i) end = visible_end(p.mask, p.mask.at(b, h, l0 + i), n, end);
     n = end;
   }
-  if (s.kv_b != b || s.kv_h != hk) {
-    s.kr = head_rows(p.k, b, hk, p.S, p.D, s.k);
-    s.vr = head_rows(p.v, b, hk, p.S, p.Dv, s.v);
-    s.kv_b = b, s.kv_h = hk;
-  }
-  s.q.resize(rows * p.D);
-  for (int64_t i = 0; i < rows; ++i) load_f32(p.q, p.q.at(b, h, l0 + i), p.D, s.q.data() + i * p.D);
-  s.scores.resize(rows * n);
-  float* sc = s.scores.data();
-  sgemm(0, 1, static_cast<int>(rows), static_cast<int>(n), static_cast<int>(p.D), p.scale, s.q.data(),
-        static_cast<int>(p.D), s.kr.data, static_cast<int>(s.kr.ld), 0.f, sc, static_cast<int>(n));
+  return n;
+}
+
+// The scores sc [rows, n] in place: the mask, then exp(score - row max); the
+// row's 1 / sum into s.inv_sum (applied to the output rows, fewer than the
+// scores). Keys a row may not see, and rows that see none, end as 0.
+void softmax_block(const Problem& p, const VecOps& ops, int64_t b, int64_t h, int64_t l0, int64_t rows, int64_t n,
+                   float* sc, BlockScratch& s) {
   s.inv_sum.resize(rows);
   for (int64_t i = 0; i < rows; ++i) {
     float* r = sc + i * n;
@@ -410,47 +467,214 @@ void attend_block(const Problem& p, const VecOps& ops, SerialSgemmFn sgemm, int6
     s.inv_sum[i] = 1.f / ops.exp_sum(r, keys, top);
     std::fill(r + keys, r + n, 0.f);  // causal: keys after the row's own
   }
-  s.out.resize(rows * p.Dv);
-  sgemm(0, 0, static_cast<int>(rows), static_cast<int>(p.Dv), static_cast<int>(n), 1.f, sc, static_cast<int>(n),
-        s.vr.data, static_cast<int>(s.vr.ld), 0.f, s.out.data(), static_cast<int>(p.Dv));
+}
+
+// The block's output rows o [rows, Dv] (float32) times their 1 / sum, stored
+// in out_type unless o already is the output (direct).
+void finish_block(const Problem& p, int64_t out_at, int64_t rows, float* o, bool direct, const BlockScratch& s) {
   for (int64_t i = 0; i < rows; ++i) {
-    float* o = s.out.data() + i * p.Dv;
-    for (int64_t d = 0; d < p.Dv; ++d) o[d] *= s.inv_sum[i];
-    cpu_store_f32(o, p.out_type, ((b * p.Hq + h) * p.L + l0 + i) * p.Dv, p.Dv, p.out);
+    float* row = o + i * p.Dv;
+    for (int64_t d = 0; d < p.Dv; ++d) row[d] *= s.inv_sum[i];
+    if (!direct) cpu_store_f32(row, p.out_type, out_at + i * p.Dv, p.Dv, p.out);
   }
 }
 
-void run_attention_blocked(const Problem& p, int64_t batch) {
+void attend_block(const Problem& p, const VecOps& ops, SerialSgemmFn sgemm, int64_t b, int64_t h, int64_t l0,
+                  BlockScratch& s) {
+  const int64_t rows = std::min(block_rows(p.S), p.L - l0), hk = h / p.group;
+  const int64_t n = block_keys(p, b, h, l0, rows);
+  if (s.kv_b != b || s.kv_h != hk) {
+    s.kr = head_rows(p.k, b, hk, p.S, p.D, s.k);
+    s.vr = head_rows(p.v, b, hk, p.S, p.Dv, s.v);
+    s.kv_b = b, s.kv_h = hk;
+  }
+  // Dense float32 query rows are read in place; others (heads split out of a
+  // projection, as K / V in head_rows; half types) packed and widened.
+  const float* qa = nullptr;
+  if (p.q.dtype == mx::float32 && p.q.stride[3] == 1 && p.q.stride[2] == p.D) {
+    qa = static_cast<const float*>(p.q.data) + p.q.at(b, h, l0);
+  } else {
+    s.q.resize(rows * p.D);
+    for (int64_t i = 0; i < rows; ++i) load_f32(p.q, p.q.at(b, h, l0 + i), p.D, s.q.data() + i * p.D);
+    qa = s.q.data();
+  }
+  s.scores.resize(rows * n);
+  float* sc = s.scores.data();
+  sgemm(0, 1, static_cast<int>(rows), static_cast<int>(n), static_cast<int>(p.D), p.scale, qa,
+        static_cast<int>(p.D), s.kr.data, static_cast<int>(s.kr.ld), 0.f, sc, static_cast<int>(n));
+  softmax_block(p, ops, b, h, l0, rows, n, sc, s);
+  // A float32 output's rows of this block are contiguous: P V goes straight
+  // there and is scaled in place; half outputs go through s.out.
+  const int64_t out_at = ((b * p.Hq + h) * p.L + l0) * p.Dv;
+  const bool direct = p.out_type == mx::float32;
+  float* o = direct ? static_cast<float*>(p.out) + out_at : (s.out.resize(rows * p.Dv), s.out.data());
+  sgemm(0, 0, static_cast<int>(rows), static_cast<int>(p.Dv), static_cast<int>(n), 1.f, sc, static_cast<int>(n),
+        s.vr.data, static_cast<int>(s.vr.ld), 0.f, o, static_cast<int>(p.Dv));
+  finish_block(p, out_at, rows, o, direct, s);
+}
+
+// ---- bfloat16 / float16 q, k and v: 16-bit products -------------------------
+//
+// MKL's cblas_gemm_bf16bf16f32 / cblas_gemm_f16f16f32 (16-bit operands, fp32
+// accumulation and result) from torch's BLAS, found in the already loaded
+// libtorch_cpu.so, each call pinned to the calling thread. Scores and the
+// softmax stay fp32; the unnormalised weights (<= 1) are rounded to the
+// operands' type for P V, as eager torch's flash attention does, and the
+// 1 / sum is applied to the fp32 output. Against widening K / V and Q to
+// fp32 for sgemm: no widening, half the bytes, and the CPU's bf16 dot
+// products (AVX-512-BF16 / AMX), where it has them.
+
+using LowpGemmFn = void (*)(int layout, int trans_a, int trans_b, int m, int n, int k, float alpha, const uint16_t* a,
+                            int lda, const uint16_t* b, int ldb, float beta, float* c, int ldc);
+constexpr int kCblasRowMajor = 101, kCblasNoTrans = 111, kCblasTrans = 112;
+
+struct LowpBlas {
+  LowpGemmFn gemm[2] = {nullptr, nullptr};  // [0] bfloat16, [1] float16
+  int (*set_threads_local)(const int*) = nullptr;  // Fortran mkl_set_num_threads_local_, by pointer
+};
+
+// Only where the CPU computes bf16 products natively: MKL emulates them
+// elsewhere, and the fp32 path (sgemm on widened rows) is the safer choice
+// there. float16 keeps the fp32 path (MKL's f16 gemm measured no faster).
+bool cpu_has_bf16() {
+#ifdef MLXD_CPU_X86
+  static const bool has = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && cpu_use_avx512();
+  return has;
+#else
+  return false;
+#endif
+}
+
+const LowpBlas& lowp_blas() {
+  static const LowpBlas blas = [] {
+    LowpBlas r;
+    void* lib = dlopen("libtorch_cpu.so", RTLD_NOW | RTLD_NOLOAD);  // only if torch is loaded already
+    if (lib == nullptr) return r;
+    r.set_threads_local = reinterpret_cast<int (*)(const int*)>(dlsym(lib, "mkl_set_num_threads_local_"));
+    if (r.set_threads_local == nullptr) return r;  // MKL's own threads inside our parts: not used
+    r.gemm[0] = reinterpret_cast<LowpGemmFn>(dlsym(lib, "cblas_gemm_bf16bf16f32"));
+    return r;
+  }();
+  return blas;
+}
+
+// The 16-bit gemm for the problem's q / k / v, nullptr for the fp32 path:
+// all three bfloat16, the CPU's bf16 products and MKL's gemm found, and the
+// CPU kernels not capped below AVX-512 (MLX_DELEGATE_CPU_KERNELS=avx2 /
+// portable test the fp32 path).
+LowpGemmFn lowp_gemm_for(const Problem& p) {
+  if (p.q.dtype != mx::bfloat16 || p.k.dtype != mx::bfloat16 || p.v.dtype != mx::bfloat16) return nullptr;
+  if (!p.lowp || !cpu_has_bf16()) return nullptr;
+  return lowp_blas().gemm[0];
+}
+
+#ifdef MLXD_CPU_X86
+// fp32 -> bf16, round to nearest even (NaN kept), sixteen at a time: the
+// block's weights for P V (the generic cpu_store_f32 converts one element at
+// a time, ~40 % of a 16-bit block's time at S = 512).
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void to_bf16_avx512(const float* src, int64_t n, uint16_t* dst) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = vmath::first_lanes(n - i);
+    const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, src + i));
+    _mm256_mask_storeu_epi16(dst + i, m, reinterpret_cast<const __m256i&>(h));
+  }
+}
+#endif
+
+void to_bf16(const float* src, int64_t n, uint16_t* dst) {
+#ifdef MLXD_CPU_X86
+  if (cpu_has_bf16()) return to_bf16_avx512(src, n, dst);
+#endif
+  cpu_store_f32(src, mx::bfloat16, 0, n, dst);
+}
+
+// Rows [0, n) of a 16-bit operand from element `at` as row-major with
+// leading dimension width: in place when dense, else packed into buf.
+const uint16_t* rows16(const View4& t, int64_t at, int64_t n, int64_t width, std::vector<uint16_t>& buf) {
+  const auto* src = static_cast<const uint16_t*>(t.data) + at;
+  if (t.stride[3] == 1 && t.stride[2] == width) return src;
+  buf.resize(n * width);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t i = 0; i < width; ++i) buf[j * width + i] = src[j * t.stride[2] + i * t.stride[3]];
+  return buf.data();
+}
+
+struct LowpScratch {
+  std::vector<uint16_t> q, k, v, w;  // w: the block's weights in 16 bits
+  const uint16_t *kr = nullptr, *vr = nullptr;
+};
+
+void attend_block_lowp(const Problem& p, const VecOps& ops, LowpGemmFn gemm, int64_t b, int64_t h, int64_t l0,
+                       int64_t block, BlockScratch& s, LowpScratch& s16) {
+  const int64_t rows = std::min(block, p.L - l0), hk = h / p.group;
+  const int64_t n = block_keys(p, b, h, l0, rows);
+  if (s.kv_b != b || s.kv_h != hk) {
+    s16.kr = rows16(p.k, p.k.at(b, hk, 0), p.S, p.D, s16.k);
+    s16.vr = rows16(p.v, p.v.at(b, hk, 0), p.S, p.Dv, s16.v);
+    s.kv_b = b, s.kv_h = hk;
+  }
+  const uint16_t* qa = rows16(p.q, p.q.at(b, h, l0), rows, p.D, s16.q);
+  s.scores.resize(rows * n);
+  float* sc = s.scores.data();
+  const int ir = static_cast<int>(rows), in = static_cast<int>(n), id = static_cast<int>(p.D),
+            idv = static_cast<int>(p.Dv);
+  gemm(kCblasRowMajor, kCblasNoTrans, kCblasTrans, ir, in, id, p.scale, qa, id, s16.kr, id, 0.f, sc, in);
+  softmax_block(p, ops, b, h, l0, rows, n, sc, s);
+  s16.w.resize(rows * n);
+  to_bf16(sc, rows * n, s16.w.data());
+  s.out.resize(rows * p.Dv);
+  gemm(kCblasRowMajor, kCblasNoTrans, kCblasNoTrans, ir, idv, in, 1.f, s16.w.data(), in, s16.vr, idv, 0.f,
+       s.out.data(), idv);
+  finish_block(p, ((b * p.Hq + h) * p.L + l0) * p.Dv, rows, s.out.data(), false, s);
+}
+
+void run_attention_blocked(const Problem& p, int64_t batch, LowpGemmFn lowp) {
   const VecOps& ops = pick_ops();
   SerialSgemmFn sgemm = serial_sgemm();
   const int64_t rows = block_rows(p.S), blocks = (p.L + rows - 1) / rows;
   const int64_t tasks = batch * p.Hq * blocks;
   const int64_t cost = std::max<int64_t>(1, std::min(rows, p.L) * p.S * (p.D + p.Dv) / kMacsPerCostUnit);
   cpu_parallel_for(tasks, cost, 1, [&](int64_t begin, int64_t end) {
-    BlockScratch s;
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t blk = t % blocks, h = (t / blocks) % p.Hq, b = t / (blocks * p.Hq);
-      attend_block(p, ops, sgemm, b, h, blk * rows, s);
+    thread_local BlockScratch s;
+    s.begin();
+    if (lowp != nullptr) {
+      thread_local LowpScratch s16;
+      const int one = 1, threads = lowp_blas().set_threads_local(&one);
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t blk = t % blocks, h = (t / blocks) % p.Hq, b = t / (blocks * p.Hq);
+        attend_block_lowp(p, ops, lowp, b, h, blk * rows, rows, s, s16);
+      }
+      lowp_blas().set_threads_local(&threads);
+      if (s16.k.capacity() + s16.v.capacity() + s16.w.capacity() > (size_t{1} << 21)) s16 = LowpScratch();
+    } else {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t blk = t % blocks, h = (t / blocks) % p.Hq, b = t / (blocks * p.Hq);
+        attend_block(p, ops, sgemm, b, h, blk * rows, s);
+      }
     }
+    s.trim();
   });
 }
 
 class SdpaCpu : public mx::UnaryPrimitive {
  public:
-  SdpaCpu(mx::Stream s, float scale, bool has_mask, bool causal, bool blocked)
-      : mx::UnaryPrimitive(s), scale_(scale), has_mask_(has_mask), causal_(causal), blocked_(blocked) {}
+  SdpaCpu(mx::Stream s, float scale, bool has_mask, bool causal, bool blocked, bool lowp)
+      : mx::UnaryPrimitive(s), scale_(scale), has_mask_(has_mask), causal_(causal), blocked_(blocked), lowp_(lowp) {}
 
   // in: q, k, v, then the mask when present (any strides).
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     auto& encoder = begin_cpu_task(stream(), in, out);
     const auto &q = in[0], &k = in[1], &v = in[2];
     Problem p{view_of(q), view_of(k), view_of(v), has_mask_ ? view_of(in[3]) : View4{},
-              has_mask_, causal_, scale_,
+              has_mask_, causal_, lowp_, scale_,
               q.shape(1), q.shape(1) / k.shape(1), q.shape(2), k.shape(2), q.shape(3), v.shape(3),
               out.data<void>(), out.dtype()};
     if (blocked_) {
+      const LowpGemmFn lowp = lowp_gemm_for(p);
       cpu_kernel_note_call("sdpa_blocked");
-      encoder.dispatch([p, batch = static_cast<int64_t>(q.shape(0))] { run_attention_blocked(p, batch); });
+      if (lowp != nullptr) cpu_kernel_note_call("sdpa_blocked_bf16");
+      encoder.dispatch([p, lowp, batch = static_cast<int64_t>(q.shape(0))] { run_attention_blocked(p, batch, lowp); });
       return;
     }
     const int64_t rows = static_cast<int64_t>(q.shape(0)) * q.shape(1) * q.shape(2);
@@ -463,7 +687,8 @@ class SdpaCpu : public mx::UnaryPrimitive {
   const char* name() const override { return "SdpaCpu"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const SdpaCpu&>(other);
-    return scale_ == o.scale_ && has_mask_ == o.has_mask_ && causal_ == o.causal_ && blocked_ == o.blocked_;
+    return scale_ == o.scale_ && has_mask_ == o.has_mask_ && causal_ == o.causal_ && blocked_ == o.blocked_ &&
+           lowp_ == o.lowp_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     return {out_shape(in[0], in[2])};
@@ -475,7 +700,7 @@ class SdpaCpu : public mx::UnaryPrimitive {
 
  private:
   float scale_;
-  bool has_mask_, causal_, blocked_;
+  bool has_mask_, causal_, blocked_, lowp_;
 };
 
 bool mask_ok(const mx::array& m, const mx::Shape& scores) {
@@ -499,8 +724,6 @@ bool operands_ok(const mx::array& q, const mx::array& k, const mx::array& v, con
   return !mask || mask_ok(*mask, {B, Hq, L, S});
 }
 
-bool fits_int(int64_t x) { return x <= std::numeric_limits<int>::max(); }
-
 }  // namespace
 
 int fused_sdpa_cpu_max_queries() {
@@ -510,6 +733,13 @@ int fused_sdpa_cpu_max_queries() {
 
 bool blocked_sdpa_cpu_enabled() {
   const char* env = std::getenv("MLX_DELEGATE_SDPA_BLOCKED");
+  return !(env && std::string(env) == "0");
+}
+
+// MLX_DELEGATE_SDPA_BF16=0: bfloat16 attention widens to fp32 for sgemm
+// instead of the 16-bit products (A/B runs, tests; read when a graph is built).
+bool blocked_sdpa_lowp_enabled() {
+  const char* env = std::getenv("MLX_DELEGATE_SDPA_BF16");
   return !(env && std::string(env) == "0");
 }
 
@@ -533,7 +763,7 @@ mx::array sdpa_primitive(const mx::array& q, const mx::array& k, const mx::array
   std::vector<mx::array> inputs{q, k, v};
   if (mask) inputs.push_back(*mask);
   auto prim = std::make_shared<SdpaCpu>(mx::default_stream(mx::Device::cpu), scale, mask.has_value(),
-                                        causal && !mask, blocked);
+                                        causal && !mask, blocked, blocked && blocked_sdpa_lowp_enabled());
   return mx::array(SdpaCpu::out_shape(q, v), q.dtype(), std::move(prim), std::move(inputs));
 }
 

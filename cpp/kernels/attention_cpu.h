@@ -39,11 +39,15 @@ bool fused_sdpa_cpu_applies(const mlx::core::array& q, const mlx::core::array& k
 mlx::core::array fused_sdpa_cpu(const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v,
                           float scale, const std::optional<mlx::core::array>& mask, bool causal);
 
-// Long queries: blocks of 64 query rows of one head per task, scores and
-// P V each one single-threaded sgemm of torch's BLAS (mlxd_sgemm_serial in
-// libmlxd_blas.so), mask and softmax on the block while it is in cache, the
-// tasks split across the cores. Math in float32 for all three dtypes (half
-// k / v widened per head). Whether it takes the operands: what
+// Long queries: blocks of 128 query rows of one head per task (64 past 2048
+// keys), scores and P V each one single-threaded sgemm of torch's BLAS
+// (mlxd_sgemm_serial in libmlxd_blas.so), mask and softmax on the block while
+// it is in cache, the tasks split across the cores. Math in float32 (half
+// q / k / v widened per head), except bfloat16 q / k / v on CPUs with bf16
+// dot products (AVX-512-BF16): there both products are MKL's 16-bit gemm
+// (fp32 scores and softmax, the weights rounded to bf16 for P V, as eager's
+// flash attention does); MLX_DELEGATE_SDPA_BF16=0 keeps the fp32 path (read
+// when a graph is built; counter "sdpa_blocked_bf16"). Whether it takes the operands: what
 // fused_sdpa_cpu_applies asks except the row limit, the fast sgemm loaded, and
 // MLX_DELEGATE_SDPA_BLOCKED not "0" (read each time a graph is built; for A/B
 // runs: off, the composed matmul path runs instead).

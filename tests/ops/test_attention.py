@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -282,6 +284,10 @@ BLOCKED = [
                     position_mask(131, 131, 0)()), FLOATS),
     # Past 2048 keys the blocks are 64 rows again.
     *cases("blocked_long_s", sdpa(), qkv(hq=1, hk=1, lq=70, lk=2100, e=64), (torch.float32,)),
+    # ViT's L 197 (a full and a partial block), an odd head dim, rows of 197 keys (vector tails).
+    *cases("blocked_l197_d40_gqa", sdpa(enable_gqa=True), qkv(hq=6, hk=2, lq=197, lk=197, e=40), FLOATS),
+    *cases("blocked_l197_float_mask_empty_row", sdpa(),
+           with_mask(qkv(hq=3, hk=3, lq=197, lk=51, e=24), float_mask((1, 1, 197, 51), empty_row=150)), FLOATS),
 ]
 
 
@@ -316,6 +322,42 @@ def test_sdpa_blocked_cpu_compiled(case, compile_on):
     assert blocked_calls() - before == (4 if served else 0)
     assert mlx_delegate._runtime.compile_stats()["compiled_calls"] - compiled_before == 3
     assert_close(actual, expected, *TOLERANCE[case.dtype])
+
+
+def bf16_products_expected() -> bool:
+    """Whether bfloat16 attention takes the 16-bit products here: kernels served, AVX-512 not capped, and the
+    CPU's bf16 dot products (MKL emulates them elsewhere; the kernel keeps the fp32 path there)."""
+    flags = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    return (cpu_kernels_active() and mlx_delegate._blas.mode() == "torch"
+            and os.environ.get("MLX_DELEGATE_CPU_KERNELS", "") not in ("avx2", "portable")
+            and {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags)
+
+
+def bf16_calls() -> int:
+    return mlx_delegate._runtime.cpu_kernel_call_counts().get("sdpa_blocked_bf16", 0)
+
+
+@pytest.mark.parametrize("case", [c for c in BLOCKED if c.dtype == torch.bfloat16 and c.name.split("-")[0] in (
+    "blocked_causal_l133", "blocked_float_mask_per_head", "blocked_heads_last", "blocked_transposed_k",
+    "blocked_l197_d40_gqa", "blocked_hidden_block")], ids=str)
+def test_sdpa_blocked_bf16_products(case, monkeypatch):
+    """bfloat16 q / k / v: the 16-bit products (MKL's bf16 gemm, weights rounded to bf16 for P V) where the
+    CPU has them, matching eager torch and the fp32 path (MLX_DELEGATE_SDPA_BF16=0: widened for sgemm)."""
+    before = bf16_calls()
+    lowered = lower_and_compare(case)
+    assert (bf16_calls() > before) == bf16_products_expected()
+    inputs = case.inputs()
+    products = run_fresh(lowered.buffer, inputs, kernels=True)
+    monkeypatch.setenv("MLX_DELEGATE_SDPA_BF16", "0")
+    before = bf16_calls()
+    widened = run_fresh(lowered.buffer, inputs, kernels=True)
+    assert bf16_calls() == before
+    assert_close(products, widened, *TOLERANCE[case.dtype])
 
 
 def test_sdpa_blocked_switch(monkeypatch):
