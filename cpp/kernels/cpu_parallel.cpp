@@ -11,6 +11,7 @@
 #include <thread>
 
 #include <dlfcn.h>
+#include <pthread.h>
 #include <sched.h>
 #include <unistd.h>
 
@@ -18,6 +19,22 @@ namespace mlxd::rt {
 namespace mx = mlx::core;
 
 namespace {
+// The cores this process may run on: its CPU affinity (taskset, a container's
+// cpuset), not the machine's count that hardware_concurrency() gives. A pool
+// sized by the machine under `taskset -c 1` handed every kernel's halves to a
+// helper on the same core, so each call waited for a context switch.
+unsigned usable_cores() {
+#ifdef __linux__
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0) {
+    const int n = CPU_COUNT(&set);
+    if (n > 0) return static_cast<unsigned>(n);
+  }
+#endif
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
 // Off by default: with eager torch's OpenMP workers spinning in the same
 // process (the demo's alternation), a helper that yielded lost its core to them
 // for a time slice: the demo block took 1.9-2.0 ms instead of 1.40-1.45 (quiet,
@@ -94,7 +111,7 @@ class Pool {
   }
 
   Pool() : owner_(getpid()) {
-    unsigned hw = std::thread::hardware_concurrency();
+    unsigned hw = usable_cores();
     helpers_ = hw > 1 ? std::min(hw, 8u) - 1 : 0;
     for (unsigned i = 0; i < helpers_; ++i) std::thread([this] { loop(); }).detach();
   }
@@ -160,6 +177,11 @@ class Pool {
   }
 
   void loop() {
+#if defined(__APPLE__)
+    pthread_setname_np("mlxd-pool");  // what `top -H` and the tests see
+#else
+    pthread_setname_np(pthread_self(), "mlxd-pool");
+#endif
     uint64_t seen = 0;
     for (;;) {
       Job* job;
@@ -207,7 +229,7 @@ BlasSetParallel blas_set_parallel() {
 }
 
 int pool_threads() {
-  unsigned hw = std::thread::hardware_concurrency();
+  unsigned hw = usable_cores();
   return hw > 1 ? static_cast<int>(std::min(hw, 8u)) : 1;
 }
 

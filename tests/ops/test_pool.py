@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch.export import Dim
 
-from mlx_delegate.testing import FLOATS, cases, lower_and_compare
+from mlx_delegate import _runtime
+from mlx_delegate.testing import FLOATS, cases, cpu_kernels_active, lower, lower_and_compare
 
 # Export specialises sizes 0 and 1, so dynamic ranges start at 2.
 batch = Dim("batch", min=2, max=8)
@@ -93,6 +94,11 @@ AVG_POOLS = [
     ("avg_pool2d_rect", lambda x: F.avg_pool2d(x, (1, 3), stride=(2, 1)), (2, 2, 6, 7)),
     ("avg_pool2d_unbatched", lambda x: F.avg_pool2d(x, 2), (3, 6, 6)),
     ("avg_pool2d_noncontig", lambda x: F.avg_pool2d(x.transpose(2, 3), 2), (1, 2, 6, 8)),
+    # One window over the whole unpadded map: a mean over the flattened map (the CPU row kernel).
+    ("avg_pool2d_whole_map_strided", lambda x: F.avg_pool2d(x, (5, 7), stride=3), (2, 3, 5, 7)),
+    ("avg_pool2d_whole_map_noncontig", lambda x: F.avg_pool2d(x.transpose(2, 3), (7, 5)), (1, 4, 5, 7)),
+    ("avg_pool2d_whole_map_divisor", lambda x: F.avg_pool2d(x, 4, divisor_override=7), (1, 2, 4, 4)),
+    ("avg_pool1d_whole_map", lambda x: F.avg_pool1d(x, 9), (2, 3, 9)),
     # adaptive: output evenly divides the input
     ("adaptive_avg_pool2d_global", lambda x: F.adaptive_avg_pool2d(x, 1), (2, 4, 5, 7)),
     ("adaptive_avg_pool2d_2x3", lambda x: F.adaptive_avg_pool2d(x, (2, 3)), (1, 3, 8, 9)),
@@ -127,3 +133,16 @@ CASES += cases("adaptive_uneven_refused", lambda x: F.adaptive_avg_pool2d(x, (3,
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_pool(case):
     lower_and_compare(case)
+
+
+def test_global_average_pool_runs_the_row_mean() -> None:
+    """A CNN head's global average pool (1280 channels over 7x7) is one row-kernel mean per channel
+    on the CPU, not MLX's window view and sum (parity: the cases above, kernels on and off)."""
+    if not cpu_kernels_active():
+        pytest.skip("CPU kernels off")
+    x = torch.randn(2, 1280, 7, 7)
+    method = lower(torch.nn.AdaptiveAvgPool2d(1), (x,)).method()
+    before = _runtime.cpu_kernel_call_counts().get("mean", 0)
+    got = method.execute([x])[0]
+    assert _runtime.cpu_kernel_call_counts().get("mean", 0) == before + 1
+    torch.testing.assert_close(got, F.adaptive_avg_pool2d(x, 1), rtol=1e-5, atol=1e-6)
