@@ -172,17 +172,20 @@ def dequantize_mlx(w: Tensor, scales: Tensor, biases: Tensor | None, group_size:
 
 @torch.library.custom_op("mlx_delegate::quantized_linear", mutates_args=())
 def quantized_linear(x: Tensor, w: Tensor, scales: Tensor, biases: Tensor | None, bias: Tensor | None,
-                     group_size: int, bits: int, mode: str = "affine", global_scale: float = 1.0) -> Tensor:
-    """(x @ W.T) * global_scale (+ bias), W the dequantized [N, K] weight (in x's dtype)."""
+                     group_size: int, bits: int, mode: str = "affine", global_scale: float = 1.0,
+                     residual: Tensor | None = None) -> Tensor:
+    """(x @ W.T) * global_scale (+ bias) (+ residual), W the dequantized [N, K] weight (in x's dtype);
+    `residual` is a residual connection fused into the product (patterns/quantized_epilogue.py)."""
     weight = dequantize_mlx(w, scales, biases, group_size, bits, mode, x.dtype)
     y = torch.nn.functional.linear(x, weight)
     y = y * global_scale if global_scale != 1.0 else y
-    return y + bias if bias is not None else y
+    y = y + bias if bias is not None else y
+    return y + residual if residual is not None else y
 
 
 @quantized_linear.register_fake
 def _(x: Tensor, w: Tensor, scales: Tensor, biases: Tensor | None, bias: Tensor | None, group_size: int,
-      bits: int, mode: str = "affine", global_scale: float = 1.0) -> Tensor:
+      bits: int, mode: str = "affine", global_scale: float = 1.0, residual: Tensor | None = None) -> Tensor:
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
@@ -211,6 +214,21 @@ def quantized_linear_group(x: Tensor, ws: list[Tensor], scales: list[Tensor], bi
 def _(x: Tensor, ws: list[Tensor], scales: list[Tensor], biases: list[Tensor], bias: list[Tensor | None],
       group_size: int, bits: int) -> list[Tensor]:
     return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in ws]
+
+
+@torch.library.custom_op("mlx_delegate::quantized_linear_glu", mutates_args=())
+def quantized_linear_glu(x: Tensor, ws: list[Tensor], scales: list[Tensor], biases: list[Tensor],
+                         bias: list[Tensor | None], group_size: int, bits: int) -> Tensor:
+    """silu(gate) * up of a `quantized_linear_group` over [gate, up] (a SwiGLU MLP's first half), which
+    the delegate computes as that one product with the gate applied while it is written."""
+    gate, up = quantized_linear_group(x, ws, scales, biases, bias, group_size, bits)
+    return torch.nn.functional.silu(gate) * up
+
+
+@quantized_linear_glu.register_fake
+def _(x: Tensor, ws: list[Tensor], scales: list[Tensor], biases: list[Tensor], bias: list[Tensor | None],
+      group_size: int, bits: int) -> Tensor:
+    return x.new_empty((*x.shape[:-1], ws[0].shape[0]))
 
 
 @torch.library.custom_op("mlx_delegate::quantized_embedding", mutates_args=())

@@ -664,14 +664,53 @@ void run_problem(Problem p, int scales, int bits, int64_t m) {
   });
 }
 
+// ---- The epilogue (QgemvEpilogue): a GLU and a residual add on the finished product ----
+
+float silu1(float v) { return v / (1.f + std::exp(-v)); }
+
+#ifdef MLXD_QGEMV_X86
+MLXD_QGEMV_AVX2 void glu_avx2(const float* g, const float* u, float* o, int64_t h) {
+  int64_t i = 0;
+  for (; i + 8 <= h; i += 8)
+    _mm256_storeu_ps(o + i, _mm256_mul_ps(vmath::silu8(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
+  for (; i < h; ++i) o[i] = silu1(g[i]) * u[i];
+}
+#endif
+
+// out[r, i] = silu(full[r, i]) * full[r, h + i] for each of m rows of 2h products.
+void glu_rows(const float* full, float* out, int64_t m, int64_t h) {
+  for (int64_t r = 0; r < m; ++r) {
+    const float *g = full + r * 2 * h, *u = g + h;
+    float* o = out + r * h;
+#ifdef MLXD_QGEMV_X86
+    if (use_avx2_kernels()) {
+      glu_avx2(g, u, o, h);
+      continue;
+    }
+#endif
+    for (int64_t i = 0; i < h; ++i) o[i] = silu1(g[i]) * u[i];
+  }
+}
+
 // ---- The MLX primitive --------------------------------------------------------
 
 class QGemvCpu : public QuantizedProductCpu {
  public:
-  QGemvCpu(mx::Stream s, int group_size, int bits) : QuantizedProductCpu(s, "QGemvCpu", group_size, bits) {}
+  QGemvCpu(mx::Stream s, int group_size, int bits, bool glu)
+      : QuantizedProductCpu(s, "QGemvCpu", group_size, bits), glu_(glu) {}
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return QuantizedProductCpu::is_equivalent(other) && static_cast<const QGemvCpu&>(other).glu_ == glu_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    auto shape = in[0].shape();
+    shape.back() = glu_ ? in[1].shape(0) / 2 : in[1].shape(0);
+    return {shape};
+  }
 
   // inputs: x [..., K] (float32 / bfloat16 / float16), w [N, K * bits / 32] uint32, scales and
-  // biases [N, G] (one float dtype, read as stored); any layout. Output [..., N] float32.
+  // biases [N, G] (one float dtype, read as stored), optionally a residual of the output's shape;
+  // any layout. Output [..., N] float32 ([..., N / 2] with the GLU).
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
@@ -681,7 +720,7 @@ class QGemvCpu : public QuantizedProductCpu {
     Problem p{nullptr, nullptr, nullptr, nullptr, nullptr, out.data<float>(), n, k, k / group_size_, group_size_,
               in[1].shape(1)};
     g_calls.fetch_add(1, std::memory_order_relaxed);
-    encoder.dispatch([p, m, bits = bits_, in]() mutable {
+    encoder.dispatch([p, m, bits = bits_, glu = glu_, in]() mutable {
       F32RowMajor x(in[0]);
       auto row_major = [](const mx::array& a) {
         return CpuRowMajor(a.data<void>(), a.itemsize(), a.shape(), a.strides(), a.flags().row_contiguous);
@@ -705,9 +744,25 @@ class QGemvCpu : public QuantizedProductCpu {
       p.w = static_cast<const uint32_t*>(w.data());
       p.scales = scales.data();
       p.biases = biases.data();
+      float* y = p.y;
+      std::vector<float> full;  // the GLU's whole product; its halves make y
+      if (glu) {
+        full.resize(static_cast<size_t>(m * p.n_rows));
+        p.y = full.data();
+      }
       run_problem(p, scale_kind(in[2].dtype()), bits, m);
+      const int64_t width = glu ? p.n_rows / 2 : p.n_rows;
+      if (glu) glu_rows(full.data(), y, m, width);
+      if (in.size() > 4) {
+        F32RowMajor r(in[4]);
+        const float* rd = r.data();
+        for (int64_t i = 0; i < m * width; ++i) y[i] += rd[i];
+      }
     });
   }
+
+ private:
+  bool glu_;
 };
 
 }  // namespace
@@ -741,13 +796,24 @@ bool qgemv_cpu_applies(const mx::array& x, int group_size, int bits) {
 }
 
 mx::array qgemv_cpu(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                    int group_size, int bits) {
+                    int group_size, int bits, const QgemvEpilogue& epilogue) {
   check_quantized_operands("qgemv_cpu", x, w, scales, biases, group_size, bits);
+  if (epilogue.glu && w.shape(0) % 2)
+    throw std::invalid_argument("qgemv_cpu: a GLU needs an even number of outputs, got " +
+                                std::to_string(w.shape(0)));
   auto shape = x.shape();
-  shape.back() = w.shape(0);
+  shape.back() = epilogue.glu ? w.shape(0) / 2 : w.shape(0);
+  std::vector<mx::array> inputs{x, w, scales, biases};
+  if (epilogue.residual) {
+    if (epilogue.residual->shape() != shape || !mx::issubdtype(epilogue.residual->dtype(), mx::floating) ||
+        epilogue.residual->dtype() == mx::float64)
+      throw std::invalid_argument("qgemv_cpu: the residual must be a float32 / bfloat16 / float16 array of the "
+                                  "output's shape");
+    inputs.push_back(*epilogue.residual);
+  }
   return mx::array(std::move(shape), mx::float32,
-                   std::make_shared<QGemvCpu>(mx::default_stream(mx::Device::cpu), group_size, bits),
-                   {x, w, scales, biases});
+                   std::make_shared<QGemvCpu>(mx::default_stream(mx::Device::cpu), group_size, bits, epilogue.glu),
+                   std::move(inputs));
 }
 
 uint64_t qgemv_cpu_calls() { return g_calls.load(std::memory_order_relaxed); }
