@@ -692,15 +692,33 @@ void glu_rows(const float* full, float* out, int64_t m, int64_t h) {
   }
 }
 
+// x / sqrt(mean(x^2) + eps) * weight for each of m rows of k, in float32 (MLX's rms_norm accumulates so).
+void rms_rows(const float* x, const float* weight, float eps, int64_t m, int64_t k, float* out) {
+  for (int64_t r = 0; r < m; ++r) {
+    const float* xr = x + r * k;
+    float ss = 0.f;
+    for (int64_t i = 0; i < k; ++i) ss += xr[i] * xr[i];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(k) + eps);
+    for (int64_t i = 0; i < k; ++i) out[r * k + i] = xr[i] * inv * weight[i];
+  }
+}
+
 // ---- The MLX primitive --------------------------------------------------------
 
 class QGemvCpu : public QuantizedProductCpu {
  public:
-  QGemvCpu(mx::Stream s, int group_size, int bits, bool glu)
-      : QuantizedProductCpu(s, "QGemvCpu", group_size, bits), glu_(glu) {}
+  // Inputs past the four operands: the residual, then the norm's weight, each where present.
+  QGemvCpu(mx::Stream s, int group_size, int bits, bool glu, int residual_at, int norm_at, float eps)
+      : QuantizedProductCpu(s, "QGemvCpu", group_size, bits),
+        glu_(glu),
+        residual_at_(residual_at),
+        norm_at_(norm_at),
+        eps_(eps) {}
 
   bool is_equivalent(const mx::Primitive& other) const override {
-    return QuantizedProductCpu::is_equivalent(other) && static_cast<const QGemvCpu&>(other).glu_ == glu_;
+    if (!QuantizedProductCpu::is_equivalent(other)) return false;
+    const auto& o = static_cast<const QGemvCpu&>(other);
+    return o.glu_ == glu_ && o.residual_at_ == residual_at_ && o.norm_at_ == norm_at_ && o.eps_ == eps_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     auto shape = in[0].shape();
@@ -720,7 +738,8 @@ class QGemvCpu : public QuantizedProductCpu {
     Problem p{nullptr, nullptr, nullptr, nullptr, nullptr, out.data<float>(), n, k, k / group_size_, group_size_,
               in[1].shape(1)};
     g_calls.fetch_add(1, std::memory_order_relaxed);
-    encoder.dispatch([p, m, bits = bits_, glu = glu_, in]() mutable {
+    encoder.dispatch([p, m, bits = bits_, glu = glu_, residual_at = residual_at_, norm_at = norm_at_, eps = eps_,
+                      in]() mutable {
       F32RowMajor x(in[0]);
       auto row_major = [](const mx::array& a) {
         return CpuRowMajor(a.data<void>(), a.itemsize(), a.shape(), a.strides(), a.flags().row_contiguous);
@@ -728,6 +747,13 @@ class QGemvCpu : public QuantizedProductCpu {
       CpuRowMajor w = row_major(in[1]), scales = row_major(in[2]), biases = row_major(in[3]);
       std::vector<float> xsums(static_cast<size_t>(m * p.groups));
       p.x = x.data();
+      std::vector<float> normed;
+      if (norm_at >= 0) {
+        F32RowMajor weight(in[norm_at]);
+        normed.resize(static_cast<size_t>(m * p.k));
+        rms_rows(p.x, weight.data(), eps, m, p.k, normed.data());
+        p.x = normed.data();
+      }
 #ifdef MLXD_QGEMV_X86
       if (cpu_has_avx512_vnni())
         for (int64_t r = 0; r < m; ++r) group_sums_avx512(p.x + r * p.k, p.k, p.group_size, &xsums[r * p.groups]);
@@ -753,8 +779,8 @@ class QGemvCpu : public QuantizedProductCpu {
       run_problem(p, scale_kind(in[2].dtype()), bits, m);
       const int64_t width = glu ? p.n_rows / 2 : p.n_rows;
       if (glu) glu_rows(full.data(), y, m, width);
-      if (in.size() > 4) {
-        F32RowMajor r(in[4]);
+      if (residual_at >= 0) {
+        F32RowMajor r(in[residual_at]);
         const float* rd = r.data();
         for (int64_t i = 0; i < m * width; ++i) y[i] += rd[i];
       }
@@ -763,6 +789,8 @@ class QGemvCpu : public QuantizedProductCpu {
 
  private:
   bool glu_;
+  int residual_at_, norm_at_;
+  float eps_;
 };
 
 }  // namespace
@@ -811,8 +839,19 @@ mx::array qgemv_cpu(const mx::array& x, const mx::array& w, const mx::array& sca
                                   "output's shape");
     inputs.push_back(*epilogue.residual);
   }
+  const int residual_at = epilogue.residual ? 4 : -1;
+  int norm_at = -1;
+  if (epilogue.norm_weight) {
+    const auto& nw = *epilogue.norm_weight;
+    if (nw.ndim() != 1 || nw.shape(0) != x.shape(-1) || !mx::issubdtype(nw.dtype(), mx::floating) ||
+        nw.dtype() == mx::float64)
+      throw std::invalid_argument("qgemv_cpu: the norm weight must be a float vector as long as x's last axis");
+    norm_at = static_cast<int>(inputs.size());
+    inputs.push_back(nw);
+  }
   return mx::array(std::move(shape), mx::float32,
-                   std::make_shared<QGemvCpu>(mx::default_stream(mx::Device::cpu), group_size, bits, epilogue.glu),
+                   std::make_shared<QGemvCpu>(mx::default_stream(mx::Device::cpu), group_size, bits, epilogue.glu,
+                                              residual_at, norm_at, epilogue.norm_eps),
                    std::move(inputs));
 }
 

@@ -62,6 +62,9 @@ class QuantizedProductCpu : public mlx::core::UnaryPrimitive {
 struct QgemvEpilogue {
   bool glu = false;
   std::optional<mlx::core::array> residual;
+  // And before it: x RMS-normalised over its last axis and scaled by `norm_weight` ([K]).
+  std::optional<mlx::core::array> norm_weight;
+  float norm_eps = 0.f;
 };
 
 // x [..., K] float32, w [N, K * bits / 32] uint32, scales and biases [N, K / group_size]

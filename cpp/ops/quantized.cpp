@@ -40,6 +40,10 @@ mx::array cpu_product(ExecContext& ctx, const mlxd::QuantizedLinearNode& n, cons
     return mx::astype(qgemm_cpu(x, w, ctx.in(n.scales()), ctx.in(n.biases()), group_size, bits), x.dtype());
   if (qgemv_cpu_applies(x, group_size, bits)) {
     QgemvEpilogue epilogue;
+    if (auto* nw = ctx.maybe_in(n.norm_weight())) {
+      epilogue.norm_weight = *nw;
+      epilogue.norm_eps = n.norm_eps();
+    }
     if (!n.bias()) {
       fused = true;
       epilogue.glu = n.glu();
@@ -100,8 +104,13 @@ mx::array epilogue(ExecContext& ctx, const mlxd::QuantizedLinearNode& n, mx::arr
 }
 
 void exec_QuantizedLinearNode(const mlxd::QuantizedLinearNode& n, ExecContext& ctx) {
-  const auto& x = ctx.in(n.x());
+  auto x = ctx.in(n.x());
   auto w = packed_words(ctx.in(n.w()));
+  // The norm before the product: in the GEMV's call where it runs (cpu_product), as an op otherwise.
+  const bool gemv = mx::default_device() == mx::Device::cpu && n.mode() == mlxd::QuantMode::Affine &&
+                    !qgemm_cpu_applies(x, n.group_size(), n.bits()) &&
+                    qgemv_cpu_applies(x, n.group_size(), n.bits());
+  if (auto* nw = ctx.maybe_in(n.norm_weight()); nw && !gemv) x = mx::fast::rms_norm(x, *nw, n.norm_eps());
   if (n.mode() != mlxd::QuantMode::Affine) {
     auto y = microscaled_product(x, w, ctx.in(n.scales()), n.group_size(), n.bits(), mode_name(n.mode()));
     if (auto* b = ctx.maybe_in(n.bias())) y = mx::add(y, *b);

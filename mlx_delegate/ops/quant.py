@@ -99,7 +99,18 @@ def quantized_linear(b: ProgramBuilder, n: torch.fx.Node) -> None:
                                  biases=b.tensor(a["biases"]) if a["biases"] is not None else None,
                                  bias=b.tensor(bias) if bias is not None and not scaled else None,
                                  group_size=a["group_size"], bits=a["bits"], out=out, mode=QUANT_MODES[mode],
-                                 residual=b.tensor(residual) if residual is not None else None))
+                                 residual=b.tensor(residual) if residual is not None else None,
+                                 **_norm(b, a, x)))
+
+
+def _norm(b: ProgramBuilder, a: dict[str, Any], x: Any) -> dict[str, Any]:
+    """The QuantizedLinearNode fields of a fused RMSNorm (`norm`, `norm_eps` arguments), checked."""
+    if a.get("norm") is None:
+        return {}
+    norm = a["norm"]
+    if b.dtype_of(norm) != b.dtype_of(x) or b.shape_of(norm) != [b.shape_of(x)[-1]]:
+        raise b.unsupported("a fused norm's weight must be x's dtype and as long as its last axis")
+    return {"norm_weight": b.tensor(norm), "norm_eps": float(a["norm_eps"])}
     if scaled:  # the bias is added after the per-tensor scale
         y = _scaled(b, out, global_scale, dtype)
         b.emit(N.BinaryNode(op=N.BinaryOp.Add, a=y, b=b.tensor(bias), out=b.out(n)) if bias is not None
@@ -120,14 +131,17 @@ def quantized_linear_group(b: ProgramBuilder, n: torch.fx.Node) -> None:
 def quantized_linear_glu(b: ProgramBuilder, n: torch.fx.Node) -> None:
     """silu(gate) * up over a [gate, up] quantized group (patterns/quantized_epilogue.py): one
     QuantizedLinearNode with `glu` over the stacked weights."""
-    if len(n.args[1]) != 2 or b.shape_of(n.args[1][0]) != b.shape_of(n.args[1][1]):
+    ws = b.args(n)["ws"]
+    if len(ws) != 2 or b.shape_of(ws[0]) != b.shape_of(ws[1]):
         raise b.unsupported("quantized_linear_glu needs a gate and an up weight of one shape")
     _stacked_product(b, n, b.out(n), glu=True)
 
 
 def _stacked_product(b: ProgramBuilder, n: torch.fx.Node, out: Any, glu: bool) -> list[int]:
     """Emit one QuantizedLinearNode over the group's stacked constants into `out`; returns the parts' sizes."""
-    x, ws, scales, biases, bias, group_size, bits = n.args
+    a = b.args(n)
+    x, ws, scales, biases, bias, group_size, bits = (a[k] for k in ("x", "ws", "scales", "biases", "bias",
+                                                                    "group_size", "bits"))
     dtype = b.dtype_of(x)
     ks = {_packed(b, *parts, group_size, bits, dtype) for parts in zip(ws, scales, biases)}
     if len(ks) != 1 or not b.shape_of(x) or b.shape_of(x)[-1] != ks.pop():
@@ -145,7 +159,8 @@ def _stacked_product(b: ProgramBuilder, n: torch.fx.Node, out: Any, glu: bool) -
     b.emit(N.QuantizedLinearNode(x=b.tensor(x), w=b.concat_constant(ws, torch.int32),
                                  scales=b.concat_constant(scales, scale_dtype),
                                  biases=b.concat_constant(biases, scale_dtype),
-                                 bias=stacked_bias, group_size=group_size, bits=bits, out=out, glu=glu))
+                                 bias=stacked_bias, group_size=group_size, bits=bits, out=out, glu=glu,
+                                 **_norm(b, a, x)))
     return sizes
 
 

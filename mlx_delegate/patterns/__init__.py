@@ -65,7 +65,8 @@ FUSIONS = {"fold_batch_norm": conv_batch_norm.apply, "fold_conv_pad": conv_fusio
            # after fuse_activations and fuse_linears: a grouped quantized gate / up with SiLU * up, and a
            # residual add, applied by the quantized product itself
            "fuse_quantized_glu": quantized_epilogue.fuse_glu,
-           "fuse_quantized_residual": quantized_epilogue.fuse_residual}
+           "fuse_quantized_residual": quantized_epilogue.fuse_residual,
+           "fuse_quantized_norm": quantized_epilogue.fuse_norm}
 ALL_FUSIONS = "fusions"
 
 

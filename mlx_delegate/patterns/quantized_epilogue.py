@@ -6,9 +6,12 @@ runs one primitive where it ran two or four.
   (a SwiGLU MLP's gate and up projections, grouped by `fuse_linears`) becomes
   `mlx_delegate::quantized_linear_glu`: no slices, no activation or multiply node;
 - `fuse_quantized_residual`: `quantized_linear(x) + r` (a residual connection: r of the output's shape
-  and dtype, the product read nowhere else) becomes `quantized_linear(x, ..., residual=r)`.
+  and dtype, the product read nowhere else) becomes `quantized_linear(x, ..., residual=r)`;
+- `fuse_quantized_norm`: an RMSNorm with a weight (`mlx_delegate::rms_norm`) read only as the input of
+  quantized products (a pre-norm block's attention or MLP input) moves into each of them
+  (`norm=`, `norm_eps=`): each normalises x while it reads it, and the norm's own node is gone.
 
-Both run after `fuse_linears`, on any exported graph with these shapes, whatever model it came from.
+They run after `fuse_linears`, on any exported graph with these shapes, whatever model it came from.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ QLINEAR = torch.ops.mlx_delegate.quantized_linear.default
 QGROUP = torch.ops.mlx_delegate.quantized_linear_group.default
 EDGE_QLINEAR = exir_ops.edge.mlx_delegate.quantized_linear.default
 EDGE_GLU = exir_ops.edge.mlx_delegate.quantized_linear_glu.default
+GLU = torch.ops.mlx_delegate.quantized_linear_glu.default
+RMS_NORM = torch.ops.mlx_delegate.rms_norm.default
+# Each product that takes a norm, and the edge op that replaces it.
+NORMED = {QLINEAR: EDGE_QLINEAR, QGROUP: exir_ops.edge.mlx_delegate.quantized_linear_group.default, GLU: EDGE_GLU}
 
 
 def _part(n: object) -> tuple[torch.fx.Node, int] | None:
@@ -80,3 +87,25 @@ def _residual(ep: ExportedProgram, add: torch.fx.Node) -> bool:
 
 def fuse_residual(ep: ExportedProgram) -> int:
     return sum(_residual(ep, n) for n in [n for n in ep.graph.nodes if is_op(n, aten.add.Tensor)])
+
+
+def _norm(ep: ExportedProgram, norm: torch.fx.Node) -> bool:
+    x, weight, eps = norm.args
+    users = list(norm.users)
+    if weight is None or not users:
+        return False
+    for user in users:
+        if not is_op(user, *NORMED) or user.args[0] is not norm or norm in user.args[1:] \
+                or user.kwargs.get("norm") is not None or (is_op(user, QLINEAR) and len(user.args) > 7):
+            return False
+    done = 0
+    for user in users:
+        target = next(edge for op, edge in NORMED.items() if is_op(user, op))
+        done += replace(ep, user, target, (x, *user.args[1:]), {**user.kwargs, "norm": weight, "norm_eps": eps})
+        if done:
+            erase_dead(ep.graph, [user])
+    return done > 0
+
+
+def fuse_norm(ep: ExportedProgram) -> int:
+    return sum(_norm(ep, n) for n in [n for n in ep.graph.nodes if is_op(n, RMS_NORM)])

@@ -1,6 +1,6 @@
-"""`fuse_quantized_glu` and `fuse_quantized_residual` (patterns/quantized_epilogue.py): a SwiGLU MLP's
-grouped gate / up with `silu(g) * u`, and residual adds after quantized products, become one
-QuantizedLinearNode each; on the CPU the GEMV applies them (cpp/kernels/qgemv_cpu.cpp, its epilogue),
+"""`fuse_quantized_glu`, `fuse_quantized_residual` and `fuse_quantized_norm` (patterns/quantized_epilogue.py):
+a SwiGLU MLP's grouped gate / up with `silu(g) * u`, residual adds after quantized products and the
+RMSNorms before them become one QuantizedLinearNode each; on the CPU the GEMV applies them (cpp/kernels/qgemv_cpu.cpp, its epilogue),
 elsewhere MLX ops follow the product. Every path of `lower_and_compare` (node by node, compiled, CPU
 kernels off) against eager on the same packed weights, at 1 and 3 rows (the GEMV) and 30 (the
 prefill kernel, where the epilogue is composed)."""
@@ -17,6 +17,7 @@ from torch.export import Dim
 from mlx_delegate import _runtime
 from mlx_delegate import quantization as Q
 from mlx_delegate.ir import nodes as N
+from mlx_delegate.models.llama import RMSNorm
 from mlx_delegate.partitioner import MLXPartitioner
 from mlx_delegate.testing import QUANTIZED_TOLERANCE, cases, cpu_kernels_active, lower_and_compare
 
@@ -30,8 +31,8 @@ def packed(n: int, k: int, bits: int, group_size: int, gen: torch.Generator,
 
 
 class Block(torch.nn.Module):
-    """A Llama-like block's products: h = x + o(x); h + down(silu(gate(h)) * up(h)). Hidden 52: the
-    GLU's vector loop has a tail."""
+    """A Llama-like block's products: h = x + o(norm1(x)); h + down(silu(gate(g)) * up(g)), g = norm2(h).
+    Hidden 52: the GLU's vector loop has a tail."""
 
     def __init__(self, k: int = 96, hidden: int = 52, bits: int = 4, group_size: int = 32,
                  scales_dtype: torch.dtype = torch.float16) -> None:
@@ -41,10 +42,15 @@ class Block(torch.nn.Module):
         self.gate = Q.QuantizedLinear(packed(hidden, k, bits, group_size, gen, scales_dtype))
         self.up = Q.QuantizedLinear(packed(hidden, k, bits, group_size, gen, scales_dtype))
         self.down = Q.QuantizedLinear(packed(k, hidden + 12, bits, group_size, gen, scales_dtype))
+        self.norm1, self.norm2 = RMSNorm(k, 1e-5), RMSNorm(k, 1e-6)
+        with torch.no_grad():
+            self.norm1.weight.uniform_(0.5, 1.5, generator=gen)
+            self.norm2.weight.uniform_(0.5, 1.5, generator=gen)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.o(x)
-        a = F.silu(self.gate(h)) * self.up(h)
+        h = x + self.o(self.norm1(x))
+        g = self.norm2(h)
+        a = F.silu(self.gate(g)) * self.up(g)
         return self.down(F.pad(a, (0, 12))) + h  # K of down a multiple of the group size
 
 
@@ -68,8 +74,9 @@ def ir_nodes(lowered) -> Counter:
             program = N.deserialize(getattr(gm, n.target).processed_bytes)
             counts.update(type(i.node).__name__ for i in program.instructions)
             counts.update(f"{type(i.node).__name__}.glu" for i in program.instructions if getattr(i.node, "glu", 0))
-            counts.update(f"{type(i.node).__name__}.residual" for i in program.instructions
-                          if getattr(i.node, "residual", None) is not None)
+            for field in ("residual", "norm_weight"):
+                counts.update(f"{type(i.node).__name__}.{field}" for i in program.instructions
+                              if getattr(i.node, field, None) is not None)
     return counts
 
 
@@ -78,10 +85,10 @@ def test_glu_and_residuals_fuse(case):
     calls = _runtime.cpu_kernel_calls()
     lowered = lower_and_compare(case)
     nodes = ir_nodes(lowered)
-    # o + residual, gate / up + GLU, down + residual: three products and nothing element-wise around them.
+    # norm + o + residual, norm + gate / up + GLU, down + residual: three products and nothing around them.
     assert nodes["QuantizedLinearNode"] == 3 and nodes["QuantizedLinearNode.glu"] == 1
-    assert nodes["QuantizedLinearNode.residual"] == 2
-    assert not {"UnaryNode", "BinaryNode", "SliceNode"} & set(nodes), nodes
+    assert nodes["QuantizedLinearNode.residual"] == 2 and nodes["QuantizedLinearNode.norm_weight"] == 2
+    assert not {"UnaryNode", "BinaryNode", "SliceNode", "RmsNormNode"} & set(nodes), nodes
     if cpu_kernels_active():
         assert _runtime.cpu_kernel_calls() > calls
 
@@ -89,7 +96,8 @@ def test_glu_and_residuals_fuse(case):
 def test_fusions_off_keep_the_graph():
     """Switched off, the same block lowers as before: a grouped product sliced, SiLU, multiply, adds."""
     case = CASES[0]
-    partitioner = MLXPartitioner(disable={"fuse_quantized_glu", "fuse_quantized_residual"})
+    partitioner = MLXPartitioner(disable={"fuse_quantized_glu", "fuse_quantized_residual", "fuse_quantized_norm"})
     nodes = ir_nodes(lower_and_compare(case, partitioner=partitioner))
     assert nodes["QuantizedLinearNode"] == 3 and not nodes["QuantizedLinearNode.glu"]
-    assert not nodes["QuantizedLinearNode.residual"] and nodes["SliceNode"] == 2 and nodes["BinaryNode"] >= 3
+    assert not nodes["QuantizedLinearNode.residual"] and not nodes["QuantizedLinearNode.norm_weight"]
+    assert nodes["SliceNode"] == 2 and nodes["BinaryNode"] >= 3 and nodes["RmsNormNode"] == 2
