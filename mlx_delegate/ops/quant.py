@@ -129,8 +129,9 @@ def quantized_linear_group(b: ProgramBuilder, n: torch.fx.Node) -> None:
 
 @register(mlxd.quantized_linear_glu.default)
 def quantized_linear_glu(b: ProgramBuilder, n: torch.fx.Node) -> None:
-    """silu(gate) * up over a [gate, up] quantized group (patterns/quantized_epilogue.py): one
-    QuantizedLinearNode with `glu` over the stacked weights."""
+    """silu(gate) * up of a [gate, up] quantized group, as one QuantizedLinearNode with `glu`.
+
+    Emitted by patterns/quantized_epilogue.py; the product runs over the stacked weights."""
     ws = b.args(n)["ws"]
     if len(ws) != 2 or b.shape_of(ws[0]) != b.shape_of(ws[1]):
         raise b.unsupported("quantized_linear_glu needs a gate and an up weight of one shape")
