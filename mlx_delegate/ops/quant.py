@@ -94,13 +94,17 @@ def quantized_linear(b: ProgramBuilder, n: torch.fx.Node) -> None:
     if residual is not None and (scaled or b.dtype_of(residual) != dtype
                                  or b.shape_of(residual) != b.shape_of(n)):
         raise b.unsupported("a fused residual needs no global scale and the output's shape and dtype")
+    norm = _norm(b, a, x)
     out = b.temp() if scaled else b.out(n)
     b.emit(N.QuantizedLinearNode(x=b.tensor(x), w=b.tensor(a["w"]), scales=b.tensor(a["scales"]),
                                  biases=b.tensor(a["biases"]) if a["biases"] is not None else None,
                                  bias=b.tensor(bias) if bias is not None and not scaled else None,
                                  group_size=a["group_size"], bits=a["bits"], out=out, mode=QUANT_MODES[mode],
-                                 residual=b.tensor(residual) if residual is not None else None,
-                                 **_norm(b, a, x)))
+                                 residual=b.tensor(residual) if residual is not None else None, **norm))
+    if scaled:  # the bias is added after the per-tensor scale
+        y = _scaled(b, out, global_scale, dtype)
+        b.emit(N.BinaryNode(op=N.BinaryOp.Add, a=y, b=b.tensor(bias), out=b.out(n)) if bias is not None
+               else N.IdentityNode(x=y, out=b.out(n)))
 
 
 def _norm(b: ProgramBuilder, a: dict[str, Any], x: Any) -> dict[str, Any]:
@@ -111,10 +115,6 @@ def _norm(b: ProgramBuilder, a: dict[str, Any], x: Any) -> dict[str, Any]:
     if b.dtype_of(norm) != b.dtype_of(x) or b.shape_of(norm) != [b.shape_of(x)[-1]]:
         raise b.unsupported("a fused norm's weight must be x's dtype and as long as its last axis")
     return {"norm_weight": b.tensor(norm), "norm_eps": float(a["norm_eps"])}
-    if scaled:  # the bias is added after the per-tensor scale
-        y = _scaled(b, out, global_scale, dtype)
-        b.emit(N.BinaryNode(op=N.BinaryOp.Add, a=y, b=b.tensor(bias), out=b.out(n)) if bias is not None
-               else N.IdentityNode(x=y, out=b.out(n)))
 
 
 @register(mlxd.quantized_linear_group.default)
@@ -157,11 +157,11 @@ def _stacked_product(b: ProgramBuilder, n: torch.fx.Node, out: Any, glu: bool) -
     stacked_bias = None
     if any(t is not None for t in bias):  # a linear without one adds zeros
         stacked_bias = b.concat_constant([t if t is not None else size for t, size in zip(bias, sizes)], dtype)
+    norm = _norm(b, a, x)
     b.emit(N.QuantizedLinearNode(x=b.tensor(x), w=b.concat_constant(ws, torch.int32),
                                  scales=b.concat_constant(scales, scale_dtype),
                                  biases=b.concat_constant(biases, scale_dtype),
-                                 bias=stacked_bias, group_size=group_size, bits=bits, out=out, glu=glu,
-                                 **_norm(b, a, x)))
+                                 bias=stacked_bias, group_size=group_size, bits=bits, out=out, glu=glu, **norm))
     return sizes
 
 
