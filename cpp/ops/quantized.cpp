@@ -89,8 +89,6 @@ mx::array microscaled_product(const mx::array& x, const mx::array& w, const mx::
   return mx::astype(y, x.dtype());
 }
 
-}  // namespace
-
 // The node's GLU and residual as MLX ops, where the product did not apply them.
 mx::array epilogue(ExecContext& ctx, const mlxd::QuantizedLinearNode& n, mx::array y) {
   if (n.glu()) {
@@ -102,6 +100,8 @@ mx::array epilogue(ExecContext& ctx, const mlxd::QuantizedLinearNode& n, mx::arr
   if (auto* r = ctx.maybe_in(n.residual())) y = mx::add(y, *r);
   return y;
 }
+
+}  // namespace
 
 void exec_QuantizedLinearNode(const mlxd::QuantizedLinearNode& n, ExecContext& ctx) {
   auto x = ctx.in(n.x());
