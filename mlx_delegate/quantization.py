@@ -172,18 +172,32 @@ def dequantize_mlx(w: Tensor, scales: Tensor, biases: Tensor | None, group_size:
 
 @torch.library.custom_op("mlx_delegate::quantized_linear", mutates_args=())
 def quantized_linear(x: Tensor, w: Tensor, scales: Tensor, biases: Tensor | None, bias: Tensor | None,
-                     group_size: int, bits: int, mode: str = "affine", global_scale: float = 1.0) -> Tensor:
-    """(x @ W.T) * global_scale (+ bias), W the dequantized [N, K] weight (in x's dtype)."""
+                     group_size: int, bits: int, mode: str = "affine", global_scale: float = 1.0,
+                     residual: Tensor | None = None, norm: Tensor | None = None, norm_eps: float = 0.0) -> Tensor:
+    """(x @ W.T) * global_scale (+ bias) (+ residual), W the dequantized [N, K] weight (in x's dtype);
+    `residual` is a residual connection fused into the product, `norm` an RMSNorm's weight applied to
+    x first (patterns/quantized_epilogue.py)."""
+    x = _rms_normed(x, norm, norm_eps)
     weight = dequantize_mlx(w, scales, biases, group_size, bits, mode, x.dtype)
     y = torch.nn.functional.linear(x, weight)
     y = y * global_scale if global_scale != 1.0 else y
-    return y + bias if bias is not None else y
+    y = y + bias if bias is not None else y
+    return y + residual if residual is not None else y
 
 
 @quantized_linear.register_fake
 def _(x: Tensor, w: Tensor, scales: Tensor, biases: Tensor | None, bias: Tensor | None, group_size: int,
-      bits: int, mode: str = "affine", global_scale: float = 1.0) -> Tensor:
+      bits: int, mode: str = "affine", global_scale: float = 1.0, residual: Tensor | None = None,
+      norm: Tensor | None = None, norm_eps: float = 0.0) -> Tensor:
     return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+def _rms_normed(x: Tensor, norm: Tensor | None, eps: float) -> Tensor:
+    """`mlx_delegate::rms_norm(x, norm, eps)`'s values (x itself without a norm)."""
+    if norm is None:
+        return x
+    xf = x.float()
+    return (norm * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)).to(x.dtype)
 
 
 @torch.library.custom_op("mlx_delegate::dequantize", mutates_args=())
@@ -201,16 +215,34 @@ def _(w: Tensor, scales: Tensor, biases: Tensor | None, group_size: int, bits: i
 
 @torch.library.custom_op("mlx_delegate::quantized_linear_group", mutates_args=())
 def quantized_linear_group(x: Tensor, ws: list[Tensor], scales: list[Tensor], biases: list[Tensor],
-                           bias: list[Tensor | None], group_size: int, bits: int) -> list[Tensor]:
+                           bias: list[Tensor | None], group_size: int, bits: int, norm: Tensor | None = None,
+                           norm_eps: float = 0.0) -> list[Tensor]:
     """`quantized_linear` for several weights of one layout reading the same x (q/k/v, gate/up),
-    which the delegate computes as one product over the stacked packed weights."""
+    which the delegate computes as one product over the stacked packed weights (`norm`: as there)."""
+    x = _rms_normed(x, norm, norm_eps)
     return [quantized_linear(x, *parts, group_size, bits) for parts in zip(ws, scales, biases, bias)]
 
 
 @quantized_linear_group.register_fake
 def _(x: Tensor, ws: list[Tensor], scales: list[Tensor], biases: list[Tensor], bias: list[Tensor | None],
-      group_size: int, bits: int) -> list[Tensor]:
+      group_size: int, bits: int, norm: Tensor | None = None, norm_eps: float = 0.0) -> list[Tensor]:
     return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in ws]
+
+
+@torch.library.custom_op("mlx_delegate::quantized_linear_glu", mutates_args=())
+def quantized_linear_glu(x: Tensor, ws: list[Tensor], scales: list[Tensor], biases: list[Tensor],
+                         bias: list[Tensor | None], group_size: int, bits: int, norm: Tensor | None = None,
+                         norm_eps: float = 0.0) -> Tensor:
+    """silu(gate) * up of a `quantized_linear_group` over [gate, up] (a SwiGLU MLP's first half), which
+    the delegate computes as that one product with the gate applied while it is written."""
+    gate, up = quantized_linear_group(x, ws, scales, biases, bias, group_size, bits, norm, norm_eps)
+    return torch.nn.functional.silu(gate) * up
+
+
+@quantized_linear_glu.register_fake
+def _(x: Tensor, ws: list[Tensor], scales: list[Tensor], biases: list[Tensor], bias: list[Tensor | None],
+      group_size: int, bits: int, norm: Tensor | None = None, norm_eps: float = 0.0) -> Tensor:
+    return x.new_empty((*x.shape[:-1], ws[0].shape[0]))
 
 
 @torch.library.custom_op("mlx_delegate::quantized_embedding", mutates_args=())

@@ -664,21 +664,79 @@ void run_problem(Problem p, int scales, int bits, int64_t m) {
   });
 }
 
+// ---- The epilogue (QgemvEpilogue): a GLU and a residual add on the finished product ----
+
+float silu1(float v) { return v / (1.f + std::exp(-v)); }
+
+#ifdef MLXD_QGEMV_X86
+MLXD_QGEMV_AVX2 void glu_avx2(const float* g, const float* u, float* o, int64_t h) {
+  int64_t i = 0;
+  for (; i + 8 <= h; i += 8)
+    _mm256_storeu_ps(o + i, _mm256_mul_ps(vmath::silu8(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
+  for (; i < h; ++i) o[i] = silu1(g[i]) * u[i];
+}
+#endif
+
+// out[r, i] = silu(full[r, i]) * full[r, h + i] for each of m rows of 2h products.
+void glu_rows(const float* full, float* out, int64_t m, int64_t h) {
+  for (int64_t r = 0; r < m; ++r) {
+    const float *g = full + r * 2 * h, *u = g + h;
+    float* o = out + r * h;
+#ifdef MLXD_QGEMV_X86
+    if (use_avx2_kernels()) {
+      glu_avx2(g, u, o, h);
+      continue;
+    }
+#endif
+    for (int64_t i = 0; i < h; ++i) o[i] = silu1(g[i]) * u[i];
+  }
+}
+
+// x / sqrt(mean(x^2) + eps) * weight for each of m rows of k, in float32 (MLX's rms_norm accumulates so).
+void rms_rows(const float* x, const float* weight, float eps, int64_t m, int64_t k, float* out) {
+  for (int64_t r = 0; r < m; ++r) {
+    const float* xr = x + r * k;
+    float ss = 0.f;
+    for (int64_t i = 0; i < k; ++i) ss += xr[i] * xr[i];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(k) + eps);
+    for (int64_t i = 0; i < k; ++i) out[r * k + i] = xr[i] * inv * weight[i];
+  }
+}
+
 // ---- The MLX primitive --------------------------------------------------------
 
 class QGemvCpu : public QuantizedProductCpu {
  public:
-  QGemvCpu(mx::Stream s, int group_size, int bits) : QuantizedProductCpu(s, "QGemvCpu", group_size, bits) {}
+  // Inputs past the four operands: the residual, then the norm's weight, each where present.
+  QGemvCpu(mx::Stream s, int group_size, int bits, bool glu, int residual_at, int norm_at, float eps)
+      : QuantizedProductCpu(s, "QGemvCpu", group_size, bits),
+        glu_(glu),
+        residual_at_(residual_at),
+        norm_at_(norm_at),
+        eps_(eps) {}
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    if (!QuantizedProductCpu::is_equivalent(other)) return false;
+    const auto& o = static_cast<const QGemvCpu&>(other);
+    return o.glu_ == glu_ && o.residual_at_ == residual_at_ && o.norm_at_ == norm_at_ && o.eps_ == eps_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    auto shape = in[0].shape();
+    shape.back() = glu_ ? in[1].shape(0) / 2 : in[1].shape(0);
+    return {shape};
+  }
 
   // inputs: x [..., K] (float32 / bfloat16 / float16), w [N, K * bits / 32] uint32, scales and
-  // biases [N, G] (one float dtype, read as stored); any layout. Output [..., N] float32.
+  // biases [N, G] (one float dtype, read as stored), optionally a residual of the output's shape;
+  // any layout. Output [..., N] float32 ([..., N / 2] with the GLU).
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     auto& encoder = begin_cpu_task(stream(), in, out);
     const int64_t k = in[0].shape(-1), m = static_cast<int64_t>(in[0].size()) / k, n = in[1].shape(0);
     Problem p{nullptr, nullptr, nullptr, nullptr, nullptr, out.data<float>(), n, k, k / group_size_, group_size_,
               in[1].shape(1)};
     g_calls.fetch_add(1, std::memory_order_relaxed);
-    encoder.dispatch([p, m, bits = bits_, in]() mutable {
+    encoder.dispatch([p, m, bits = bits_, glu = glu_, residual_at = residual_at_, norm_at = norm_at_, eps = eps_,
+                      in]() mutable {
       F32RowMajor x(in[0]);
       auto row_major = [](const mx::array& a) {
         return CpuRowMajor(a.data<void>(), a.itemsize(), a.shape(), a.strides(), a.flags().row_contiguous);
@@ -686,6 +744,13 @@ class QGemvCpu : public QuantizedProductCpu {
       CpuRowMajor w = row_major(in[1]), scales = row_major(in[2]), biases = row_major(in[3]);
       std::vector<float> xsums(static_cast<size_t>(m * p.groups));
       p.x = x.data();
+      std::vector<float> normed;
+      if (norm_at >= 0) {
+        F32RowMajor weight(in[norm_at]);
+        normed.resize(static_cast<size_t>(m * p.k));
+        rms_rows(p.x, weight.data(), eps, m, p.k, normed.data());
+        p.x = normed.data();
+      }
 #ifdef MLXD_QGEMV_X86
       if (cpu_has_avx512_vnni())
         for (int64_t r = 0; r < m; ++r) group_sums_avx512(p.x + r * p.k, p.k, p.group_size, &xsums[r * p.groups]);
@@ -702,9 +767,27 @@ class QGemvCpu : public QuantizedProductCpu {
       p.w = static_cast<const uint32_t*>(w.data());
       p.scales = scales.data();
       p.biases = biases.data();
+      float* y = p.y;
+      std::vector<float> full;  // the GLU's whole product; its halves make y
+      if (glu) {
+        full.resize(static_cast<size_t>(m * p.n_rows));
+        p.y = full.data();
+      }
       run_problem(p, scale_kind(in[2].dtype()), bits, m);
+      const int64_t width = glu ? p.n_rows / 2 : p.n_rows;
+      if (glu) glu_rows(full.data(), y, m, width);
+      if (residual_at >= 0) {
+        F32RowMajor r(in[residual_at]);
+        const float* rd = r.data();
+        for (int64_t i = 0; i < m * width; ++i) y[i] += rd[i];
+      }
     });
   }
+
+ private:
+  bool glu_;
+  int residual_at_, norm_at_;
+  float eps_;
 };
 
 }  // namespace
@@ -738,13 +821,35 @@ bool qgemv_cpu_applies(const mx::array& x, int group_size, int bits) {
 }
 
 mx::array qgemv_cpu(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                    int group_size, int bits) {
+                    int group_size, int bits, const QgemvEpilogue& epilogue) {
   check_quantized_operands("qgemv_cpu", x, w, scales, biases, group_size, bits);
+  if (epilogue.glu && w.shape(0) % 2)
+    throw std::invalid_argument("qgemv_cpu: a GLU needs an even number of outputs, got " +
+                                std::to_string(w.shape(0)));
   auto shape = x.shape();
-  shape.back() = w.shape(0);
+  shape.back() = epilogue.glu ? w.shape(0) / 2 : w.shape(0);
+  std::vector<mx::array> inputs{x, w, scales, biases};
+  if (epilogue.residual) {
+    if (epilogue.residual->shape() != shape || !mx::issubdtype(epilogue.residual->dtype(), mx::floating) ||
+        epilogue.residual->dtype() == mx::float64)
+      throw std::invalid_argument("qgemv_cpu: the residual must be a float32 / bfloat16 / float16 array of the "
+                                  "output's shape");
+    inputs.push_back(*epilogue.residual);
+  }
+  const int residual_at = epilogue.residual ? 4 : -1;
+  int norm_at = -1;
+  if (epilogue.norm_weight) {
+    const auto& nw = *epilogue.norm_weight;
+    if (nw.ndim() != 1 || nw.shape(0) != x.shape(-1) || !mx::issubdtype(nw.dtype(), mx::floating) ||
+        nw.dtype() == mx::float64)
+      throw std::invalid_argument("qgemv_cpu: the norm weight must be a float vector as long as x's last axis");
+    norm_at = static_cast<int>(inputs.size());
+    inputs.push_back(nw);
+  }
   return mx::array(std::move(shape), mx::float32,
-                   std::make_shared<QGemvCpu>(mx::default_stream(mx::Device::cpu), group_size, bits),
-                   {x, w, scales, biases});
+                   std::make_shared<QGemvCpu>(mx::default_stream(mx::Device::cpu), group_size, bits, epilogue.glu,
+                                              residual_at, norm_at, epilogue.norm_eps),
+                   std::move(inputs));
 }
 
 uint64_t qgemv_cpu_calls() { return g_calls.load(std::memory_order_relaxed); }

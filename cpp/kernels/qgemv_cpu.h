@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -54,10 +55,23 @@ class QuantizedProductCpu : public mlx::core::UnaryPrimitive {
   int group_size_, bits_;
 };
 
+// What the GEMV applies to its product before writing it, in the same call (a decode step then
+// runs one primitive where it ran three): `glu` takes the product's two halves along N as a gate
+// and its up projection and returns silu(gate) * up ([..., N / 2]); `residual` ([..., N or N / 2],
+// a float dtype) is added last.
+struct QgemvEpilogue {
+  bool glu = false;
+  std::optional<mlx::core::array> residual;
+  // And before it: x RMS-normalised over its last axis and scaled by `norm_weight` ([K]).
+  std::optional<mlx::core::array> norm_weight;
+  float norm_eps = 0.f;
+};
+
 // x [..., K] float32, w [N, K * bits / 32] uint32, scales and biases [N, K / group_size]
-// float32; returns [..., N] float32.
+// float32; returns [..., N] float32 ([..., N / 2] with a GLU epilogue).
 mlx::core::array qgemv_cpu(const mlx::core::array& x, const mlx::core::array& w, const mlx::core::array& scales,
-                           const mlx::core::array& biases, int group_size, int bits);
+                           const mlx::core::array& biases, int group_size, int bits,
+                           const QgemvEpilogue& epilogue = {});
 
 // How many times the kernel has run (eval_cpu calls): tests use it to prove it ran.
 uint64_t qgemv_cpu_calls();

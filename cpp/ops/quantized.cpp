@@ -31,12 +31,26 @@ mx::array packed_words(const mx::array& w) {
 // Scales and biases may be stored in a dtype other than x's (GGUF's fp16 d and m under fp32
 // activations): our CPU kernels read them as stored; MLX's kernels get a copy in the dtype they
 // compute in, converted once per loaded program (ExecContext::in_as), not per call.
-mx::array cpu_product(ExecContext& ctx, const mlxd::QuantizedLinearNode& n, const mx::array& x, const mx::array& w) {
+// `fused` is set when the GEMV applied the node's GLU and residual itself (no bias: it comes first).
+mx::array cpu_product(ExecContext& ctx, const mlxd::QuantizedLinearNode& n, const mx::array& x, const mx::array& w,
+                      bool& fused) {
   const int group_size = n.group_size(), bits = n.bits();
+  fused = false;
   if (qgemm_cpu_applies(x, group_size, bits))
     return mx::astype(qgemm_cpu(x, w, ctx.in(n.scales()), ctx.in(n.biases()), group_size, bits), x.dtype());
-  if (qgemv_cpu_applies(x, group_size, bits))
-    return mx::astype(qgemv_cpu(x, w, ctx.in(n.scales()), ctx.in(n.biases()), group_size, bits), x.dtype());
+  if (qgemv_cpu_applies(x, group_size, bits)) {
+    QgemvEpilogue epilogue;
+    if (auto* nw = ctx.maybe_in(n.norm_weight())) {
+      epilogue.norm_weight = *nw;
+      epilogue.norm_eps = n.norm_eps();
+    }
+    if (!n.bias()) {
+      fused = true;
+      epilogue.glu = n.glu();
+      if (auto* r = ctx.maybe_in(n.residual())) epilogue.residual = *r;
+    }
+    return mx::astype(qgemv_cpu(x, w, ctx.in(n.scales()), ctx.in(n.biases()), group_size, bits, epilogue), x.dtype());
+  }
   auto scales = ctx.in_as(n.scales(), mx::float32), biases = ctx.in_as(n.biases(), mx::float32);
   auto xf = mx::astype(x, mx::float32);
   int64_t k = x.ndim() ? x.shape(-1) : 0;
@@ -75,23 +89,45 @@ mx::array microscaled_product(const mx::array& x, const mx::array& w, const mx::
   return mx::astype(y, x.dtype());
 }
 
+// The node's GLU and residual as MLX ops, where the product did not apply them.
+mx::array epilogue(ExecContext& ctx, const mlxd::QuantizedLinearNode& n, mx::array y) {
+  if (n.glu()) {
+    const int h = y.shape(-1) / 2;
+    if (y.shape(-1) != 2 * h) throw NodeError("a GLU needs an even number of outputs");
+    auto parts = mx::split(y, 2, -1);
+    y = mx::multiply(mx::multiply(parts[0], mx::sigmoid(parts[0])), parts[1]);
+  }
+  if (auto* r = ctx.maybe_in(n.residual())) y = mx::add(y, *r);
+  return y;
+}
+
 }  // namespace
 
 void exec_QuantizedLinearNode(const mlxd::QuantizedLinearNode& n, ExecContext& ctx) {
-  const auto& x = ctx.in(n.x());
+  auto x = ctx.in(n.x());
   auto w = packed_words(ctx.in(n.w()));
+  // The norm before the product: in the GEMV's call where it runs (cpu_product), as an op otherwise.
+  const bool gemv = mx::default_device() == mx::Device::cpu && n.mode() == mlxd::QuantMode::Affine &&
+                    !qgemm_cpu_applies(x, n.group_size(), n.bits()) &&
+                    qgemv_cpu_applies(x, n.group_size(), n.bits());
+  if (auto* nw = ctx.maybe_in(n.norm_weight()); nw && !gemv) x = mx::fast::rms_norm(x, *nw, n.norm_eps());
   if (n.mode() != mlxd::QuantMode::Affine) {
     auto y = microscaled_product(x, w, ctx.in(n.scales()), n.group_size(), n.bits(), mode_name(n.mode()));
     if (auto* b = ctx.maybe_in(n.bias())) y = mx::add(y, *b);
+    ctx.set(n.out(), epilogue(ctx, n, y));
+    return;
+  }
+  bool fused = false;
+  auto y = mx::default_device() == mx::Device::cpu
+               ? cpu_product(ctx, n, x, w, fused)
+               : mx::quantized_matmul(x, w, ctx.in_as(n.scales(), x.dtype()), ctx.in_as(n.biases(), x.dtype()),
+                                      /*transpose=*/true, n.group_size(), n.bits(), "affine");
+  if (fused) {
     ctx.set(n.out(), y);
     return;
   }
-  auto y = mx::default_device() == mx::Device::cpu
-               ? cpu_product(ctx, n, x, w)
-               : mx::quantized_matmul(x, w, ctx.in_as(n.scales(), x.dtype()), ctx.in_as(n.biases(), x.dtype()),
-                                      /*transpose=*/true, n.group_size(), n.bits(), "affine");
   if (auto* b = ctx.maybe_in(n.bias())) y = mx::add(y, *b);
-  ctx.set(n.out(), y);
+  ctx.set(n.out(), epilogue(ctx, n, y));
 }
 
 // Gathers the packed rows with their scales and biases, then dequantizes only those.

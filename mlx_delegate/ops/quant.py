@@ -90,15 +90,31 @@ def quantized_linear(b: ProgramBuilder, n: torch.fx.Node) -> None:
     if bias is not None and (b.dtype_of(bias) != dtype or len(b.shape_of(bias)) != 1):
         raise b.unsupported("bias must be 1-D in the input's dtype")
     scaled = global_scale != 1.0
+    residual = a["residual"]
+    if residual is not None and (scaled or b.dtype_of(residual) != dtype
+                                 or b.shape_of(residual) != b.shape_of(n)):
+        raise b.unsupported("a fused residual needs no global scale and the output's shape and dtype")
+    norm = _norm(b, a, x)
     out = b.temp() if scaled else b.out(n)
     b.emit(N.QuantizedLinearNode(x=b.tensor(x), w=b.tensor(a["w"]), scales=b.tensor(a["scales"]),
                                  biases=b.tensor(a["biases"]) if a["biases"] is not None else None,
                                  bias=b.tensor(bias) if bias is not None and not scaled else None,
-                                 group_size=a["group_size"], bits=a["bits"], out=out, mode=QUANT_MODES[mode]))
+                                 group_size=a["group_size"], bits=a["bits"], out=out, mode=QUANT_MODES[mode],
+                                 residual=b.tensor(residual) if residual is not None else None, **norm))
     if scaled:  # the bias is added after the per-tensor scale
         y = _scaled(b, out, global_scale, dtype)
         b.emit(N.BinaryNode(op=N.BinaryOp.Add, a=y, b=b.tensor(bias), out=b.out(n)) if bias is not None
                else N.IdentityNode(x=y, out=b.out(n)))
+
+
+def _norm(b: ProgramBuilder, a: dict[str, Any], x: Any) -> dict[str, Any]:
+    """The QuantizedLinearNode fields of a fused RMSNorm (`norm`, `norm_eps` arguments), checked."""
+    if a.get("norm") is None:
+        return {}
+    norm = a["norm"]
+    if b.dtype_of(norm) != b.dtype_of(x) or b.shape_of(norm) != [b.shape_of(x)[-1]]:
+        raise b.unsupported("a fused norm's weight must be x's dtype and as long as its last axis")
+    return {"norm_weight": b.tensor(norm), "norm_eps": float(a["norm_eps"])}
 
 
 @register(mlxd.quantized_linear_group.default)
@@ -106,7 +122,27 @@ def quantized_linear_group(b: ProgramBuilder, n: torch.fx.Node) -> None:
     """Quantized linears of one layout sharing x (patterns/linear_group.py): one
     QuantizedLinearNode over the packed weights, scales and biases stacked on the output
     axis (derived constants), each result a slice of it."""
-    x, ws, scales, biases, bias, group_size, bits = n.args
+    full = b.temp()
+    sizes = _stacked_product(b, n, full, glu=False)
+    split_last_axis(b, n, full, sizes)
+
+
+@register(mlxd.quantized_linear_glu.default)
+def quantized_linear_glu(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    """silu(gate) * up of a [gate, up] quantized group, as one QuantizedLinearNode with `glu`.
+
+    Emitted by patterns/quantized_epilogue.py; the product runs over the stacked weights."""
+    ws = b.args(n)["ws"]
+    if len(ws) != 2 or b.shape_of(ws[0]) != b.shape_of(ws[1]):
+        raise b.unsupported("quantized_linear_glu needs a gate and an up weight of one shape")
+    _stacked_product(b, n, b.out(n), glu=True)
+
+
+def _stacked_product(b: ProgramBuilder, n: torch.fx.Node, out: Any, glu: bool) -> list[int]:
+    """Emit one QuantizedLinearNode over the group's stacked constants into `out`; returns the parts' sizes."""
+    a = b.args(n)
+    x, ws, scales, biases, bias, group_size, bits = (a[k] for k in ("x", "ws", "scales", "biases", "bias",
+                                                                    "group_size", "bits"))
     dtype = b.dtype_of(x)
     ks = {_packed(b, *parts, group_size, bits, dtype) for parts in zip(ws, scales, biases)}
     if len(ks) != 1 or not b.shape_of(x) or b.shape_of(x)[-1] != ks.pop():
@@ -121,12 +157,12 @@ def quantized_linear_group(b: ProgramBuilder, n: torch.fx.Node) -> None:
     stacked_bias = None
     if any(t is not None for t in bias):  # a linear without one adds zeros
         stacked_bias = b.concat_constant([t if t is not None else size for t, size in zip(bias, sizes)], dtype)
-    full = b.temp()
+    norm = _norm(b, a, x)
     b.emit(N.QuantizedLinearNode(x=b.tensor(x), w=b.concat_constant(ws, torch.int32),
                                  scales=b.concat_constant(scales, scale_dtype),
                                  biases=b.concat_constant(biases, scale_dtype),
-                                 bias=stacked_bias, group_size=group_size, bits=bits, out=full))
-    split_last_axis(b, n, full, sizes)
+                                 bias=stacked_bias, group_size=group_size, bits=bits, out=out, glu=glu, **norm))
+    return sizes
 
 
 @register(mlxd.quantized_embedding.default)

@@ -28,7 +28,7 @@ from torch.export import ExportedProgram
 
 from .. import custom_ops  # noqa: F401  (the fused ops)
 from . import (activations, attention, conv_batch_norm, conv_fusions, kv_cache, layer_norm, linear_activation,
-               linear_group, quantized_linear, rms_norm, rope)
+               linear_group, quantized_epilogue, quantized_linear, rms_norm, rope)
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,12 @@ FUSIONS = {"fold_batch_norm": conv_batch_norm.apply, "fold_conv_pad": conv_fusio
            "fuse_linears": linear_group.apply,
            # after fuse_activations (written-out GELU / SiLU become aten ops) and fuse_linears (a gate
            # grouped with its up projection stays grouped)
-           "fuse_linear_activation": linear_activation.apply}
+           "fuse_linear_activation": linear_activation.apply,
+           # after fuse_activations and fuse_linears: a grouped quantized gate / up with SiLU * up, and a
+           # residual add, applied by the quantized product itself
+           "fuse_quantized_glu": quantized_epilogue.fuse_glu,
+           "fuse_quantized_residual": quantized_epilogue.fuse_residual,
+           "fuse_quantized_norm": quantized_epilogue.fuse_norm}
 ALL_FUSIONS = "fusions"
 
 
