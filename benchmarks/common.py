@@ -480,7 +480,7 @@ def parse_args(description: str, argv: Sequence[str] | None = None) -> argparse.
     p.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
                    help=f"comma-separated subset of {','.join(ENGINES)} (default: {','.join(DEFAULT_ENGINES)})")
     p.add_argument("--budget", type=float, help="timed seconds per engine and case (overrides the default)")
-    p.add_argument("--no-bandwidth", action="store_true", help="skip the 1 GiB memory bandwidth probe")
+    p.add_argument("--no-bandwidth", action="store_true", help="skip the memory bandwidth probes (a GEMV over 1 GiB of fp32 weights and a 1 GiB sum)")
     args = p.parse_args(argv)
     unknown = set(args.engines.split(",")) - set(ENGINES)
     if unknown:

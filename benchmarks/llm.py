@@ -585,7 +585,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode", type=int, help="decode steps per round (default 32; quick 8)")
     p.add_argument("--rounds", type=int, help="timed rounds per engine (default 3; quick 2)")
     p.add_argument("--json", metavar="PATH", help="also write meta and rows as JSON")
-    p.add_argument("--no-bandwidth", action="store_true", help="skip the 1 GiB memory bandwidth probe")
+    p.add_argument("--no-bandwidth", action="store_true", help="skip the memory bandwidth probes (a GEMV over 1 GiB of fp32 weights and a 1 GiB sum)")
     args = p.parse_args(argv)
     args.models = (args.models or ("tiny" if args.quick else "smollm2,1.2b")).split(",")
     args.dtypes = [d for d in args.dtypes.split(",") if d]  # '' for none (e.g. only the gguf rows)
