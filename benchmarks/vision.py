@@ -2,7 +2,8 @@
 
 ResNet-18/50, MobileNetV2/V3, EfficientNet-B0 and a ViT-B/16-shaped model at 224x224, batch 1 and 8,
 built from transformers configs with random weights (timm and torchvision are not installable beside
-our torch pin), in eval mode. Each engine is checked against eager torch, then the engines take turns
+our torch pin), rescaled to a trained network's scale (`trained_like`: EfficientNet's own init sends
+every activation to zero), in eval mode. Each engine is checked against eager torch, then the engines take turns
 call by call; each sample records wall time and the process's CPU time over the same calls (every
 thread counts, so a runtime that spins while waiting shows it). transformers has no MobileNetV3 (and timm
 needs torchvision), so MobileNetV3-Large is built here from `torch.nn` modules after the paper's layer table.
@@ -127,14 +128,29 @@ class MobileNetV3Large(torch.nn.Module):
         self.features = torch.nn.Sequential(*layers)
         self.head = torch.nn.Sequential(torch.nn.Linear(960, 1280), torch.nn.Hardswish(), torch.nn.Dropout(0.2),
                                         torch.nn.Linear(1280, classes))
-        for m in self.modules():  # BatchNorm statistics away from identity, as in a trained network
-            if isinstance(m, torch.nn.BatchNorm2d):
-                torch.nn.init.uniform_(m.running_mean, -0.1, 0.1)
-                torch.nn.init.uniform_(m.running_var, 0.5, 1.5)
         self.eval()
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(pixel_values))
+
+
+@torch.no_grad()
+def trained_like(module: torch.nn.Module) -> torch.nn.Module:
+    """Weights at a trained network's scale: He-initialised convolutions and BatchNorm statistics and
+    affine terms near identity. Without it transformers' EfficientNet (BatchNorm weights drawn with std
+    0.02) sends every activation to zero or subnormal values within a few blocks, and MobileNetV2's logits
+    fall to ~1e-21: the parity check then compares zeros, and every engine runs on subnormals."""
+    g = torch.Generator().manual_seed(0)
+    for m in module.modules():
+        if isinstance(m, torch.nn.Conv2d):
+            m.weight.copy_(torch.randn(m.weight.shape, generator=g) * (2.0 / m.weight[0].numel()) ** 0.5)
+        elif isinstance(m, torch.nn.BatchNorm2d):
+            n = m.num_features
+            m.running_mean.copy_(torch.rand(n, generator=g) * 0.2 - 0.1)
+            m.running_var.copy_(torch.rand(n, generator=g) + 0.5)
+            m.weight.copy_(torch.rand(n, generator=g) + 0.5)
+            m.bias.copy_(torch.rand(n, generator=g) * 0.2 - 0.1)
+    return module
 
 
 # name -> builder. Shapes follow the reference architectures at 224x224 with 1000 classes.
@@ -160,7 +176,7 @@ VISION_ENGINES = ("delegate", "eager", "xnnpack")
 
 def workloads(models: Sequence[str], batches: Sequence[int]) -> Any:
     for name in models:
-        module = MODELS[name]()
+        module = trained_like(MODELS[name]())
         for batch in batches:
             x = torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(batch))
             yield Workload(f"{name} b{batch}", module, (x,), mlx_factory=lambda: None)
