@@ -73,10 +73,6 @@ mx::array layer_norm_last(const mx::array& x, const std::optional<mx::array>& w,
   return mx::fast::layer_norm(x, w, b, eps);
 }
 
-mx::array rms_norm_last(const mx::array& x, const std::optional<mx::array>& w, float eps) {
-  if (rows_cpu_applies(x, w)) return rows_cpu(x, RowKernel::rms_norm, eps, w);
-  return mx::fast::rms_norm(x, w, eps);
-}
 
 std::vector<int> all_but_channel(int ndim) {
   std::vector<int> axes;
@@ -85,6 +81,11 @@ std::vector<int> all_but_channel(int ndim) {
   return axes;
 }
 }  // namespace
+
+mx::array rms_norm_last(const mx::array& x, const std::optional<mx::array>& w, float eps) {
+  if (rows_cpu_applies(x, w)) return rows_cpu(x, RowKernel::rms_norm, eps, w);
+  return mx::fast::rms_norm(x, w, eps);
+}
 
 void exec_LayerNormNode(const mlxd::LayerNormNode& n, ExecContext& ctx) {
   const auto& x = ctx.in(n.x());

@@ -95,7 +95,9 @@ mx::array epilogue(ExecContext& ctx, const mlxd::QuantizedLinearNode& n, mx::arr
     const int h = y.shape(-1) / 2;
     if (y.shape(-1) != 2 * h) throw NodeError("a GLU needs an even number of outputs");
     auto parts = mx::split(y, 2, -1);
-    y = mx::multiply(mx::multiply(parts[0], mx::sigmoid(parts[0])), parts[1]);
+    // SiLU as the unary node runs it (the CPU kernel where it applies): MLX's CPU sigmoid is a scalar
+    // single-core loop, which cost a 64-token SmolLM2 prefill a third of its speed (660 -> 430 tok/s).
+    y = mx::multiply(unary_op(mlxd::UnaryOp::Silu, parts[0]), parts[1]);
   }
   if (auto* r = ctx.maybe_in(n.residual())) y = mx::add(y, *r);
   return y;
@@ -110,7 +112,7 @@ void exec_QuantizedLinearNode(const mlxd::QuantizedLinearNode& n, ExecContext& c
   const bool gemv = mx::default_device() == mx::Device::cpu && n.mode() == mlxd::QuantMode::Affine &&
                     !qgemm_cpu_applies(x, n.group_size(), n.bits()) &&
                     qgemv_cpu_applies(x, n.group_size(), n.bits());
-  if (auto* nw = ctx.maybe_in(n.norm_weight()); nw && !gemv) x = mx::fast::rms_norm(x, *nw, n.norm_eps());
+  if (auto* nw = ctx.maybe_in(n.norm_weight()); nw && !gemv) x = rms_norm_last(x, *nw, n.norm_eps());
   if (n.mode() != mlxd::QuantMode::Affine) {
     auto y = microscaled_product(x, w, ctx.in(n.scales()), n.group_size(), n.bits(), mode_name(n.mode()));
     if (auto* b = ctx.maybe_in(n.bias())) y = mx::add(y, *b);
