@@ -116,9 +116,11 @@ def _executorch(make_partitioner: Callable[[], Any]) -> Engine:
     return prepare
 
 
-def switched(engine: Engine, get: Callable[[], Any], set_: Callable[[Any], Any], value: Any) -> Engine:
+def switched(engine: Engine, get: Callable[[], Any], set_: Callable[[Any], Any], value: Any,
+             note: str | None = None) -> Engine:
     """`engine` (the same program) with a process-wide switch at `value` during its calls only:
-    `get()` reads the switch, `set_(v)` sets it; it is restored after each call."""
+    `get()` reads the switch, `set_(v)` sets it; it is restored after each call. `note` replaces the
+    row's note."""
 
     def prepare(w: Workload) -> Prepared:
         p = engine(w)
@@ -131,7 +133,7 @@ def switched(engine: Engine, get: Callable[[], Any], set_: Callable[[Any], Any],
             finally:
                 set_(was)
 
-        return replace(p, run=run)
+        return replace(p, run=run) if note is None else replace(p, run=run, note=note)
 
     return prepare
 

@@ -64,17 +64,8 @@ def _no_linger(w: Workload) -> Prepared:
     call hands its graph to a sleeping MLX stream thread and sleeps until the result, as MLX does."""
     from mlx_delegate import _runtime
 
-    p = common.ENGINES["delegate"][1](w)
-
-    def run() -> Any:
-        was = _runtime.stream_linger()
-        _runtime.set_stream_linger(0)
-        try:
-            return p.run()
-        finally:
-            _runtime.set_stream_linger(was)
-
-    return replace(p, run=run, note="adaptive wait off")
+    return common.switched(common.ENGINES["delegate"][1], _runtime.stream_linger, _runtime.set_stream_linger, 0,
+                           "adaptive wait off")(w)
 
 
 def _no_gate(w: Workload) -> Prepared:
@@ -82,17 +73,8 @@ def _no_gate(w: Workload) -> Prepared:
     sent to a sleeping stream thread wakes it once per task, and the caller sleeps for the result."""
     from mlx_delegate import _runtime
 
-    p = common.ENGINES["delegate"][1](w)
-
-    def run() -> Any:
-        was = _runtime.stream_gate()
-        _runtime.set_stream_gate(0)
-        try:
-            return p.run()
-        finally:
-            _runtime.set_stream_gate(was)
-
-    return replace(p, run=run, note="gate off")
+    return common.switched(common.ENGINES["delegate"][1], _runtime.stream_gate, _runtime.set_stream_gate, 0,
+                           "gate off")(w)
 
 
 FLOOR = "et_floor"

@@ -182,19 +182,7 @@ constexpr VecOps kAvx2{dot_avx2, axpy_avx2, exp_sum_avx2, max_avx2, add_portable
 // (max_ps returns its second operand when one is NaN). 13 vector ops instead
 // of 19.
 MLXD_AVX512 inline __m512 softmax_exp16(__m512 x) {
-  const __m512 xc = _mm512_max_ps(_mm512_set1_ps(-110.f), x);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(y, n);
+  return vmath::exp16_core(_mm512_max_ps(_mm512_set1_ps(-110.f), x));
 }
 
 // Full vectors unmasked, two sums so consecutive adds do not wait on each

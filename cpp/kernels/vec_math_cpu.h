@@ -123,11 +123,11 @@ MLXD_AVX2 inline void store_partial(float* p, __m256 v, int n) {
 // exp8's reduction and polynomial on sixteen lanes; 2^n by scalef. Same
 // results at the edges: inf above the range, 0 below FLT_MIN, NaN kept
 // (max/min return their second operand when one is NaN).
-MLXD_AVX512 inline __m512 exp16(__m512 x) {
-  const __m512 hi = _mm512_set1_ps(88.7228394f), lo = _mm512_set1_ps(-87.3365448f);
-  __m512 xc = _mm512_min_ps(hi, _mm512_max_ps(lo, x));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+// The reduction and polynomial alone, for x already inside the range the caller
+// needs (no clamp, no edge blends).
+MLXD_AVX512 inline __m512 exp16_core(__m512 xc) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
   __m512 p = _mm512_set1_ps(1.9875691500e-4f);
@@ -136,8 +136,13 @@ MLXD_AVX512 inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
-  y = _mm512_scalef_ps(y, n);
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+
+MLXD_AVX512 inline __m512 exp16(__m512 x) {
+  const __m512 hi = _mm512_set1_ps(88.7228394f), lo = _mm512_set1_ps(-87.3365448f);
+  __m512 y = exp16_core(_mm512_min_ps(hi, _mm512_max_ps(lo, x)));
   y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), y, _mm512_set1_ps(__builtin_inff()));
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), y, _mm512_setzero_ps());
 }
