@@ -210,6 +210,36 @@ class BoundMethod:
         return self.method.execute(list(inputs))
 
 
+def typed(name: str, fn: Callable[..., Any], make: Callable[[torch.dtype], tuple],
+          dtypes: Iterable[torch.dtype] = (torch.int32, torch.int64, torch.bool)) -> list[OpCase]:
+    """One config per non-float value dtype: `make(dtype)` builds the inputs."""
+    return [c for dt in dtypes for c in cases(f"{name}-{str(dt).removeprefix('torch.')}", fn,
+                                               lambda dt=dt: make(dt), (None,))]
+
+
+def dyn(*specs: Any) -> tuple:
+    """dynamic_shapes for a `Lambda` (its inputs arrive as one *args tuple)."""
+    return (specs,)
+
+
+def shared_lowering(tmp_path_factory: Any, name: str, make: Callable[[], Any]) -> Any:
+    """`make()` once per pytest run: xdist workers wait for whichever started first and unpickle its result."""
+    import fcntl
+    import os
+    import pickle
+
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run_id is None:
+        return make()
+    root = tmp_path_factory.getbasetemp().parent  # shared by the workers of one run
+    path = root / f"{name}-{run_id}.pkl"
+    with open(root / f"{name}-{run_id}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            path.write_bytes(pickle.dumps(make()))
+        return pickle.loads(path.read_bytes())
+
+
 def lower(module: torch.nn.Module, inputs: tuple, dynamic_shapes: Any = None,
           partitioner: MLXPartitioner | None = None, keep_ops: Sequence[Any] = ()) -> Lowered:
     """Export, lower through MLXPartitioner, serialize and load with the stock runtime.

@@ -42,15 +42,21 @@ def _stat_slots(b: ProgramBuilder, n: torch.fx.Node, count: int) -> tuple[Any, l
     return slots[0], [s if i in used else None for i, s in enumerate(slots) if i > 0]
 
 
+def _normalized_ndim(b: ProgramBuilder, x: torch.fx.Node, normalized_shape: Any) -> int:
+    """How many trailing dims a layer / RMS norm normalises over (1 to the input's rank)."""
+    k = len(normalized_shape)
+    if not 1 <= k <= len(b.shape_of(x)):
+        raise b.unsupported(f"normalized_shape of rank {k} for a rank-{len(b.shape_of(x))} input")
+    return k
+
+
 # ------------------------------------------------------------------ layer norm
 def _layer_norm(native: bool):
     def handle(b: ProgramBuilder, n: torch.fx.Node) -> None:
         args = b.args(n)
         x = args["input"]
         dtype = float_dtype(b, x)
-        k = len(args["normalized_shape"])
-        if not 1 <= k <= len(b.shape_of(x)):
-            raise b.unsupported(f"normalized_shape of rank {k} for a rank-{len(b.shape_of(x))} input")
+        k = _normalized_ndim(b, x, args["normalized_shape"])
         eps = _eps(b, args["eps"])
         if native:
             out, (mean, rstd) = _stat_slots(b, n, 3)
@@ -71,9 +77,7 @@ def rms_norm(b: ProgramBuilder, n: torch.fx.Node) -> None:
     args = b.args(n)
     x = args["input"]
     dtype = float_dtype(b, x)
-    k = len(args["normalized_shape"])
-    if not 1 <= k <= len(b.shape_of(x)):
-        raise b.unsupported(f"normalized_shape of rank {k} for a rank-{len(b.shape_of(x))} input")
+    k = _normalized_ndim(b, x, args["normalized_shape"])
     # torch's default is float32's epsilon for every floating input (it computes in float).
     eps = torch.finfo(torch.float32).eps if args["eps"] is None else _eps(b, args["eps"])
     b.emit(N.RmsNormNode(x=b.tensor(x), weight=_optional(b, args["weight"], dtype), eps=eps, normalized_ndim=k,

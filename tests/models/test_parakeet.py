@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
-import pickle
 from pathlib import Path
-from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -21,23 +17,10 @@ from mlx_delegate import audio as A
 from mlx_delegate.models import parakeet as PM
 from mlx_delegate.pipelines import cache as C
 from mlx_delegate.pipelines import parakeet as P
+from mlx_delegate.testing import shared_lowering
 
 MAX_FRAMES = 8 * 150 - 4
 CHARS = list("abcdefghijklmnopqrstuvwxyz") + ["\u2581", "'", "<unk>", "<pad>"]  # blank = pad = last
-
-
-def shared_lowering(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[], Any]) -> Any:
-    """`make()` once per test run: xdist workers wait for whichever started first and unpickle its result."""
-    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run_id is None:
-        return make()
-    root = tmp_path_factory.getbasetemp().parent  # shared by the workers of one run
-    path = root / f"{name}-{run_id}.pkl"
-    with open(root / f"{name}-{run_id}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not path.exists():
-            path.write_bytes(pickle.dumps(make()))
-        return pickle.loads(path.read_bytes())
 
 
 def tiny_parakeet() -> ParakeetForCTC:

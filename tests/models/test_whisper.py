@@ -7,12 +7,8 @@ token-for-token agreement with `generate` on a checked-in espeak-ng clip.
 
 from __future__ import annotations
 
-import fcntl
-import os
-import pickle
 import re
 from pathlib import Path
-from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -23,24 +19,11 @@ from mlx_delegate import audio as A
 from mlx_delegate.models import whisper as WM
 from mlx_delegate.pipelines import cache as C
 from mlx_delegate.pipelines import whisper as W
+from mlx_delegate.testing import shared_lowering
 
 DATA = Path(__file__).parent.parent / "data"
 CLIP = DATA / "speech_en_11k.flac"
 TIGHT = dict(rtol=1e-4, atol=1e-4)
-
-
-def shared_lowering(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[], Any]) -> Any:
-    """`make()` once per test run: xdist workers wait for whichever started first and unpickle its result."""
-    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run_id is None:
-        return make()
-    root = tmp_path_factory.getbasetemp().parent  # shared by the workers of one run
-    path = root / f"{name}-{run_id}.pkl"
-    with open(root / f"{name}-{run_id}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not path.exists():
-            path.write_bytes(pickle.dumps(make()))
-        return pickle.loads(path.read_bytes())
 
 
 def tiny_whisper(n_mels: int = 80, source_positions: int = 1500, **kw) -> WhisperForConditionalGeneration:

@@ -5,7 +5,7 @@ import torch
 from torch.export import Dim
 
 from mlx_delegate.partitioner import MLXPartitioner
-from mlx_delegate.testing import FLOATS, Lambda, cases, lower, lower_and_compare
+from mlx_delegate.testing import FLOATS, Lambda, cases, dyn, lower, lower_and_compare, typed
 
 F32 = (torch.float32,)
 INTS = (torch.int32, torch.int64)
@@ -30,17 +30,6 @@ def idx(values, dtype=torch.int64):
 def rows(n, high, dtype=torch.int64):
     """`n` random indices in [0, high) (duplicates allowed)."""
     return torch.randint(0, high, (n,), dtype=dtype)
-
-
-def typed(name, fn, make, dtypes=(*INTS, torch.bool)):
-    """One config per non-float value dtype: `make(dtype)` builds the inputs."""
-    return [c for dt in dtypes for c in cases(f"{name}-{str(dt).removeprefix('torch.')}", fn,
-                                               lambda dt=dt: make(dt), (None,))]
-
-
-def dyn(*specs):
-    """dynamic_shapes for a `Lambda` (its inputs arrive as one *args tuple)."""
-    return (specs,)
 
 
 N = Dim("n", min=2, max=32)

@@ -10,7 +10,7 @@ import torch
 from torch.export import Dim
 
 from mlx_delegate.partitioner import MLXPartitioner
-from mlx_delegate.testing import FLOATS, Lambda, amend, cases, lower, lower_and_compare
+from mlx_delegate.testing import FLOATS, Lambda, amend, cases, dyn, lower, lower_and_compare, typed
 
 F32 = (torch.float32,)
 INTS = (torch.int32, torch.int64)
@@ -35,17 +35,6 @@ def distinct(shape, dim, size):
     full = list(shape)
     full[dim] = size
     return torch.rand(*full).argsort(dim).narrow(dim, 0, shape[dim]).contiguous()
-
-
-def typed(name, fn, make, dtypes=(*INTS, torch.bool)):
-    """One config per non-float value dtype: `make(dtype)` builds the inputs."""
-    return [c for dt in dtypes for c in cases(f"{name}-{str(dt).removeprefix('torch.')}", fn,
-                                               lambda dt=dt: make(dt), (None,))]
-
-
-def dyn(*specs):
-    """dynamic_shapes for a `Lambda` (its inputs arrive as one *args tuple)."""
-    return (specs,)
 
 
 N = Dim("n", min=2, max=32)
