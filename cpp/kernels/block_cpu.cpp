@@ -12,6 +12,7 @@
 #include "kernels/block_cpu.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -38,17 +39,25 @@ struct Geometry {
   int64_t P() const { return int64_t{OH} * OW; }
 };
 
-// Tile budget in KiB for one thread's buffers (expanded rows, sgemm scratch,
-// depthwise output): well inside a core's L2, next to the weights.
-// MLX_DELEGATE_BLOCK_TILE_KB overrides it (tuning runs).
-int64_t tile_budget() {
-  static const int64_t v = [] {
-    const char* e = std::getenv("MLX_DELEGATE_BLOCK_TILE_KB");
-    const long kb = e ? std::strtol(e, nullptr, 10) : 0;
-    return int64_t{kb > 0 ? kb : 384} * 1024;
-  }();
+// The kernel's two size limits (set_block_tiling): one thread's tile buffers
+// (expanded rows, sgemm scratch, depthwise output), well inside a core's L2
+// next to the weights; and the largest expanded map (E x H x W floats) run
+// split over channels instead of row bands (run_channels). Environment:
+// MLX_DELEGATE_BLOCK_TILE_KB, MLX_DELEGATE_BLOCK_CHANNELS_KB (0: never).
+int64_t env_kb(const char* name, int64_t fallback) {
+  const char* e = std::getenv(name);
+  return e ? std::max<int64_t>(0, std::strtol(e, nullptr, 10)) : fallback;
+}
+std::atomic<int64_t>& tile_kb() {
+  static std::atomic<int64_t> v{env_kb("MLX_DELEGATE_BLOCK_TILE_KB", 384)};
   return v;
 }
+std::atomic<int64_t>& channels_kb() {
+  static std::atomic<int64_t> v{env_kb("MLX_DELEGATE_BLOCK_CHANNELS_KB", 1024)};
+  return v;
+}
+int64_t tile_budget() { return std::max<int64_t>(1, tile_kb().load(std::memory_order_relaxed)) * 1024; }
+int64_t channel_split_limit() { return channels_kb().load(std::memory_order_relaxed) * 1024; }
 
 float activate(const BlockActivation& a, float v) {
   // kind 0 (the only one so far): a clamp; std::max / min keep a NaN as torch's clamp does.
@@ -62,7 +71,7 @@ struct Call {
 
 // Buffers a thread reuses from call to call (no page faults per call).
 struct Scratch {
-  std::vector<float> rows, gemm, dw;
+  std::vector<float> rows, gemm, dw, shared;
 };
 Scratch& scratch() {
   thread_local Scratch s;
@@ -156,6 +165,24 @@ void dw_channel(const Geometry& g, const float* buf, int64_t Wp, const float* k,
   }
 }
 
+// The output rows [0, span) at column offset `at` of the O planes of yn: bias + residual.
+// Returns whether anything was written (the product then adds onto it).
+bool init_rows(const Geometry& g, const Call& c, const float* rn, float* yn, int o0, int o1, int64_t at,
+               int64_t span) {
+  if (!c.bp && !rn) return false;
+  for (int o = o0; o < o1; ++o) {
+    float* dst = yn + o * g.P() + at;
+    const float b = c.bp ? c.bp[o] : 0.f;
+    if (rn) {
+      const float* r = rn + o * g.P() + at;
+      for (int64_t q = 0; q < span; ++q) dst[q] = r[q] + b;
+    } else {
+      std::fill_n(dst, span, b);
+    }
+  }
+  return true;
+}
+
 // Output rows [R0, R1) of image n.
 void run_band(const Geometry& g, const Call& c, int n, int R0, int R1) {
   const SerialSgemmFn gemm = serial_sgemm();
@@ -226,22 +253,66 @@ void run_band(const Geometry& g, const Call& c, int n, int R0, int R1) {
                  s.dw.data() + e * ldd);
     // Output rows: bias + residual, then the project product added on.
     const int64_t span = int64_t{count} * g.OW, at = int64_t{r0} * g.OW;
-    const bool init = c.bp || rn;
-    if (init)
-      for (int o = 0; o < g.O; ++o) {
-        float* dst = yn + o * g.P() + at;
-        const float b = c.bp ? c.bp[o] : 0.f;
-        if (rn) {
-          const float* r = rn + o * g.P() + at;
-          for (int64_t q = 0; q < span; ++q) dst[q] = r[q] + b;
-        } else {
-          std::fill_n(dst, span, b);
-        }
-      }
+    const bool init = init_rows(g, c, rn, yn, 0, g.O, at, span);
     gemm(0, 0, g.O, static_cast<int>(span), g.E, 1.f, c.wp, g.E, s.dw.data(), static_cast<int>(ldd), init ? 1.f : 0.f,
          yn + at, static_cast<int>(g.P()));
   }
 }
+
+// A small map (the 14x14 and 7x7 stages) whole, in two passes over the pool: channel blocks of
+// the expand and depthwise (each block's sgemm over the whole map, so the weights are read once
+// and the products are wide enough), into one [E, OH * OW] buffer; then blocks of output
+// channels of the project sgemm. Row bands there would be a few rows each, recomputing their
+// borders and re-reading every weight per band.
+void run_channels(const Geometry& g, const Call& c) {
+  const SerialSgemmFn gemm = serial_sgemm();
+  const int64_t Wp = padded_width(g), HW = int64_t{g.H} * g.W, P = g.P();
+  const int64_t Hp = int64_t{g.OH - 1} * g.sh + g.KH;  // padded rows the depthwise reads
+  std::vector<float>& dw = scratch().shared;  // the calling thread's: read by every part
+  dw.resize(int64_t{g.E} * P);
+  const int threads = cpu_pool_threads();
+  for (int n = 0; n < g.N; ++n) {
+    const float* xn = c.x + int64_t{n} * g.C * HW;
+    float* yn = c.y + int64_t{n} * g.O * P;
+    const float* rn = c.res ? c.res + int64_t{n} * g.O * P : nullptr;
+    const int eparts = std::max(1, std::min(threads, g.E / 8));
+    cpu_parallel_parts(eparts, [&](int part) {
+      const int e0 = static_cast<int>(int64_t{g.E} * part / eparts), e1 = static_cast<int>(int64_t{g.E} * (part + 1) / eparts);
+      Scratch& s = scratch();
+      s.rows.assign(Hp * Wp, 0.f);  // borders stay zero; each channel overwrites the inside
+      if (g.expand) {
+        s.gemm.resize(int64_t{e1 - e0} * HW);
+        gemm(0, 0, e1 - e0, static_cast<int>(HW), g.C, 1.f, c.we + int64_t{e0} * g.C, g.C, xn, static_cast<int>(HW),
+             0.f, s.gemm.data(), static_cast<int>(HW));
+      }
+      const int rows = static_cast<int>(std::min<int64_t>(g.H, Hp - g.ph));
+      for (int e = e0; e < e1; ++e) {
+        const float b = c.be ? c.be[e] : 0.f;
+        const float* src = g.expand ? s.gemm.data() + int64_t{e - e0} * HW : xn + e * HW;
+        for (int ih = 0; ih < rows; ++ih) {
+          float* row = s.rows.data() + int64_t{ih + g.ph} * Wp + g.pw;
+          const float* in = src + int64_t{ih} * g.W;
+          if (g.expand) {
+            for (int w = 0; w < g.W; ++w) row[w] = activate(g.ea, in[w] + b);
+          } else {
+            std::memcpy(row, in, g.W * sizeof(float));
+          }
+        }
+        dw_channel(g, s.rows.data(), Wp, c.wd + int64_t{e} * g.KH * g.KW, c.bd ? c.bd[e] : 0.f, g.OH,
+                   dw.data() + e * P);
+      }
+    });
+    const int oparts = std::max(1, std::min(threads, g.O / 8));
+    cpu_parallel_parts(oparts, [&](int part) {
+      const int o0 = static_cast<int>(int64_t{g.O} * part / oparts), o1 = static_cast<int>(int64_t{g.O} * (part + 1) / oparts);
+      const bool init = init_rows(g, c, rn, yn, o0, o1, 0, P);
+      gemm(0, 0, o1 - o0, static_cast<int>(P), g.E, 1.f, c.wp + int64_t{o0} * g.E, g.E, dw.data(), static_cast<int>(P),
+           init ? 1.f : 0.f, yn + o0 * P, static_cast<int>(P));
+    });
+  }
+}
+
+void run_bands(const Geometry& g, const Call& c);
 
 void run_block(const Geometry& g, const std::vector<mx::array>& in, const std::vector<int>& slot, void* out,
                mx::Dtype out_dtype) {
@@ -256,13 +327,23 @@ void run_block(const Geometry& g, const std::vector<mx::array>& in, const std::v
     y = ys.data();
   }
   const Call c{at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7), y};
+  if (int64_t{g.E} * g.H * g.W * 4 <= channel_split_limit()) {
+    cpu_kernel_note_call("inverted_residual_channels");
+    run_channels(g, c);
+  } else {
+    cpu_kernel_note_call("inverted_residual_rows");
+    run_bands(g, c);
+  }
+  if (out_dtype != mx::float32) cpu_store_f32(y, out_dtype, 0, static_cast<int64_t>(ys.size()), out);
+}
+
+void run_bands(const Geometry& g, const Call& c) {
   // One band per pool thread and image (an image alone fills the pool).
   const int bands = std::max(1, std::min(g.OH, (cpu_pool_threads() + g.N - 1) / g.N));
   cpu_parallel_parts(g.N * bands, [&](int part) {
     const int n = part / bands, b = part % bands;
     run_band(g, c, n, static_cast<int>(int64_t{g.OH} * b / bands), static_cast<int>(int64_t{g.OH} * (b + 1) / bands));
   });
-  if (out_dtype != mx::float32) cpu_store_f32(y, out_dtype, 0, static_cast<int64_t>(ys.size()), out);
 }
 
 class BlockCpu : public mx::UnaryPrimitive {
@@ -312,6 +393,13 @@ void need(bool ok, const std::string& what) {
 }
 
 }  // namespace
+
+std::pair<int64_t, int64_t> set_block_tiling(int64_t channels, int64_t tile) {
+  std::pair<int64_t, int64_t> previous{channels_kb().load(), tile_kb().load()};
+  if (channels >= 0) channels_kb().store(channels);
+  if (tile > 0) tile_kb().store(tile);
+  return previous;
+}
 
 bool block_cpu_applies(const BlockOperands& ops, const BlockParams& p) {
   if (!cpu_kernels_active() || serial_sgemm() == nullptr || !cpu_kernel_dtype_ok(ops.x)) return false;

@@ -9,7 +9,9 @@
 // the project sgemm writes the tile's output rows in place.
 #pragma once
 
+#include <cstdint>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include <mlx/mlx.h>
@@ -44,6 +46,13 @@ struct BlockParams {
 // known activation kinds and a depthwise window of at most 7x7. Shapes are
 // the caller's to check (block_cpu throws std::invalid_argument on a mismatch).
 bool block_cpu_applies(const BlockOperands& ops, const BlockParams& p);
+
+// The kernel's size limits in KiB, returning the previous (channels, tile):
+// maps whose expanded activation (E x H x W floats) takes at most `channels`
+// run whole, split over channel blocks (0: never); larger ones in row bands
+// walked in tiles whose buffers take at most `tile` per thread. A negative
+// `channels` / non-positive `tile` keeps that one. For A/B runs and tests.
+std::pair<int64_t, int64_t> set_block_tiling(int64_t channels, int64_t tile);
 
 // The block's output [N, O, OH, OW] in x's dtype; math in float32 (the
 // expanded and depthwise activations are not rounded to x's dtype in between).

@@ -99,14 +99,26 @@ def node_kinds(lowered) -> Counter:
     return kinds
 
 
+# The kernel's two schedules: small maps whole, split over channels (the default at these sizes), and
+# row bands in tiles; 1 KiB tiles hold one output row, so every tile after the first reuses the
+# expanded rows it shares with the one before.
+TILINGS = {"channels": (1 << 20, 384), "rows": (0, 1)}
+
+
+@pytest.mark.parametrize("tiling", TILINGS)
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_inverted_residual_blocks(case) -> None:
-    before = _runtime.cpu_kernel_call_counts().get("inverted_residual", 0)
-    lowered = lower_and_compare(case)
+def test_inverted_residual_blocks(case, tiling: str) -> None:
+    counter = "inverted_residual_" + tiling
+    before = _runtime.cpu_kernel_call_counts().get(counter, 0)
+    previous = _runtime.set_block_tiling(*TILINGS[tiling])
+    try:
+        lowered = lower_and_compare(case)
+    finally:
+        _runtime.set_block_tiling(*previous)
     kinds = node_kinds(lowered)
     # Four blocks plus Shared's depthwise + project; Shared's expand stays a ConvNode.
     assert kinds["InvertedResidualNode"] == 5 and kinds["ConvNode"] == 1
     assert kinds["expand"] == 3 and kinds["residual"] == 3
     assert kinds["BatchNormNode"] == 0
     if cpu_kernels_active():
-        assert _runtime.cpu_kernel_call_counts().get("inverted_residual", 0) > before
+        assert _runtime.cpu_kernel_call_counts().get(counter, 0) > before
