@@ -99,18 +99,36 @@ void dw_row_scalar(const Geometry& g, const float* const* rows, const float* k, 
 // max(lo, a) / min(hi, a) keep a NaN (the second operand), as std::max(a, lo) does.
 MLXD_AVX2 inline __m256 clamp8(__m256 a, __m256 lo, __m256 hi) { return _mm256_min_ps(hi, _mm256_max_ps(lo, a)); }
 
+// Lanes [0, n) of eight on (n < 8).
+MLXD_AVX2 inline __m256i tail_mask(int n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// dst[i] = act(src[i] + b) for a clamp activation.
+MLXD_AVX2 void act_row_avx2(const float* src, float b, const BlockActivation& a, int n, float* dst) {
+  const __m256 vb = _mm256_set1_ps(b), lo = _mm256_set1_ps(a.lo), hi = _mm256_set1_ps(a.hi);
+  int i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, clamp8(_mm256_add_ps(_mm256_loadu_ps(src + i), vb), lo, hi));
+  if (i < n) {
+    const __m256i m = tail_mask(n - i);
+    _mm256_maskstore_ps(dst + i, m, clamp8(_mm256_add_ps(_mm256_maskload_ps(src + i, m), vb), lo, hi));
+  }
+}
+
 // The same row eight outputs at a time, four groups interleaved so the FMA chains overlap;
-// the last partial group goes through a small buffer. Clamp activations only (the others
-// take the scalar row).
-template <int S>
+// the last partial group stored under a mask. Clamp activations only (the others take the
+// scalar row). KH_ / KW_: the window when known at compile time (3x3, 5x5: the taps unrolled),
+// else 0 (the geometry's).
+template <int S, int KH_, int KW_>
 MLXD_AVX2 void dw_row_avx2(const Geometry& g, const float* const* rows, const __m256* wv, float bias, float* out) {
+  const int kh = KH_ ? KH_ : g.KH, kw = KW_ ? KW_ : g.KW;
   const __m256 vb = _mm256_set1_ps(bias), lo = _mm256_set1_ps(g.da.lo), hi = _mm256_set1_ps(g.da.hi);
   int ow = 0;
   for (; ow + 32 <= g.OW; ow += 32) {
     __m256 a0 = vb, a1 = vb, a2 = vb, a3 = vb;
-    for (int ki = 0; ki < g.KH; ++ki)
-      for (int kj = 0; kj < g.KW; ++kj) {
-        const __m256 w = wv[ki * g.KW + kj];
+    for (int ki = 0; ki < kh; ++ki)
+      for (int kj = 0; kj < kw; ++kj) {
+        const __m256 w = wv[ki * kw + kj];
         const float* p = rows[ki] + int64_t{ow} * S + kj;
         a0 = _mm256_fmadd_ps(w, vmath::load_strided<S>(p), a0);
         a1 = _mm256_fmadd_ps(w, vmath::load_strided<S>(p + 8 * S), a1);
@@ -124,21 +142,18 @@ MLXD_AVX2 void dw_row_avx2(const Geometry& g, const float* const* rows, const __
   }
   for (; ow < g.OW; ow += 8) {
     __m256 a = vb;
-    for (int ki = 0; ki < g.KH; ++ki)
-      for (int kj = 0; kj < g.KW; ++kj)
-        a = _mm256_fmadd_ps(wv[ki * g.KW + kj], vmath::load_strided<S>(rows[ki] + int64_t{ow} * S + kj), a);
-    if (ow + 8 <= g.OW) {
+    for (int ki = 0; ki < kh; ++ki)
+      for (int kj = 0; kj < kw; ++kj)
+        a = _mm256_fmadd_ps(wv[ki * kw + kj], vmath::load_strided<S>(rows[ki] + int64_t{ow} * S + kj), a);
+    if (ow + 8 <= g.OW)
       _mm256_storeu_ps(out + ow, clamp8(a, lo, hi));
-    } else {
-      alignas(32) float tail[8];
-      _mm256_store_ps(tail, clamp8(a, lo, hi));
-      std::memcpy(out + ow, tail, (g.OW - ow) * sizeof(float));
-    }
+    else
+      _mm256_maskstore_ps(out + ow, tail_mask(g.OW - ow), clamp8(a, lo, hi));
   }
 }
 
 // The depthwise rows of one channel for output rows [0, count) of the tile.
-template <int S>
+template <int S, int KH_, int KW_>
 MLXD_AVX2 void dw_channel_avx2(const Geometry& g, const float* buf, int64_t Wp, const float* k, float bias, int count,
                                float* out) {
   __m256 wv[kMaxTaps];
@@ -146,15 +161,25 @@ MLXD_AVX2 void dw_channel_avx2(const Geometry& g, const float* buf, int64_t Wp, 
   const float* rows[7];
   for (int i = 0; i < count; ++i) {
     for (int ki = 0; ki < g.KH; ++ki) rows[ki] = buf + (int64_t{i} * g.sh + ki) * Wp;
-    dw_row_avx2<S>(g, rows, wv, bias, out + int64_t{i} * g.OW);
+    dw_row_avx2<S, KH_, KW_>(g, rows, wv, bias, out + int64_t{i} * g.OW);
   }
+}
+
+using DwChannelFn = void (*)(const Geometry&, const float*, int64_t, const float*, float, int, float*);
+
+// The instance for the width stride (1 or 2) and window (3x3, 5x5 or any).
+template <int S>
+DwChannelFn dw_channel_for(const Geometry& g) {
+  if (g.KH == 3 && g.KW == 3) return dw_channel_avx2<S, 3, 3>;
+  if (g.KH == 5 && g.KW == 5) return dw_channel_avx2<S, 5, 5>;
+  return dw_channel_avx2<S, 0, 0>;
 }
 #endif
 
 void dw_channel(const Geometry& g, const float* buf, int64_t Wp, const float* k, float bias, int count, float* out) {
 #ifdef MLXD_CPU_X86
   if (cpu_use_avx2() && g.da.kind == 0 && (g.sw == 1 || g.sw == 2)) {
-    (g.sw == 1 ? dw_channel_avx2<1> : dw_channel_avx2<2>)(g, buf, Wp, k, bias, count, out);
+    (g.sw == 1 ? dw_channel_for<1>(g) : dw_channel_for<2>(g))(g, buf, Wp, k, bias, count, out);
     return;
   }
 #endif
@@ -181,6 +206,14 @@ bool init_rows(const Geometry& g, const Call& c, const float* rn, float* yn, int
     }
   }
   return true;
+}
+
+// dst[i] = act(src[i] + b), i < n: the expand's bias and activation on the way into the padded rows.
+void act_row(const float* src, float b, const BlockActivation& a, int n, float* dst) {
+#ifdef MLXD_CPU_X86
+  if (cpu_use_avx2() && a.kind == 0) return act_row_avx2(src, b, a, n, dst);
+#endif
+  for (int i = 0; i < n; ++i) dst[i] = activate(a, src[i] + b);
 }
 
 // Output rows [R0, R1) of image n.
@@ -237,8 +270,7 @@ void run_band(const Geometry& g, const Call& c, int n, int R0, int R1) {
           std::fill(dst + g.pw + g.W, dst + Wp, 0.f);
           float* row = dst + g.pw;
           if (g.expand) {
-            const float* src = s.gemm.data() + e * cols + int64_t{ih - ih0} * g.W;
-            for (int w = 0; w < g.W; ++w) row[w] = activate(g.ea, src[w] + b);
+            act_row(s.gemm.data() + e * cols + int64_t{ih - ih0} * g.W, b, g.ea, g.W, row);
           } else {
             std::memcpy(row, xn + e * HW + int64_t{ih} * g.W, g.W * sizeof(float));
           }
@@ -293,7 +325,7 @@ void run_channels(const Geometry& g, const Call& c) {
           float* row = s.rows.data() + int64_t{ih + g.ph} * Wp + g.pw;
           const float* in = src + int64_t{ih} * g.W;
           if (g.expand) {
-            for (int w = 0; w < g.W; ++w) row[w] = activate(g.ea, in[w] + b);
+            act_row(in, b, g.ea, g.W, row);
           } else {
             std::memcpy(row, in, g.W * sizeof(float));
           }
