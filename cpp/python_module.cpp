@@ -285,7 +285,7 @@ NB_MODULE(_runtime, m) {
         "The inverted-residual CPU kernel's size limits in KiB (A/B runs, tests): maps whose expanded activation "
         "takes at most channels_kb run whole, split over channel blocks (0: never; default 1024, "
         "MLX_DELEGATE_BLOCK_CHANNELS_KB), larger ones in row bands walked in tiles of at most tile_kb of buffers "
-        "per thread (default 384, MLX_DELEGATE_BLOCK_TILE_KB). -1 / 0 keeps a limit. Returns the previous "
+        "per thread (default 1024, MLX_DELEGATE_BLOCK_TILE_KB). -1 / 0 keeps a limit. Returns the previous "
         "(channels_kb, tile_kb).");
   m.def("set_linear_kernel", &mlxd::rt::set_linear_cpu, nb::arg("on"),
         "fp32 linears on the CPU as one kernel, the bias added to each output block in cache (off by default; "

@@ -49,7 +49,7 @@ int64_t env_kb(const char* name, int64_t fallback) {
   return e ? std::max<int64_t>(0, std::strtol(e, nullptr, 10)) : fallback;
 }
 std::atomic<int64_t>& tile_kb() {
-  static std::atomic<int64_t> v{env_kb("MLX_DELEGATE_BLOCK_TILE_KB", 384)};
+  static std::atomic<int64_t> v{env_kb("MLX_DELEGATE_BLOCK_TILE_KB", 1024)};
   return v;
 }
 std::atomic<int64_t>& channels_kb() {
@@ -440,6 +440,8 @@ bool block_cpu_applies(const BlockOperands& ops, const BlockParams& p) {
     if (a->has_value() && (*a)->dtype() != t) return false;
   if (ops.dw_w.dtype() != t || ops.project_w.dtype() != t) return false;
   if (p.expand_act.kind != 0 || p.dw_act.kind != 0) return false;
+  // Empty channel counts stay on the convolutions (an sgemm with K = 0 rejects its leading dimension).
+  if (ops.dw_w.size() == 0 || ops.project_w.size() == 0 || (ops.expand_w && ops.expand_w->size() == 0)) return false;
   return ops.dw_w.ndim() == 4 && ops.dw_w.shape(2) * ops.dw_w.shape(3) <= kMaxTaps && ops.dw_w.shape(2) <= 7;
 }
 

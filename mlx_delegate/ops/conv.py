@@ -99,8 +99,9 @@ def _bound(b: ProgramBuilder, v: Any, name: str) -> float:
 
 @register(torch.ops.mlx_delegate.inverted_residual.default)
 def inverted_residual(b: ProgramBuilder, n: torch.fx.Node) -> None:
-    """An inverted-residual block (patterns/inverted_residual.py) as one node: one CPU kernel per block,
-    the three convolutions elsewhere."""
+    """A 1x1 expand, depthwise and 1x1 project convolution as one node (patterns/inverted_residual.py).
+
+    On the CPU one kernel runs the block per tile of output rows; elsewhere the three convolutions."""
     args = b.args(n)
     x = args["x"]
     dtype = float_dtype(b, n)

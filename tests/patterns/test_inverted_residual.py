@@ -102,7 +102,7 @@ def node_kinds(lowered) -> Counter:
 # The kernel's two schedules: small maps whole, split over channels (the default at these sizes), and
 # row bands in tiles; 1 KiB tiles hold one output row, so every tile after the first reuses the
 # expanded rows it shares with the one before.
-TILINGS = {"channels": (1 << 20, 384), "rows": (0, 1)}
+TILINGS = {"channels": (1 << 20, 1024), "rows": (0, 1)}
 
 
 @pytest.mark.parametrize("tiling", TILINGS)
