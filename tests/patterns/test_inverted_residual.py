@@ -13,6 +13,7 @@ from collections import Counter
 import pytest
 import torch
 from torch import nn
+from torch.export import Dim
 
 from mlx_delegate import _runtime
 from mlx_delegate.ir import nodes as N
@@ -87,6 +88,12 @@ CASES = cases("mobilenet_blocks", _net, lambda: (torch.randn(2, 5, 13, 11),),
                          torch.float16: (2e-2, 2e-2)})
 
 
+# A batch size known only at run time (the kernel reads N per call), in the default schedules.
+DYNAMIC = cases("mobilenet_blocks_dynamic_batch", _net, lambda: (torch.randn(2, 5, 13, 11),), (torch.float32,),
+                is_module=True, tolerance={torch.float32: fp32_tolerance(64)},
+                dynamic_shapes=({0: Dim("batch", min=1, max=8)},), more_inputs=lambda: [(torch.randn(3, 5, 13, 11),)])
+
+
 def node_kinds(lowered) -> Counter:
     data, _ = delegate_payload(lowered.edge)
     kinds = Counter()
@@ -105,8 +112,10 @@ def node_kinds(lowered) -> Counter:
 TILINGS = {"channels": (1 << 20, 1024), "rows": (0, 1)}
 
 
-@pytest.mark.parametrize("tiling", TILINGS)
-@pytest.mark.parametrize("case", CASES, ids=str)
+RUNS = [(case, tiling) for case in CASES for tiling in TILINGS] + [(DYNAMIC[0], "channels")]
+
+
+@pytest.mark.parametrize("case,tiling", RUNS, ids=[f"{c}-{t}" for c, t in RUNS])
 def test_inverted_residual_blocks(case, tiling: str) -> None:
     counter = "inverted_residual_" + tiling
     before = _runtime.cpu_kernel_call_counts().get(counter, 0)
