@@ -2,8 +2,10 @@
 // depthwise + bias + activation -> 1x1 project + bias + residual) on the CPU as
 // one MLX primitive, on torch's channels-first layout. Run convolution by
 // convolution, the expanded activation (6x the block's channels) goes to memory
-// and back twice per block; here each thread takes a band of output rows and
-// walks it in tiles small enough to stay in its core's cache: the expand sgemm
+// and back twice per block; here small maps (the expanded activation within
+// set_block_tiling's channel limit) run whole, split over channel blocks, and
+// on larger ones each thread takes a band of output rows and walks it in
+// tiles small enough to stay in its core's cache: the expand sgemm
 // fills the tile's input rows (rows shared with the previous tile are kept, not
 // recomputed), the depthwise loop reads them from a zero-bordered buffer, and
 // the project sgemm writes the tile's output rows in place.
