@@ -155,6 +155,11 @@ void conv_fields(const mlxd::ConvNode& n) {
   check_all(n.output_padding(), 0, "output_padding");
   check_min(n.groups(), 1, "groups");
 }
+void block_fields(const mlxd::InvertedResidualNode& n) {
+  check_all(n.stride(), 1, "stride");
+  check_all(n.padding(), 0, "padding");
+  check_all(n.padding_hi(), 0, "padding_hi");
+}
 void pool_fields(const mlxd::PoolNode& n) {
   check_all(n.kernel(), 1, "kernel");
   check_all(n.stride(), 1, "stride");
@@ -209,6 +214,7 @@ const std::vector<NodeCheck>& node_checks() {
     on(N::SliceUpdateNode, typed<mlxd::SliceUpdateNode, slice_fields>);
     on(N::ConvNode, typed<mlxd::ConvNode, conv_fields>);
     on(N::PoolNode, typed<mlxd::PoolNode, pool_fields>);
+    on(N::InvertedResidualNode, typed<mlxd::InvertedResidualNode, block_fields>);
     on(N::PixelShuffleNode, typed<mlxd::PixelShuffleNode, pixel_shuffle_fields>);
     on(N::GroupNormNode, typed<mlxd::GroupNormNode, group_norm_fields>);
     on(N::VectorNormNode, typed<mlxd::VectorNormNode, axes_of>);

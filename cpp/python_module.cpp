@@ -8,6 +8,7 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/map.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -18,6 +19,7 @@
 
 #include "backend.h"
 #include "interpreter.h"
+#include "kernels/block_cpu.h"
 #include "kernels/conv_cpu.h"
 #include "kernels/cpu_parallel.h"
 #include "kernels/linear_cpu.h"
@@ -279,6 +281,12 @@ NB_MODULE(_runtime, m) {
         "and small-map depthwise convolutions on a padded grid, instead of whole-image passes (on by default; MLX_DELEGATE_CONV_TILES=0 starts with them off), from the "
         "next call on.");
   m.def("conv_tiles", &mlxd::rt::conv_tiles);
+  m.def("set_block_tiling", &mlxd::rt::set_block_tiling, nb::arg("channels_kb") = -1, nb::arg("tile_kb") = 0,
+        "The inverted-residual CPU kernel's size limits in KiB (A/B runs, tests): maps whose expanded activation "
+        "takes at most channels_kb run whole, split over channel blocks (0: never; default 1024, "
+        "MLX_DELEGATE_BLOCK_CHANNELS_KB), larger ones in row bands walked in tiles of at most tile_kb of buffers "
+        "per thread (default 1024, MLX_DELEGATE_BLOCK_TILE_KB). -1 / 0 keeps a limit. Returns the previous "
+        "(channels_kb, tile_kb).");
   m.def("set_linear_kernel", &mlxd::rt::set_linear_cpu, nb::arg("on"),
         "fp32 linears on the CPU as one kernel, the bias added to each output block in cache (off by default; "
         "MLX_DELEGATE_LINEAR_KERNEL=1 starts with it on) instead of MLX's matmul and a broadcast add; read "

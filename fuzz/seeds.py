@@ -58,12 +58,20 @@ class Matmul(torch.nn.Module):
 
 
 class Conv(torch.nn.Module):
+    """A convolution, then an inverted-residual block (expand + ReLU6, depthwise + ReLU6, project, + input:
+    one InvertedResidualNode), then max pooling."""
+
     def __init__(self) -> None:
         super().__init__()
         self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.expand = torch.nn.Conv2d(4, 8, 1)
+        self.dw = torch.nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.project = torch.nn.Conv2d(8, 4, 1)
 
     def forward(self, x):
-        return F.max_pool2d(self.conv(x), 2).sum(dim=1)
+        y = self.conv(x)
+        y = y + self.project(F.relu6(self.dw(F.relu6(self.expand(y)))))
+        return F.max_pool2d(y, 2).sum(dim=1)
 
 
 class Dynamic(torch.nn.Module):

@@ -167,6 +167,42 @@ def _(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None, s
     return torch.empty_like(_conv_fused(x, weight, bias, stride, padding, padding_hi, dilation, groups))
 
 
+def _inverted_residual(x: Tensor, expand_weight: Tensor | None, expand_bias: Tensor | None, dw_weight: Tensor,
+                       dw_bias: Tensor | None, project_weight: Tensor, project_bias: Tensor | None,
+                       residual: Tensor | None, stride: list[int], padding: list[int], padding_hi: list[int],
+                       expand_lo: float, expand_hi: float, dw_lo: float, dw_hi: float) -> Tensor:
+    ones, zeros = [1, 1], [0, 0]
+    h = x
+    if expand_weight is not None:
+        h = _conv_fused(h, expand_weight, expand_bias, ones, zeros, zeros, ones, 1).clamp(expand_lo, expand_hi)
+    h = _conv_fused(h, dw_weight, dw_bias, stride, padding, padding_hi, ones, h.shape[1]).clamp(dw_lo, dw_hi)
+    y = _conv_fused(h, project_weight, project_bias, ones, zeros, zeros, ones, 1)
+    return y if residual is None else y + residual
+
+
+@torch.library.custom_op("mlx_delegate::inverted_residual", mutates_args=())
+def inverted_residual(x: Tensor, expand_weight: Tensor | None, expand_bias: Tensor | None, dw_weight: Tensor,
+                      dw_bias: Tensor | None, project_weight: Tensor, project_bias: Tensor | None,
+                      residual: Tensor | None, stride: list[int], padding: list[int], padding_hi: list[int],
+                      expand_lo: float, expand_hi: float, dw_lo: float, dw_hi: float) -> Tensor:
+    """A MobileNet-style inverted-residual block (patterns/inverted_residual.py): an optional 1x1
+    expand convolution clamped to [expand_lo, expand_hi] (ReLU6: [0, 6]; -inf / inf: none), a depthwise
+    convolution (`stride`, `padding` low / `padding_hi` high side per spatial axis) clamped to [dw_lo,
+    dw_hi], a 1x1 project convolution, then `residual` added. Weights as torch's Conv2d holds them."""
+    return _inverted_residual(x, expand_weight, expand_bias, dw_weight, dw_bias, project_weight, project_bias,
+                              residual, stride, padding, padding_hi, expand_lo, expand_hi, dw_lo, dw_hi)
+
+
+@inverted_residual.register_fake
+def _(x: Tensor, expand_weight: Tensor | None, expand_bias: Tensor | None, dw_weight: Tensor,
+      dw_bias: Tensor | None, project_weight: Tensor, project_bias: Tensor | None, residual: Tensor | None,
+      stride: list[int], padding: list[int], padding_hi: list[int], expand_lo: float, expand_hi: float,
+      dw_lo: float, dw_hi: float) -> Tensor:
+    return torch.empty_like(_inverted_residual(x, expand_weight, expand_bias, dw_weight, dw_bias, project_weight,
+                                               project_bias, None, stride, padding, padding_hi, expand_lo,
+                                               expand_hi, dw_lo, dw_hi))
+
+
 @torch.library.custom_op("mlx_delegate::grouped_mm", mutates_args=())
 def grouped_mm(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
     """Mixture-of-experts product: x [S, K] (rows sorted by group) by weight [G, K, N]; offsets [G]

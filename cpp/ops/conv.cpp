@@ -1,6 +1,7 @@
 // Convolution, pooling and resampling on torch's channels-first layout
 // (N, C, *spatial). On the CPU, 1-D / 2-D convolutions and max pooling run the
-// channels-first kernels (kernels/conv_cpu.h, kernels/pool_cpu.h). Otherwise
+// channels-first kernels (kernels/conv_cpu.h, kernels/pool_cpu.h); inverted-residual
+// blocks run as one kernel (kernels/block_cpu.h). Otherwise
 // MLX convolves channels-last, so data and weights are transposed around the
 // call; pooling and resampling are composed from MLX ops.
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include <numeric>
 
 #include "../ops_common.h"
+#include "kernels/block_cpu.h"
 #include "kernels/conv_cpu.h"
 #include "kernels/pool_cpu.h"
 #include "kernels/rows_cpu.h"
@@ -303,6 +305,42 @@ mx::array linear_axis(const mx::array& x, int axis, int out, float scale, bool a
   return mx::add(a, mx::multiply(mx::subtract(b, a), l1));
 }
 
+// A non-transposed convolution as ConvNode runs it: the channels-first CPU
+// kernel where it applies, else MLX's channels-last convolution, then bias,
+// residual and clamp as MLX ops. The result has x's dtype.
+mx::array conv_forward(const mx::array& x, const mx::array& w, const mx::array* bias, const std::vector<int>& stride,
+                       const std::vector<int>& padding, const std::vector<int>& padding_hi,
+                       const std::vector<int>& dilation, int groups, std::optional<std::pair<float, float>> clamp,
+                       const mx::array* residual) {
+  if (conv_cpu_applies(x, w, bias, groups, residual)) {  // channels-first, no transposes
+    std::optional<mx::array> b, r;
+    if (bias) b = *bias;
+    if (residual) r = *residual;
+    return conv_cpu(x, w, b, stride, padding, dilation, groups, clamp, padding_hi, r);
+  }
+  auto y = channels_first(
+      grouped_conv(channels_last(x), channels_last(w), {stride, padding, padding_hi, dilation, {}, groups, false}));
+  if (bias) {
+    mx::Shape bshape(y.ndim() - 1, 1);
+    bshape[0] = -1;
+    y = mx::add(y, mx::reshape(*bias, bshape));
+  }
+  if (residual) {
+    if (residual->shape() != y.shape()) throw NodeError("conv residual does not have the output's shape");
+    y = mx::add(y, *residual);
+  }
+  if (clamp) y = mx::clip(y, mx::array(clamp->first, y.dtype()), mx::array(clamp->second, y.dtype()));
+  return mx::astype(y, x.dtype());
+}
+
+// A block stage's activation as ConvNode's clamp (none when both bounds are infinite).
+std::optional<std::pair<float, float>> stage_clamp(mlxd::BlockActivation kind, float lo, float hi, const char* what) {
+  if (kind != mlxd::BlockActivation::Clamp) throw NodeError(std::string("unknown ") + what + " activation");
+  if (!(lo <= hi)) throw NodeError(std::string(what) + " activation bounds need lo <= hi");
+  if (std::isinf(lo) && lo < 0 && std::isinf(hi) && hi > 0) return std::nullopt;
+  return std::make_pair(lo, hi);
+}
+
 }  // namespace
 
 void exec_ConvNode(const mlxd::ConvNode& n, ExecContext& ctx) {
@@ -321,19 +359,12 @@ void exec_ConvNode(const mlxd::ConvNode& n, ExecContext& ctx) {
   const auto* residual = ctx.maybe_in(n.residual());
   std::optional<std::pair<float, float>> clamp;
   if (n.clamp()) clamp = {n.clamp_min(), n.clamp_max()};
-  if (!n.transpose() && conv_cpu_applies(x, w, bias, groups, residual)) {  // channels-first, no transposes
-    std::optional<mx::array> b, r;
-    if (bias) b = *bias;
-    if (residual) r = *residual;
-    ctx.set(n.out(), conv_cpu(x, w, b, stride, padding, dilation, groups, clamp, padding_hi, r));
+  if (!n.transpose()) {
+    ctx.set(n.out(), conv_forward(x, w, bias, stride, padding, padding_hi, dilation, groups, clamp, residual));
     return;
   }
-  auto xl = channels_last(x);
-  mx::array y = n.transpose()
-                    ? conv_transpose(xl, w, stride, padding, dilation,
-                                     per_axis(n.output_padding(), nd, 0, "output_padding"), groups)
-                    : grouped_conv(xl, channels_last(w), {stride, padding, padding_hi, dilation, {}, groups, false});
-  y = channels_first(y);
+  mx::array y = channels_first(conv_transpose(channels_last(x), w, stride, padding, dilation,
+                                              per_axis(n.output_padding(), nd, 0, "output_padding"), groups));
   if (bias) {
     mx::Shape bshape(y.ndim() - 1, 1);
     bshape[0] = -1;
@@ -345,6 +376,51 @@ void exec_ConvNode(const mlxd::ConvNode& n, ExecContext& ctx) {
   }
   if (clamp) y = mx::clip(y, mx::array(clamp->first, y.dtype()), mx::array(clamp->second, y.dtype()));
   ctx.set(n.out(), mx::astype(y, x.dtype()));
+}
+
+// On the CPU, one kernel per block (kernels/block_cpu.h); elsewhere (GPUs,
+// kernels off) the three convolutions as ConvNodes run them.
+void exec_InvertedResidualNode(const mlxd::InvertedResidualNode& n, ExecContext& ctx) {
+  const auto& x = ctx.in(n.x());
+  const auto* we = ctx.maybe_in(n.expand_weight());
+  const auto* be = ctx.maybe_in(n.expand_bias());
+  const auto& wd = ctx.in(n.dw_weight());
+  const auto* bd = ctx.maybe_in(n.dw_bias());
+  const auto& wp = ctx.in(n.project_weight());
+  const auto* bp = ctx.maybe_in(n.project_bias());
+  const auto* residual = ctx.maybe_in(n.residual());
+  if (x.ndim() != 4 || wd.ndim() != 4 || wp.ndim() != 4 || (we && we->ndim() != 4))
+    throw NodeError("inverted_residual needs an (N, C, H, W) input and 4-D weights");
+  if (be && !we) throw NodeError("inverted_residual has an expand bias without an expand weight");
+  auto stride = per_axis(n.stride(), 2, 1, "stride");
+  auto padding = per_axis(n.padding(), 2, 0, "padding");
+  auto padding_hi = n.padding_hi() ? per_axis(n.padding_hi(), 2, 0, "padding_hi") : padding;
+  auto expand_clamp = stage_clamp(n.expand_act(), n.expand_lo(), n.expand_hi(), "expand");
+  auto dw_clamp = stage_clamp(n.dw_act(), n.dw_lo(), n.dw_hi(), "depthwise");
+  const int E = we ? we->shape(0) : x.shape(1);
+  if (wd.shape(0) != E || wd.shape(1) != 1)
+    throw NodeError("inverted_residual's depthwise weight is not [" + std::to_string(E) + ", 1, kh, kw]");
+  BlockOperands ops{x, std::nullopt, std::nullopt, wd, std::nullopt, wp, std::nullopt, std::nullopt};
+  auto opt = [](const mx::array* a) { return a ? std::optional<mx::array>(*a) : std::nullopt; };
+  ops.expand_w = opt(we);
+  ops.expand_b = opt(be);
+  ops.dw_b = opt(bd);
+  ops.project_b = opt(bp);
+  ops.residual = opt(residual);
+  BlockParams p{stride[0], stride[1], padding[0], padding[1], padding_hi[0], padding_hi[1],
+                {0, n.expand_lo(), n.expand_hi()}, {0, n.dw_lo(), n.dw_hi()}};
+  if (block_cpu_applies(ops, p)) {
+    try {
+      ctx.set(n.out(), block_cpu(ops, p));
+    } catch (const std::invalid_argument& e) {
+      throw NodeError(e.what());
+    }
+    return;
+  }
+  const std::vector<int> one{1, 1}, zero{0, 0};
+  mx::array h = we ? conv_forward(x, *we, be, one, zero, zero, one, 1, expand_clamp, nullptr) : x;
+  h = conv_forward(h, wd, bd, stride, padding, padding_hi, one, E, dw_clamp, nullptr);
+  ctx.set(n.out(), conv_forward(h, wp, bp, one, zero, zero, one, 1, std::nullopt, residual));
 }
 
 void exec_PoolNode(const mlxd::PoolNode& n, ExecContext& ctx) {

@@ -91,6 +91,54 @@ def conv_fused(b: ProgramBuilder, n: torch.fx.Node) -> None:
     _conv(b, n, args, False, fused)
 
 
+def _bound(b: ProgramBuilder, v: Any, name: str) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise b.unsupported(f"inverted_residual {name} must be a number, got {v!r}")
+    return float(v)
+
+
+@register(torch.ops.mlx_delegate.inverted_residual.default)
+def inverted_residual(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    """A 1x1 expand, depthwise and 1x1 project convolution as one node (patterns/inverted_residual.py).
+
+    On the CPU one kernel runs the block per tile of output rows; elsewhere the three convolutions."""
+    args = b.args(n)
+    x = args["x"]
+    dtype = float_dtype(b, n)
+    shape = lambda t: [str(d) for d in b.shape_of(t)]  # symbolic sizes compared unguarded
+    if len(shape(x)) != 4:
+        raise b.unsupported(f"inverted_residual of a rank-{len(shape(x))} input (expected [N, C, H, W])")
+    we, wd, wp = args["expand_weight"], args["dw_weight"], args["project_weight"]
+    channels = b.shape_of(x)[1]
+    hidden = b.shape_of(we)[0] if we is not None else channels
+    for w, want in ((we, [None, channels, 1, 1]), (wd, [hidden, 1, None, None]), (wp, [None, hidden, 1, 1])):
+        if w is None:
+            continue
+        got = b.shape_of(w)
+        if len(got) != 4 or any(k is not None and str(g) != str(k) for g, k in zip(got, want)):
+            raise b.unsupported(f"inverted_residual weight {list(got)} does not fit the block")
+        if b.dtype_of(w) != dtype:
+            raise b.unsupported(f"inverted_residual weight of {b.dtype_of(w)} in a {dtype} block")
+    if we is None and args["expand_bias"] is not None:
+        raise b.unsupported("inverted_residual expand bias without an expand weight")
+    bounds = {k: _bound(b, args[k], k) for k in ("expand_lo", "expand_hi", "dw_lo", "dw_hi")}
+    if not (bounds["expand_lo"] <= bounds["expand_hi"] and bounds["dw_lo"] <= bounds["dw_hi"]):
+        raise b.unsupported(f"inverted_residual bounds need lo <= hi, got {bounds}")
+    lists = {k: int_list(b, args[k], 2, k) for k in ("stride", "padding", "padding_hi")}
+    if min(lists["stride"]) < 1 or min(lists["padding"] + lists["padding_hi"]) < 0:
+        raise b.unsupported(f"inverted_residual stride / padding out of range: {lists}")
+    residual = args["residual"]
+    if residual is not None and (shape(residual) != shape(n) or b.dtype_of(residual) != dtype):
+        raise b.unsupported(f"residual {list(b.shape_of(residual))} {b.dtype_of(residual)} does not match the "
+                            f"block's output {list(b.shape_of(n))} {dtype}")
+    optional = lambda t: None if t is None else b.operand(t, dtype)
+    b.emit(N.InvertedResidualNode(
+        x=b.operand(x, dtype), expand_weight=optional(we), expand_bias=optional(args["expand_bias"]),
+        dw_weight=b.operand(wd, dtype), dw_bias=optional(args["dw_bias"]), project_weight=b.operand(wp, dtype),
+        project_bias=optional(args["project_bias"]), residual=None if residual is None else b.tensor(residual),
+        **lists, expand_act=N.BlockActivation.Clamp, dw_act=N.BlockActivation.Clamp, **bounds, out=b.out(n)))
+
+
 # ----------------------------------------------------------------- resampling
 # target -> (mode, spatial rank). `.vec` takes output_size/scale_factors lists,
 # `.default` an output_size and one optional scale per axis.

@@ -27,8 +27,8 @@ from executorch.exir.pass_base import ExportedProgramPassBase, ExportedProgramPa
 from torch.export import ExportedProgram
 
 from .. import custom_ops  # noqa: F401  (the fused ops)
-from . import (activations, attention, conv_batch_norm, conv_fusions, kv_cache, layer_norm, linear_activation,
-               linear_group, quantized_epilogue, quantized_linear, rms_norm, rope)
+from . import (activations, attention, conv_batch_norm, conv_fusions, inverted_residual, kv_cache, layer_norm,
+               linear_activation, linear_group, quantized_epilogue, quantized_linear, rms_norm, rope)
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +51,15 @@ def preprocess_switches(disabled: Iterable[str]) -> frozenset[str]:
 # Fusions into ops the delegate already lowers (aten.layer_norm, gelu, silu, SDPA; linears
 # sharing an input into one `linear_group`; a linear's GELU / SiLU into it (`linear_act`);
 # eval-mode BatchNorm folded into the convolution before it, then a zero pad before the convolution,
-# a residual add and a ReLU / ReLU6 / clamp after it fused into it). They run on each delegated graph in
+# a residual add and a ReLU / ReLU6 / clamp after it fused into it, then MobileNet's inverted-residual
+# blocks into one node each). They run on each delegated graph in
 # `MLXDelegateBackend.preprocess`, so every lowering gets them;
 # `MLXPartitioner(disable={name})` switches one off, disable={"fusions"} all of them.
 FUSIONS = {"fold_batch_norm": conv_batch_norm.apply, "fold_conv_pad": conv_fusions.fold_pad,
            "fuse_conv_residual": conv_fusions.fuse_residual, "fuse_conv_activation": conv_fusions.fuse_activation,
+           # after the three above: a 1x1 expand, depthwise and 1x1 project (their activations and the
+           # residual already fused in) into one inverted-residual block
+           "fuse_inverted_residual": inverted_residual.apply,
            "fuse_layer_norm": layer_norm.apply,
            "fuse_activations": activations.apply, "fuse_attention": attention.apply,
            "fuse_linears": linear_group.apply,

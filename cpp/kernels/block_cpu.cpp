@@ -1,0 +1,502 @@
+// Inverted-residual block on the CPU (see block_cpu.h).
+//
+// Small maps run whole (run_channels). On larger ones, per image, the output
+// rows are cut into one band per pool thread; a band is
+// walked in tiles of T output rows. A tile needs the padded input rows
+// [r0 * sh, (r1 - 1) * sh + KH) of the expanded activation; those it shares
+// with the previous tile are moved to the front of the buffer, the others are
+// computed by one sgemm (expand weight [E, C] times x's rows, read in place
+// with row stride H * W), then bias + activation written into rows of Wp
+// columns with zero borders, so the depthwise loop needs no bounds checks. The
+// depthwise output [E, T * OW] feeds the project sgemm, which adds onto the
+// output rows already holding bias + residual.
+#include "kernels/block_cpu.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <mlx/backend/cpu/encoder.h>
+#include <mlx/primitives.h>
+
+#include "kernels/cpu_parallel.h"
+#include "kernels/vec_math_cpu.h"
+
+namespace mlxd::rt {
+namespace mx = mlx::core;
+namespace {
+
+constexpr int kMaxTaps = 49;  // 7x7 windows at most (MobileNet / EfficientNet use 3x3 and 5x5)
+
+struct Geometry {
+  int N, C, H, W, E, O, KH, KW, OH, OW, sh, sw, ph, pw;
+  bool expand;
+  BlockActivation ea, da;
+  int64_t P() const { return int64_t{OH} * OW; }
+};
+
+// The kernel's two size limits (set_block_tiling): one thread's tile buffers
+// (expanded rows, sgemm scratch, depthwise output), well inside a core's L2
+// next to the weights; and the largest expanded map (E x H x W floats) run
+// split over channels instead of row bands (run_channels). Environment:
+// MLX_DELEGATE_BLOCK_TILE_KB, MLX_DELEGATE_BLOCK_CHANNELS_KB (0: never).
+int64_t env_kb(const char* name, int64_t fallback) {
+  const char* e = std::getenv(name);
+  return e ? std::max<int64_t>(0, std::strtol(e, nullptr, 10)) : fallback;
+}
+std::atomic<int64_t>& tile_kb() {
+  static std::atomic<int64_t> v{env_kb("MLX_DELEGATE_BLOCK_TILE_KB", 1024)};
+  return v;
+}
+std::atomic<int64_t>& channels_kb() {
+  static std::atomic<int64_t> v{env_kb("MLX_DELEGATE_BLOCK_CHANNELS_KB", 1024)};
+  return v;
+}
+int64_t tile_budget() { return std::max<int64_t>(1, tile_kb().load(std::memory_order_relaxed)) * 1024; }
+int64_t channel_split_limit() { return channels_kb().load(std::memory_order_relaxed) * 1024; }
+
+float activate(const BlockActivation& a, float v) {
+  // kind 0 (the only one so far): a clamp; std::max / min keep a NaN as torch's clamp does.
+  return std::min(std::max(v, a.lo), a.hi);
+}
+
+struct Call {
+  const float *x, *we, *be, *wd, *bd, *wp, *bp, *res;
+  float* y;
+};
+
+// Buffers a thread reuses from call to call (no page faults per call).
+struct Scratch {
+  std::vector<float> rows, gemm, dw, shared;
+};
+Scratch& scratch() {
+  thread_local Scratch s;
+  return s;
+}
+
+// Columns of a padded row: the input's pw + W, and every read of the vector
+// loop, which computes whole groups of eight outputs (load_strided<2> reads one past).
+int padded_width(const Geometry& g) {
+  const int ow_v = (g.OW + 7) / 8 * 8;
+  return std::max(g.pw + g.W, (ow_v - 1) * g.sw + g.KW + g.sw - 1) + 1;
+}
+
+// One depthwise output row: out[ow] = act(bias + sum_t k[t] * rows[ki][ow * S + kj]).
+void dw_row_scalar(const Geometry& g, const float* const* rows, const float* k, float bias, float* out) {
+  for (int ow = 0; ow < g.OW; ++ow) {
+    float acc = bias;
+    for (int ki = 0; ki < g.KH; ++ki)
+      for (int kj = 0; kj < g.KW; ++kj) acc += k[ki * g.KW + kj] * rows[ki][int64_t{ow} * g.sw + kj];
+    out[ow] = activate(g.da, acc);
+  }
+}
+
+#ifdef MLXD_CPU_X86
+// max(lo, a) / min(hi, a) keep a NaN (the second operand), as std::max(a, lo) does.
+MLXD_AVX2 inline __m256 clamp8(__m256 a, __m256 lo, __m256 hi) { return _mm256_min_ps(hi, _mm256_max_ps(lo, a)); }
+
+// Lanes [0, n) of eight on (n < 8).
+MLXD_AVX2 inline __m256i tail_mask(int n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// dst[i] = act(src[i] + b) for a clamp activation.
+MLXD_AVX2 void act_row_avx2(const float* src, float b, const BlockActivation& a, int n, float* dst) {
+  const __m256 vb = _mm256_set1_ps(b), lo = _mm256_set1_ps(a.lo), hi = _mm256_set1_ps(a.hi);
+  int i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, clamp8(_mm256_add_ps(_mm256_loadu_ps(src + i), vb), lo, hi));
+  if (i < n) {
+    const __m256i m = tail_mask(n - i);
+    _mm256_maskstore_ps(dst + i, m, clamp8(_mm256_add_ps(_mm256_maskload_ps(src + i, m), vb), lo, hi));
+  }
+}
+
+// The same row eight outputs at a time, four groups interleaved so the FMA chains overlap;
+// the last partial group stored under a mask. Clamp activations only (the others take the
+// scalar row). KH_ / KW_: the window when known at compile time (3x3, 5x5: the taps unrolled),
+// else 0 (the geometry's).
+template <int S, int KH_, int KW_>
+MLXD_AVX2 void dw_row_avx2(const Geometry& g, const float* const* rows, const __m256* wv, float bias, float* out) {
+  const int kh = KH_ ? KH_ : g.KH, kw = KW_ ? KW_ : g.KW;
+  const __m256 vb = _mm256_set1_ps(bias), lo = _mm256_set1_ps(g.da.lo), hi = _mm256_set1_ps(g.da.hi);
+  int ow = 0;
+  for (; ow + 32 <= g.OW; ow += 32) {
+    __m256 a0 = vb, a1 = vb, a2 = vb, a3 = vb;
+    for (int ki = 0; ki < kh; ++ki)
+      for (int kj = 0; kj < kw; ++kj) {
+        const __m256 w = wv[ki * kw + kj];
+        const float* p = rows[ki] + int64_t{ow} * S + kj;
+        a0 = _mm256_fmadd_ps(w, vmath::load_strided<S>(p), a0);
+        a1 = _mm256_fmadd_ps(w, vmath::load_strided<S>(p + 8 * S), a1);
+        a2 = _mm256_fmadd_ps(w, vmath::load_strided<S>(p + 16 * S), a2);
+        a3 = _mm256_fmadd_ps(w, vmath::load_strided<S>(p + 24 * S), a3);
+      }
+    _mm256_storeu_ps(out + ow, clamp8(a0, lo, hi));
+    _mm256_storeu_ps(out + ow + 8, clamp8(a1, lo, hi));
+    _mm256_storeu_ps(out + ow + 16, clamp8(a2, lo, hi));
+    _mm256_storeu_ps(out + ow + 24, clamp8(a3, lo, hi));
+  }
+  for (; ow < g.OW; ow += 8) {
+    __m256 a = vb;
+    for (int ki = 0; ki < kh; ++ki)
+      for (int kj = 0; kj < kw; ++kj)
+        a = _mm256_fmadd_ps(wv[ki * kw + kj], vmath::load_strided<S>(rows[ki] + int64_t{ow} * S + kj), a);
+    if (ow + 8 <= g.OW)
+      _mm256_storeu_ps(out + ow, clamp8(a, lo, hi));
+    else
+      _mm256_maskstore_ps(out + ow, tail_mask(g.OW - ow), clamp8(a, lo, hi));
+  }
+}
+
+// The depthwise rows of one channel for output rows [0, count) of the tile.
+template <int S, int KH_, int KW_>
+MLXD_AVX2 void dw_channel_avx2(const Geometry& g, const float* buf, int64_t Wp, const float* k, float bias, int count,
+                               float* out) {
+  __m256 wv[kMaxTaps];
+  for (int t = 0; t < g.KH * g.KW; ++t) wv[t] = _mm256_set1_ps(k[t]);
+  const float* rows[7];
+  for (int i = 0; i < count; ++i) {
+    for (int ki = 0; ki < g.KH; ++ki) rows[ki] = buf + (int64_t{i} * g.sh + ki) * Wp;
+    dw_row_avx2<S, KH_, KW_>(g, rows, wv, bias, out + int64_t{i} * g.OW);
+  }
+}
+
+using DwChannelFn = void (*)(const Geometry&, const float*, int64_t, const float*, float, int, float*);
+
+// The instance for the width stride (1 or 2) and window (3x3, 5x5 or any).
+template <int S>
+DwChannelFn dw_channel_for(const Geometry& g) {
+  if (g.KH == 3 && g.KW == 3) return dw_channel_avx2<S, 3, 3>;
+  if (g.KH == 5 && g.KW == 5) return dw_channel_avx2<S, 5, 5>;
+  return dw_channel_avx2<S, 0, 0>;
+}
+#endif
+
+void dw_channel(const Geometry& g, const float* buf, int64_t Wp, const float* k, float bias, int count, float* out) {
+#ifdef MLXD_CPU_X86
+  if (cpu_use_avx2() && g.da.kind == 0 && (g.sw == 1 || g.sw == 2)) {
+    (g.sw == 1 ? dw_channel_for<1>(g) : dw_channel_for<2>(g))(g, buf, Wp, k, bias, count, out);
+    return;
+  }
+#endif
+  const float* rows[7];
+  for (int i = 0; i < count; ++i) {
+    for (int ki = 0; ki < g.KH; ++ki) rows[ki] = buf + (int64_t{i} * g.sh + ki) * Wp;
+    dw_row_scalar(g, rows, k, bias, out + int64_t{i} * g.OW);
+  }
+}
+
+// The output rows [0, span) at column offset `at` of the O planes of yn: bias + residual.
+// Returns whether anything was written (the product then adds onto it).
+bool init_rows(const Geometry& g, const Call& c, const float* rn, float* yn, int o0, int o1, int64_t at,
+               int64_t span) {
+  if (!c.bp && !rn) return false;
+  for (int o = o0; o < o1; ++o) {
+    float* dst = yn + o * g.P() + at;
+    const float b = c.bp ? c.bp[o] : 0.f;
+    if (rn) {
+      const float* r = rn + o * g.P() + at;
+      for (int64_t q = 0; q < span; ++q) dst[q] = r[q] + b;
+    } else {
+      std::fill_n(dst, span, b);
+    }
+  }
+  return true;
+}
+
+// dst[i] = act(src[i] + b), i < n: the expand's bias and activation on the way into the padded rows.
+void act_row(const float* src, float b, const BlockActivation& a, int n, float* dst) {
+#ifdef MLXD_CPU_X86
+  if (cpu_use_avx2() && a.kind == 0) return act_row_avx2(src, b, a, n, dst);
+#endif
+  for (int i = 0; i < n; ++i) dst[i] = activate(a, src[i] + b);
+}
+
+// Output rows [R0, R1) of image n.
+void run_band(const Geometry& g, const Call& c, int n, int R0, int R1) {
+  const SerialSgemmFn gemm = serial_sgemm();
+  const int64_t Wp = padded_width(g), HW = int64_t{g.H} * g.W;
+  // The largest tile (output rows) whose buffers fit the budget; at least one row.
+  auto bytes = [&](int t) {
+    const int64_t cap = int64_t{t - 1} * g.sh + g.KH;
+    return 4 * int64_t{g.E} * (cap * Wp + cap * g.W + int64_t{t} * g.OW);
+  };
+  int T = std::max(1, R1 - R0);
+  while (T > 1 && bytes(T) > tile_budget()) T = std::max(1, T * 3 / 4);
+  const int64_t cap = int64_t{T - 1} * g.sh + g.KH;  // padded input rows a tile holds
+  Scratch& s = scratch();
+  s.rows.resize(g.E * cap * Wp);
+  s.gemm.resize(g.expand ? g.E * cap * g.W : 0);
+  s.dw.resize(int64_t{g.E} * T * g.OW);
+  float* buf = s.rows.data();
+  const float* xn = c.x + int64_t{n} * g.C * HW;
+  float* yn = c.y + int64_t{n} * g.O * g.P();
+  const float* rn = c.res ? c.res + int64_t{n} * g.O * g.P() : nullptr;
+  int held_lo = 0, held_hi = 0;  // padded rows in the buffer
+  for (int r0 = R0; r0 < R1; r0 += T) {
+    const int r1 = std::min(r0 + T, R1), count = r1 - r0;
+    const int need_lo = r0 * g.sh, need_hi = (r1 - 1) * g.sh + g.KH;
+    int keep = 0;
+    if (held_hi > need_lo && held_lo <= need_lo) {  // rows the previous tile holds already
+      keep = held_hi - need_lo;
+      const int64_t shift = need_lo - held_lo;
+      if (shift > 0)
+        for (int e = 0; e < g.E; ++e) {
+          float* be = buf + e * cap * Wp;
+          std::memmove(be, be + shift * Wp, keep * Wp * sizeof(float));
+        }
+    }
+    const int p0 = need_lo + keep;
+    for (int p = p0; p < need_hi; ++p) {  // padding rows
+      const int ih = p - g.ph;
+      if (ih >= 0 && ih < g.H) continue;
+      for (int e = 0; e < g.E; ++e) std::fill_n(buf + e * cap * Wp + int64_t{p - need_lo} * Wp, Wp, 0.f);
+    }
+    const int ih0 = std::max(p0 - g.ph, 0), ih1 = std::min(need_hi - g.ph, g.H);
+    if (ih1 > ih0) {
+      const int64_t cols = int64_t{ih1 - ih0} * g.W;
+      if (g.expand)
+        gemm(0, 0, g.E, static_cast<int>(cols), g.C, 1.f, c.we, g.C, xn + int64_t{ih0} * g.W, static_cast<int>(HW),
+             0.f, s.gemm.data(), static_cast<int>(cols));
+      for (int e = 0; e < g.E; ++e) {
+        const float b = c.be ? c.be[e] : 0.f;
+        for (int ih = ih0; ih < ih1; ++ih) {
+          float* dst = buf + e * cap * Wp + int64_t{ih + g.ph - need_lo} * Wp;
+          std::fill_n(dst, g.pw, 0.f);
+          std::fill(dst + g.pw + g.W, dst + Wp, 0.f);
+          float* row = dst + g.pw;
+          if (g.expand) {
+            act_row(s.gemm.data() + e * cols + int64_t{ih - ih0} * g.W, b, g.ea, g.W, row);
+          } else {
+            std::memcpy(row, xn + e * HW + int64_t{ih} * g.W, g.W * sizeof(float));
+          }
+        }
+      }
+    }
+    held_lo = need_lo;
+    held_hi = need_hi;
+    const int64_t ldd = int64_t{T} * g.OW;
+    for (int e = 0; e < g.E; ++e)
+      dw_channel(g, buf + e * cap * Wp, Wp, c.wd + int64_t{e} * g.KH * g.KW, c.bd ? c.bd[e] : 0.f, count,
+                 s.dw.data() + e * ldd);
+    // Output rows: bias + residual, then the project product added on.
+    const int64_t span = int64_t{count} * g.OW, at = int64_t{r0} * g.OW;
+    const bool init = init_rows(g, c, rn, yn, 0, g.O, at, span);
+    gemm(0, 0, g.O, static_cast<int>(span), g.E, 1.f, c.wp, g.E, s.dw.data(), static_cast<int>(ldd), init ? 1.f : 0.f,
+         yn + at, static_cast<int>(g.P()));
+  }
+}
+
+// A small map (the 14x14 and 7x7 stages) whole, in two passes over the pool: channel blocks of
+// the expand and depthwise (each block's sgemm over the whole map, so the weights are read once
+// and the products are wide enough), into one [E, OH * OW] buffer; then blocks of output
+// channels of the project sgemm. Row bands there would be a few rows each, recomputing their
+// borders and re-reading every weight per band.
+void run_channels(const Geometry& g, const Call& c) {
+  const SerialSgemmFn gemm = serial_sgemm();
+  const int64_t Wp = padded_width(g), HW = int64_t{g.H} * g.W, P = g.P();
+  const int64_t Hp = int64_t{g.OH - 1} * g.sh + g.KH;  // padded rows the depthwise reads
+  std::vector<float>& dw = scratch().shared;  // the calling thread's: read by every part
+  dw.resize(int64_t{g.E} * P);
+  const int threads = cpu_pool_threads();
+  for (int n = 0; n < g.N; ++n) {
+    const float* xn = c.x + int64_t{n} * g.C * HW;
+    float* yn = c.y + int64_t{n} * g.O * P;
+    const float* rn = c.res ? c.res + int64_t{n} * g.O * P : nullptr;
+    const int eparts = std::max(1, std::min(threads, g.E / 8));
+    cpu_parallel_parts(eparts, [&](int part) {
+      const int e0 = static_cast<int>(int64_t{g.E} * part / eparts), e1 = static_cast<int>(int64_t{g.E} * (part + 1) / eparts);
+      Scratch& s = scratch();
+      s.rows.assign(Hp * Wp, 0.f);  // borders stay zero; each channel overwrites the inside
+      if (g.expand) {
+        s.gemm.resize(int64_t{e1 - e0} * HW);
+        gemm(0, 0, e1 - e0, static_cast<int>(HW), g.C, 1.f, c.we + int64_t{e0} * g.C, g.C, xn, static_cast<int>(HW),
+             0.f, s.gemm.data(), static_cast<int>(HW));
+      }
+      const int rows = static_cast<int>(std::min<int64_t>(g.H, Hp - g.ph));
+      for (int e = e0; e < e1; ++e) {
+        const float b = c.be ? c.be[e] : 0.f;
+        const float* src = g.expand ? s.gemm.data() + int64_t{e - e0} * HW : xn + e * HW;
+        for (int ih = 0; ih < rows; ++ih) {
+          float* row = s.rows.data() + int64_t{ih + g.ph} * Wp + g.pw;
+          const float* in = src + int64_t{ih} * g.W;
+          if (g.expand) {
+            act_row(in, b, g.ea, g.W, row);
+          } else {
+            std::memcpy(row, in, g.W * sizeof(float));
+          }
+        }
+        dw_channel(g, s.rows.data(), Wp, c.wd + int64_t{e} * g.KH * g.KW, c.bd ? c.bd[e] : 0.f, g.OH,
+                   dw.data() + e * P);
+      }
+    });
+    const int oparts = std::max(1, std::min(threads, g.O / 8));
+    cpu_parallel_parts(oparts, [&](int part) {
+      const int o0 = static_cast<int>(int64_t{g.O} * part / oparts), o1 = static_cast<int>(int64_t{g.O} * (part + 1) / oparts);
+      const bool init = init_rows(g, c, rn, yn, o0, o1, 0, P);
+      gemm(0, 0, o1 - o0, static_cast<int>(P), g.E, 1.f, c.wp + int64_t{o0} * g.E, g.E, dw.data(), static_cast<int>(P),
+           init ? 1.f : 0.f, yn + o0 * P, static_cast<int>(P));
+    });
+  }
+}
+
+void run_bands(const Geometry& g, const Call& c);
+
+void run_block(const Geometry& g, const std::vector<mx::array>& in, const std::vector<int>& slot, void* out,
+               mx::Dtype out_dtype) {
+  std::vector<F32RowMajor> f32;
+  f32.reserve(in.size());
+  for (const auto& a : in) f32.emplace_back(a);
+  auto at = [&](int i) { return slot[i] < 0 ? nullptr : f32[slot[i]].data(); };
+  std::vector<float> ys;
+  float* y = static_cast<float*>(out);
+  if (out_dtype != mx::float32) {
+    ys.resize(int64_t{g.N} * g.O * g.P());
+    y = ys.data();
+  }
+  const Call c{at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7), y};
+  if (int64_t{g.E} * g.H * g.W * 4 <= channel_split_limit()) {
+    cpu_kernel_note_call("inverted_residual_channels");
+    run_channels(g, c);
+  } else {
+    cpu_kernel_note_call("inverted_residual_rows");
+    run_bands(g, c);
+  }
+  if (out_dtype != mx::float32) cpu_store_f32(y, out_dtype, 0, static_cast<int64_t>(ys.size()), out);
+}
+
+void run_bands(const Geometry& g, const Call& c) {
+  // One band per pool thread and image (an image alone fills the pool).
+  const int bands = std::max(1, std::min(g.OH, (cpu_pool_threads() + g.N - 1) / g.N));
+  cpu_parallel_parts(g.N * bands, [&](int part) {
+    const int n = part / bands, b = part % bands;
+    run_band(g, c, n, static_cast<int>(int64_t{g.OH} * b / bands), static_cast<int>(int64_t{g.OH} * (b + 1) / bands));
+  });
+}
+
+class BlockCpu : public mx::UnaryPrimitive {
+ public:
+  // slot: the input index of x, expand w / b, dw w / b, project w / b, residual (-1: absent).
+  BlockCpu(mx::Stream s, Geometry g, std::vector<int> slot) : mx::UnaryPrimitive(s), g_(g), slot_(std::move(slot)) {}
+
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    auto& encoder = begin_cpu_task(stream(), in, out);
+    Geometry g = g_;
+    g.N = in[0].shape(0);
+    cpu_kernel_note_call("inverted_residual");
+    encoder.dispatch([g, in, slot = slot_, data = out.data<void>(), dtype = out.dtype()] {
+      run_block(g, in, slot, data, dtype);
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("BlockCpu runs on the CPU only");
+  }
+  const char* name() const override { return "BlockCpu"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const BlockCpu&>(other);
+    // The ints compared as one block (no padding among them), then the activations.
+    auto same_act = [](const BlockActivation& a, const BlockActivation& b) {
+      return a.kind == b.kind && a.lo == b.lo && a.hi == b.hi;
+    };
+    return std::memcmp(&g_, &o.g_, offsetof(Geometry, expand)) == 0 && g_.expand == o.g_.expand &&
+           same_act(g_.ea, o.g_.ea) && same_act(g_.da, o.g_.da) && slot_ == o.slot_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {{in[0].shape(0), g_.O, g_.OH, g_.OW}};
+  }
+
+ private:
+  Geometry g_;
+  std::vector<int> slot_;
+};
+
+std::string shape_str(const mx::array& a) {
+  std::string s = "[";
+  for (int i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+  return s + "]";
+}
+
+void need(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument("inverted_residual: " + what);
+}
+
+}  // namespace
+
+std::pair<int64_t, int64_t> set_block_tiling(int64_t channels, int64_t tile) {
+  std::pair<int64_t, int64_t> previous{channels_kb().load(), tile_kb().load()};
+  if (channels >= 0) channels_kb().store(channels);
+  if (tile > 0) tile_kb().store(tile);
+  return previous;
+}
+
+bool block_cpu_applies(const BlockOperands& ops, const BlockParams& p) {
+  if (!cpu_kernels_active() || serial_sgemm() == nullptr || !cpu_kernel_dtype_ok(ops.x)) return false;
+  const auto t = ops.x.dtype();
+  for (const auto* a : {&ops.expand_w, &ops.expand_b, &ops.dw_b, &ops.project_b, &ops.residual})
+    if (a->has_value() && (*a)->dtype() != t) return false;
+  if (ops.dw_w.dtype() != t || ops.project_w.dtype() != t) return false;
+  if (p.expand_act.kind != 0 || p.dw_act.kind != 0) return false;
+  // Empty channel counts stay on the convolutions (an sgemm with K = 0 rejects its leading dimension).
+  if (ops.dw_w.size() == 0 || ops.project_w.size() == 0 || (ops.expand_w && ops.expand_w->size() == 0)) return false;
+  return ops.dw_w.ndim() == 4 && ops.dw_w.shape(2) * ops.dw_w.shape(3) <= kMaxTaps && ops.dw_w.shape(2) <= 7;
+}
+
+mx::array block_cpu(const BlockOperands& ops, const BlockParams& p) {
+  if (!block_cpu_applies(ops, p)) throw std::invalid_argument("inverted_residual: operands the CPU kernel does not take");
+  const auto& x = ops.x;
+  need(x.ndim() == 4, "x must be [N, C, H, W], got " + shape_str(x));
+  const int C = x.shape(1), E = ops.expand_w ? ops.expand_w->shape(0) : C;
+  if (ops.expand_w)
+    need(ops.expand_w->ndim() == 4 && ops.expand_w->shape(1) == C && ops.expand_w->shape(2) == 1 &&
+             ops.expand_w->shape(3) == 1,
+         "expand weight " + shape_str(*ops.expand_w) + " is not [E, " + std::to_string(C) + ", 1, 1]");
+  need(ops.dw_w.shape(0) == E && ops.dw_w.shape(1) == 1,
+       "depthwise weight " + shape_str(ops.dw_w) + " is not [" + std::to_string(E) + ", 1, kh, kw]");
+  const auto& pw = ops.project_w;
+  need(pw.ndim() == 4 && pw.shape(1) == E && pw.shape(2) == 1 && pw.shape(3) == 1,
+       "project weight " + shape_str(pw) + " is not [O, " + std::to_string(E) + ", 1, 1]");
+  const int O = pw.shape(0);
+  auto vec_of = [&](const std::optional<mx::array>& b, int size, const char* what) {
+    if (b) need(b->size() == static_cast<size_t>(size), std::string(what) + " bias needs " + std::to_string(size) + " elements");
+  };
+  vec_of(ops.expand_w ? ops.expand_b : std::nullopt, E, "expand");
+  need(ops.expand_w || !ops.expand_b, "an expand bias without an expand weight");
+  vec_of(ops.dw_b, E, "depthwise");
+  vec_of(ops.project_b, O, "project");
+  const int KH = ops.dw_w.shape(2), KW = ops.dw_w.shape(3);
+  need(std::min(p.sh, p.sw) >= 1 && std::min({p.ph, p.pw, p.ph_hi, p.pw_hi}) >= 0,
+       "stride must be positive, padding non-negative");
+  need(x.shape(2) + p.ph + p.ph_hi >= KH && x.shape(3) + p.pw + p.pw_hi >= KW,
+       "the depthwise window is larger than the padded input");
+  Geometry g{x.shape(0), C, x.shape(2), x.shape(3), E, O, KH, KW, 0, 0, p.sh, p.sw, p.ph, p.pw,
+             ops.expand_w.has_value(), p.expand_act, p.dw_act};
+  g.OH = (g.H + p.ph + p.ph_hi - KH) / p.sh + 1;
+  g.OW = (g.W + p.pw + p.pw_hi - KW) / p.sw + 1;
+  if (ops.residual)
+    need(ops.residual->shape() == mx::Shape({g.N, O, g.OH, g.OW}),
+         "residual " + shape_str(*ops.residual) + " does not have the output's shape");
+  std::vector<mx::array> inputs{x};
+  std::vector<int> slot(8, -1);
+  slot[0] = 0;
+  auto add = [&](int i, const std::optional<mx::array>& a) {
+    if (!a) return;
+    slot[i] = static_cast<int>(inputs.size());
+    inputs.push_back(*a);
+  };
+  add(1, ops.expand_w);
+  add(2, ops.expand_b);
+  add(3, ops.dw_w);
+  add(4, ops.dw_b);
+  add(5, ops.project_w);
+  add(6, ops.project_b);
+  add(7, ops.residual);
+  auto prim = std::make_shared<BlockCpu>(mx::default_stream(mx::Device::cpu), g, slot);
+  return mx::array({g.N, O, g.OH, g.OW}, x.dtype(), std::move(prim), std::move(inputs));
+}
+
+}  // namespace mlxd::rt

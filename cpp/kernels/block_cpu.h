@@ -1,0 +1,63 @@
+// A MobileNet-style inverted-residual block (1x1 expand + bias + activation ->
+// depthwise + bias + activation -> 1x1 project + bias + residual) on the CPU as
+// one MLX primitive, on torch's channels-first layout. Run convolution by
+// convolution, the expanded activation (6x the block's channels) goes to memory
+// and back twice per block; here small maps (the expanded activation within
+// set_block_tiling's channel limit) run whole, split over channel blocks, and
+// on larger ones each thread takes a band of output rows and walks it in
+// tiles small enough to stay in its core's cache: the expand sgemm
+// fills the tile's input rows (rows shared with the previous tile are kept, not
+// recomputed), the depthwise loop reads them from a zero-bordered buffer, and
+// the project sgemm writes the tile's output rows in place.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include <mlx/mlx.h>
+
+namespace mlxd::rt {
+
+// A stage's activation: kind 0 clamps to [lo, hi] (ReLU, ReLU6; -inf / inf:
+// none). Kinds follow the schema's BlockActivation; later ones (hard-swish,
+// SiLU) are added there and in block_cpu.cpp's `activate`.
+struct BlockActivation {
+  int kind = 0;
+  float lo = 0.f, hi = 0.f;
+};
+
+struct BlockOperands {
+  mlx::core::array x;                                  // [N, C, H, W]
+  std::optional<mlx::core::array> expand_w, expand_b;  // [E, C, 1, 1], [E]; absent: the depthwise reads x (E = C)
+  mlx::core::array dw_w;                               // [E, 1, KH, KW]
+  std::optional<mlx::core::array> dw_b;                // [E]
+  mlx::core::array project_w;                          // [O, E, 1, 1]
+  std::optional<mlx::core::array> project_b;           // [O]
+  std::optional<mlx::core::array> residual;            // [N, O, OH, OW]
+};
+
+struct BlockParams {
+  int sh = 1, sw = 1, ph = 0, pw = 0, ph_hi = 0, pw_hi = 0;  // the depthwise's stride and padding
+  BlockActivation expand_act, dw_act;
+};
+
+// Whether block_cpu takes these: kernels on (cpu_kernels_active), the serial
+// sgemm found, every operand of x's dtype (float32 / bfloat16 / float16),
+// known activation kinds and a depthwise window of at most 7x7. Shapes are
+// the caller's to check (block_cpu throws std::invalid_argument on a mismatch).
+bool block_cpu_applies(const BlockOperands& ops, const BlockParams& p);
+
+// The kernel's size limits in KiB, returning the previous (channels, tile):
+// maps whose expanded activation (E x H x W floats) takes at most `channels`
+// run whole, split over channel blocks (0: never); larger ones in row bands
+// walked in tiles whose buffers take at most `tile` per thread. A negative
+// `channels` / non-positive `tile` keeps that one. For A/B runs and tests.
+std::pair<int64_t, int64_t> set_block_tiling(int64_t channels, int64_t tile);
+
+// The block's output [N, O, OH, OW] in x's dtype; math in float32 (the
+// expanded and depthwise activations are not rounded to x's dtype in between).
+mlx::core::array block_cpu(const BlockOperands& ops, const BlockParams& p);
+
+}  // namespace mlxd::rt

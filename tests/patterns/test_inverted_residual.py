@@ -1,0 +1,133 @@
+"""`fuse_inverted_residual`: MobileNet-style blocks (1x1 expand + BatchNorm + ReLU6, depthwise + BatchNorm +
+ReLU6, 1x1 project + BatchNorm, + the input) become one InvertedResidualNode, run on the CPU by one
+kernel (kernels/block_cpu.cpp) and elsewhere as three convolutions; matched against eager torch on every
+runtime path (node by node, compiled, CPU kernels off) in float32, bfloat16 and float16: stride 1 with
+the residual, stride 2 without, a block without the expand (MobileNetV2's first), a 5x5 ReLU block,
+odd H / W and channel counts that are not multiples of 8. A look-alike whose expanded activation is
+also read elsewhere keeps its expand convolution out of the block."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+from torch.export import Dim
+
+from mlx_delegate import _runtime
+from mlx_delegate.ir import nodes as N
+from mlx_delegate.testing import cases, cpu_kernels_active, delegate_payload, fp32_tolerance, lower_and_compare
+
+
+def conv_bn(cin: int, cout: int, k: int, stride: int = 1, groups: int = 1,
+            act: type[nn.Module] | None = nn.ReLU6) -> nn.Sequential:
+    layers = [nn.Conv2d(cin, cout, k, stride, k // 2, groups=groups, bias=False), nn.BatchNorm2d(cout)]
+    return nn.Sequential(*layers, *([act()] if act else []))
+
+
+class Block(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int, expand: int, k: int = 3,
+                 act: type[nn.Module] = nn.ReLU6) -> None:
+        super().__init__()
+        hidden = cin * expand
+        self.residual = stride == 1 and cin == cout
+        layers = [conv_bn(cin, hidden, 1, act=act)] if expand != 1 else []
+        layers += [conv_bn(hidden, hidden, k, stride, hidden, act=act), conv_bn(hidden, cout, 1, act=None)]
+        self.body = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.body(x) if self.residual else self.body(x)
+
+
+class Shared(nn.Module):
+    """A block whose expanded activation is also returned: the expand stays a convolution."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.expand = conv_bn(5, 15, 1)
+        self.rest = nn.Sequential(conv_bn(15, 15, 3, 1, 15), conv_bn(15, 5, 1, act=None))
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        e = self.expand(x)
+        return [x + self.rest(e), e]
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(
+            Block(5, 5, 1, 1),            # no expand, residual
+            Block(5, 7, 2, 6),            # stride 2, 5 -> 30 -> 7
+            Block(7, 7, 1, 6),            # stride 1 with the residual
+            Block(7, 9, 1, 3, k=5, act=nn.ReLU),  # 5x5 depthwise, ReLU, no residual
+        )
+        self.shared = Shared()
+        g = torch.Generator().manual_seed(0)
+        for bn in self.modules():  # non-trivial folded BatchNorms
+            if isinstance(bn, nn.BatchNorm2d):
+                bn.running_mean.copy_(torch.randn(bn.num_features, generator=g) * 0.1)
+                bn.running_var.copy_(torch.rand(bn.num_features, generator=g) + 0.5)
+                bn.weight.data.copy_(torch.rand(bn.num_features, generator=g) + 0.5)
+                bn.bias.data.copy_(torch.randn(bn.num_features, generator=g) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [self.blocks(x), *self.shared(x)]
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return Net().eval()
+
+
+# bf16 / fp16: the fused kernel keeps the expanded and depthwise activations in float32, eager rounds
+# them between convolutions; fp32: sums of up to 5 * 6 + 25 + 30 terms.
+CASES = cases("mobilenet_blocks", _net, lambda: (torch.randn(2, 5, 13, 11),),
+              (torch.float32, torch.bfloat16, torch.float16), is_module=True,
+              tolerance={torch.float32: fp32_tolerance(64), torch.bfloat16: (8e-2, 1e-1),
+                         torch.float16: (2e-2, 2e-2)})
+
+
+# A batch size known only at run time (the kernel reads N per call), in the default schedules.
+DYNAMIC = cases("mobilenet_blocks_dynamic_batch", _net, lambda: (torch.randn(2, 5, 13, 11),), (torch.float32,),
+                is_module=True, tolerance={torch.float32: fp32_tolerance(64)},
+                dynamic_shapes=({0: Dim("batch", min=1, max=8)},), more_inputs=lambda: [(torch.randn(3, 5, 13, 11),)])
+
+
+def node_kinds(lowered) -> Counter:
+    data, _ = delegate_payload(lowered.edge)
+    kinds = Counter()
+    for i in N.deserialize(data).instructions:
+        node = i.node
+        kinds[type(node).__name__] += 1
+        if type(node).__name__ == "InvertedResidualNode":
+            kinds["expand"] += node.expand_weight is not None
+            kinds["residual"] += node.residual is not None
+    return kinds
+
+
+# The kernel's two schedules: small maps whole, split over channels (the default at these sizes), and
+# row bands in tiles; 1 KiB tiles hold one output row, so every tile after the first reuses the
+# expanded rows it shares with the one before.
+TILINGS = {"channels": (1 << 20, 1024), "rows": (0, 1)}
+
+
+RUNS = [(case, tiling) for case in CASES for tiling in TILINGS] + [(DYNAMIC[0], "channels")]
+
+
+@pytest.mark.parametrize("case,tiling", RUNS, ids=[f"{c}-{t}" for c, t in RUNS])
+def test_inverted_residual_blocks(case, tiling: str) -> None:
+    counter = "inverted_residual_" + tiling
+    before = _runtime.cpu_kernel_call_counts().get(counter, 0)
+    previous = _runtime.set_block_tiling(*TILINGS[tiling])
+    try:
+        lowered = lower_and_compare(case)
+    finally:
+        _runtime.set_block_tiling(*previous)
+    kinds = node_kinds(lowered)
+    # Four blocks plus Shared's depthwise + project; Shared's expand stays a ConvNode.
+    assert kinds["InvertedResidualNode"] == 5 and kinds["ConvNode"] == 1
+    assert kinds["expand"] == 3 and kinds["residual"] == 3
+    assert kinds["BatchNormNode"] == 0
+    if cpu_kernels_active():
+        assert _runtime.cpu_kernel_call_counts().get(counter, 0) > before
