@@ -141,6 +141,29 @@ def rope_at(b: ProgramBuilder, n: torch.fx.Node) -> None:
     _emit_rope(b, n, 0, n.args[2])
 
 
+@register(mlxd.rope_kv_write.default)
+def rope_kv_write(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    """RoPE of q and k and both cache writes of one attention layer as one node."""
+    q, k, v, k_cache, v_cache, inv_freq, rope_pos, write_pos, traditional, base = n.args
+    _check_kv_update(b, k_cache, k)
+    _check_kv_update(b, v_cache, v)
+    _check_position(b, rope_pos)
+    _check_position(b, write_pos)
+    qs, ks = b.shape_of(q), b.shape_of(k)
+    if len(qs) != 4 or b.dtype_of(q) not in FLOAT_DTYPES or b.dtype_of(k) != b.dtype_of(q):
+        raise b.unsupported("q must be a floating [B, H, L, D] tensor of k's dtype")
+    dims = _static_int(b, qs[-1], "the head size")
+    if not same_dim(ks[-1], qs[-1]) or dims % 2 or b.shape_of(inv_freq) != [dims // 2]:
+        raise b.unsupported(f"q / k head sizes {qs[-1]} / {ks[-1]} with inv_freq of shape {b.shape_of(inv_freq)}")
+    out_q, out_k, out_v = b.outs(n, 3)
+    b.emit(N.RopeKvWriteNode(q=b.tensor(q), k=b.tensor(k), v=b.tensor(v), k_cache=b.tensor(k_cache),
+                             v_cache=b.tensor(v_cache), rope_pos=b.tensor(rope_pos), write_pos=b.tensor(write_pos),
+                             dims=dims, traditional=bool(traditional),
+                             base=float(base) if base is not None else 0.0,
+                             inv_freq=b.tensor(inv_freq) if base is None else None,
+                             out_q=out_q, out_k_cache=out_k, out_v_cache=out_v))
+
+
 @register(mlxd.rms_norm.default)
 def rms_norm(b: ProgramBuilder, n: torch.fx.Node) -> None:
     x, weight, eps = n.args
