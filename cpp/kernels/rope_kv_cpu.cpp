@@ -108,6 +108,13 @@ class RopeKvWriteCpu : public mx::Primitive {
   // in: q, k, v, k_cache, v_cache, rope_pos, write_pos[, inv_freq (flat)]; out: q, k_cache, v_cache.
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
     const auto &q = in[0], &k = in[1], &v = in[2];
+    // Each output holds its own copy of the input list (MLX's make_arrays), so a cache is
+    // referenced once per output and never looks donatable. The outputs are being
+    // evaluated now (MLX detaches them right after), so the copies that `in` is not are
+    // dropped first; a cache is then donatable exactly when a single-output slice update's
+    // would be.
+    for (auto& o : out)
+      if (&o.inputs() != &in) o.inputs().clear();
     out[0].set_data(mx::allocator::malloc(out[0].nbytes()));
     CacheCopy copies[2];
     for (int j = 0; j < 2; ++j) {
