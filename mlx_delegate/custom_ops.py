@@ -94,11 +94,14 @@ def _(x: Tensor, inv_freq: Tensor, offset: Tensor, traditional: bool, base: floa
 
 @torch.library.custom_op("mlx_delegate::rope_kv_write", mutates_args=())
 def rope_kv_write(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, inv_freq: Tensor,
-                  rope_pos: Tensor, write_pos: Tensor, traditional: bool,
-                  base: float | None) -> tuple[Tensor, Tensor, Tensor]:
+                  rope_pos: Tensor, write_pos: Tensor, traditional: bool, base: float | None,
+                  seq_first: bool) -> tuple[Tensor, Tensor, Tensor]:
     """One attention layer's RoPE and cache writes: (rope_at(q, rope_pos), the k cache with
-    rope_at(k, rope_pos) written at write_pos, the v cache with v written there). The fusion
-    `fuse_rope_kv_write` (`patterns/rope_kv.py`) builds it from those four ops."""
+    rope_at(k, rope_pos) written at write_pos, the v cache with v written there). q, k, v are
+    [B, H, L, D], or [B, L, H, D] with seq_first (transposed here). The fusion
+    `fuse_rope_kv_write` (`patterns/rope_kv.py`) builds it from those four ops (and the transposes)."""
+    if seq_first:
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     return (rope_at(q, inv_freq, rope_pos, traditional, base),
             kv_cache_update_at(k_cache, rope_at(k, inv_freq, rope_pos, traditional, base), write_pos),
             kv_cache_update_at(v_cache, v, write_pos))
@@ -106,8 +109,9 @@ def rope_kv_write(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Ten
 
 @rope_kv_write.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, inv_freq: Tensor, rope_pos: Tensor,
-      write_pos: Tensor, traditional: bool, base: float | None) -> tuple[Tensor, Tensor, Tensor]:
-    return torch.empty_like(q), torch.empty_like(k_cache), torch.empty_like(v_cache)
+      write_pos: Tensor, traditional: bool, base: float | None, seq_first: bool) -> tuple[Tensor, Tensor, Tensor]:
+    q = q.transpose(1, 2) if seq_first else q
+    return q.new_empty(q.shape), torch.empty_like(k_cache), torch.empty_like(v_cache)
 
 
 @torch.library.custom_op("mlx_delegate::rms_norm", mutates_args=())

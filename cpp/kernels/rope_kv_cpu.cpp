@@ -27,8 +27,10 @@ struct Rows4 {
   mx::Dtype dtype;
   int64_t stride[4];
 
-  static Rows4 of(const mx::array& a) {
-    return {a.data<void>(), a.dtype(), {a.strides()[0], a.strides()[1], a.strides()[2], a.strides()[3]}};
+  // a read as [B, H, L, D]: a [B, L, H, D] (seq_first) through its axes 1 and 2 swapped.
+  static Rows4 of(const mx::array& a, bool seq_first) {
+    const auto& st = a.strides();
+    return {a.data<void>(), a.dtype(), {st[0], st[seq_first ? 2 : 1], st[seq_first ? 1 : 2], st[3]}};
   }
   // Row (i0, i1, i2) as float32 into dst (n elements).
   void load(int64_t i0, int64_t i1, int64_t i2, int64_t n, float* dst) const {
@@ -130,10 +132,12 @@ class RopeKvWriteCpu : public mx::Primitive {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : in) encoder.set_input_array(a);
     for (auto& a : out) encoder.set_output_array(a);
-    Call c{Rows4::of(q), Rows4::of(k), Rows4::of(v), out[0].data<void>(), out[1].data<void>(), out[2].data<void>(),
+    const bool sf = args_.seq_first;
+    Call c{Rows4::of(q, sf), Rows4::of(k, sf), Rows4::of(v, sf), out[0].data<void>(), out[1].data<void>(), out[2].data<void>(),
            out[0].dtype(), out[1].dtype(), out[2].dtype(), std::move(copies[0]), std::move(copies[1]),
            in[5].data<void>(), in[5].dtype(), in[6].data<void>(), in[6].dtype(), nullptr, mx::float32, 0,
-           q.shape(0), q.shape(1), k.shape(1), q.shape(2), in[3].shape(2), q.shape(3), v.shape(3),
+           q.shape(0), q.shape(sf ? 2 : 1), k.shape(sf ? 2 : 1), q.shape(sf ? 1 : 2), in[3].shape(2), q.shape(3),
+           v.shape(3),
            args_.dims, args_.traditional, args_.base};
     if (freqs_input_) {
       const auto& f = in[7];
@@ -151,10 +155,10 @@ class RopeKvWriteCpu : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const RopeKvWriteCpu&>(other);
     return args_.dims == o.args_.dims && args_.traditional == o.args_.traditional && args_.base == o.args_.base &&
-           freqs_input_ == o.freqs_input_;
+           args_.seq_first == o.args_.seq_first && freqs_input_ == o.freqs_input_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
-    return {in[0].shape(), in[3].shape(), in[4].shape()};
+    return {heads_first_shape(in[0], args_.seq_first), in[3].shape(), in[4].shape()};
   }
 
  private:
@@ -164,18 +168,26 @@ class RopeKvWriteCpu : public mx::Primitive {
 
 }  // namespace
 
+mx::Shape heads_first_shape(const mx::array& a, bool seq_first) {
+  auto s = a.shape();
+  if (seq_first && s.size() == 4) std::swap(s[1], s[2]);
+  return s;
+}
+
 bool rope_kv_write_cpu_applies(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& k_cache,
-                               const mx::array& v_cache, const mx::array* inv_freq) {
+                               const mx::array& v_cache, const mx::array* inv_freq, bool seq_first) {
   if (!cpu_kernels_active() || !cpu_kernel_dtype_ok(q)) return false;
-  for (const auto* a : {&k, &v, &k_cache, &v_cache})
+  for (const auto* a : {&q, &k, &v, &k_cache, &v_cache})
     if (a->dtype() != q.dtype() || a->ndim() != 4 || a->size() == 0) return false;
-  if (q.ndim() != 4 || inv_freq && !cpu_kernel_dtype_ok(*inv_freq)) return false;
-  const int B = q.shape(0), Hk = k.shape(1), L = q.shape(2), S = k_cache.shape(2);
-  const bool shapes = k.shape(0) == B && v.shape(0) == B && k_cache.shape(0) == B && v_cache.shape(0) == B &&
-                      v.shape(1) == Hk && k_cache.shape(1) == Hk && v_cache.shape(1) == Hk && k.shape(2) == L &&
-                      v.shape(2) == L && v_cache.shape(2) == S && L <= S && k.shape(3) == q.shape(3) &&
-                      k_cache.shape(3) == q.shape(3) && v_cache.shape(3) == v.shape(3);
-  return shapes && Hk > 0 && q.shape(1) % Hk == 0;
+  if (inv_freq && !cpu_kernel_dtype_ok(*inv_freq)) return false;
+  const auto qs = heads_first_shape(q, seq_first), ks = heads_first_shape(k, seq_first),
+             vs = heads_first_shape(v, seq_first);
+  const auto &kc = k_cache.shape(), &vc = v_cache.shape();
+  const int B = qs[0], Hk = ks[1], L = qs[2], S = kc[2];
+  const bool shapes = ks[0] == B && vs[0] == B && kc[0] == B && vc[0] == B && vs[1] == Hk && kc[1] == Hk &&
+                      vc[1] == Hk && ks[2] == L && vs[2] == L && vc[2] == S && L <= S && ks[3] == qs[3] &&
+                      kc[3] == qs[3] && vc[3] == vs[3];
+  return shapes && Hk > 0 && qs[1] % Hk == 0;
 }
 
 std::array<mx::array, 3> rope_kv_write_cpu(const mx::array& q, const mx::array& k, const mx::array& v,
@@ -191,7 +203,7 @@ std::array<mx::array, 3> rope_kv_write_cpu(const mx::array& q, const mx::array& 
   std::vector<mx::array> inputs{q, k, v, k_cache, v_cache, rope_pos, write_pos};
   if (inv_freq) inputs.push_back(mx::flatten(*inv_freq));
   auto prim = std::make_shared<RopeKvWriteCpu>(mx::default_stream(mx::Device::cpu), args, inv_freq.has_value());
-  auto outs = mx::array::make_arrays({q.shape(), k_cache.shape(), v_cache.shape()},
+  auto outs = mx::array::make_arrays({heads_first_shape(q, args.seq_first), k_cache.shape(), v_cache.shape()},
                                      {q.dtype(), k_cache.dtype(), v_cache.dtype()}, std::move(prim), std::move(inputs));
   return {outs[0], outs[1], outs[2]};
 }

@@ -158,51 +158,55 @@ void exec_RopeNode(const mlxd::RopeNode& n, ExecContext& ctx) {
 }
 
 void exec_RopeKvWriteNode(const mlxd::RopeKvWriteNode& n, ExecContext& ctx) {
-  const auto& q = ctx.in(n.q());
-  const auto& k = ctx.in(n.k());
-  const auto& v = ctx.in(n.v());
+  const auto& q_in = ctx.in(n.q());
+  const auto& k_in = ctx.in(n.k());
+  const auto& v_in = ctx.in(n.v());
   const auto& k_cache = ctx.in(n.k_cache());
   const auto& v_cache = ctx.in(n.v_cache());
   const auto& rope_pos = ctx.in(n.rope_pos());
   const auto& write_pos = ctx.in(n.write_pos());
   const auto* inv_freq = ctx.maybe_in(n.inv_freq());
-  for (const auto* a : {&q, &k, &v, &k_cache, &v_cache})
-    if (a->ndim() != 4) throw NodeError("q, k, v and the caches must be rank 4 ([B, H, L or S, D])");
-  if (n.dims() <= 0 || n.dims() > q.shape(3) || n.dims() % 2 || k.shape(3) != q.shape(3))
+  const bool sf = n.seq_first();
+  for (const auto* a : {&q_in, &k_in, &v_in, &k_cache, &v_cache})
+    if (a->ndim() != 4) throw NodeError("q, k, v and the caches must be rank 4");
+  // Shapes as [B, H, L, D] (seq_first inputs are [B, L, H, D]).
+  const auto qs = heads_first_shape(q_in, sf), ks = heads_first_shape(k_in, sf), vs = heads_first_shape(v_in, sf);
+  if (n.dims() <= 0 || n.dims() > qs[3] || n.dims() % 2 || ks[3] != qs[3])
     throw NodeError("bad rope dims, or q and k differ in head size");
   for (int c = 0; c < 2; ++c) {
     const auto& cache = c ? v_cache : k_cache;
-    const auto& update = c ? v : k;
+    const auto& update = c ? vs : ks;
     for (int d = 0; d < 4; ++d)
-      if (d != 2 ? update.shape(d) != cache.shape(d) : update.shape(d) > cache.shape(d))
+      if (d != 2 ? update[d] != cache.shape(d) : update[d] > cache.shape(d))
         throw NodeError("k / v do not fit their cache outside the sequence axis, or are longer than it");
   }
-  if (k.shape(2) != v.shape(2) || k_cache.shape(2) != v_cache.shape(2))
+  if (ks[2] != vs[2] || k_cache.shape(2) != v_cache.shape(2))
     throw NodeError("k and v (and their caches) must have the same length");
   check_position(rope_pos, "rope position");
   check_position(write_pos, "cache write position");
-  const int last = k_cache.shape(2) - k.shape(2);
+  const int last = k_cache.shape(2) - ks[2];
   ctx.guard_index(n.write_pos(), 0, last, "slice update start");
-  if (rope_kv_write_cpu_applies(q, k, v, k_cache, v_cache, inv_freq)) {
+  if (rope_kv_write_cpu_applies(q_in, k_in, v_in, k_cache, v_cache, inv_freq, sf)) {
     std::optional<mx::array> freqs;
     if (inv_freq) freqs = *inv_freq;
-    auto outs = rope_kv_write_cpu(q, k, v, k_cache, v_cache, rope_pos, write_pos, freqs,
-                                  {n.dims(), n.traditional(), n.base()});
+    auto outs = rope_kv_write_cpu(q_in, k_in, v_in, k_cache, v_cache, rope_pos, write_pos, freqs,
+                                  {n.dims(), n.traditional(), n.base(), sf});
     ctx.set(n.out_q(), outs[0]);
     ctx.set(n.out_k_cache(), outs[1]);
     ctx.set(n.out_v_cache(), outs[2]);
     return;
   }
-  // MLX ops (GPUs, kernels off): what RopeNode and DynamicSliceUpdateNode run.
+  // MLX ops (GPUs, kernels off): what the transposes, RopeNode and DynamicSliceUpdateNode run.
+  auto heads_first = [sf](const mx::array& x) { return sf ? mx::transpose(x, {0, 2, 1, 3}) : x; };
   auto rope = [&](const mx::array& x) {
-    return rope_mlx(x, n.dims(), n.traditional(), n.base(), 1.f, inv_freq, &rope_pos, 0);
+    return rope_mlx(heads_first(x), n.dims(), n.traditional(), n.base(), 1.f, inv_freq, &rope_pos, 0);
   };
   // Still clamped: a position computed inside the graph cannot be checked on the host.
   auto at = mx::clip(mx::reshape(mx::astype(write_pos, mx::int32), {1}), mx::array(0, mx::int32),
                      mx::array(last, mx::int32));
-  ctx.set(n.out_q(), rope(q));
-  ctx.set(n.out_k_cache(), mx::slice_update(k_cache, mx::astype(rope(k), k_cache.dtype()), at, {2}));
-  ctx.set(n.out_v_cache(), mx::slice_update(v_cache, mx::astype(v, v_cache.dtype()), at, {2}));
+  ctx.set(n.out_q(), rope(q_in));
+  ctx.set(n.out_k_cache(), mx::slice_update(k_cache, mx::astype(rope(k_in), k_cache.dtype()), at, {2}));
+  ctx.set(n.out_v_cache(), mx::slice_update(v_cache, mx::astype(heads_first(v_in), v_cache.dtype()), at, {2}));
 }
 
 }  // namespace mlxd::rt
