@@ -92,6 +92,28 @@ def _(x: Tensor, inv_freq: Tensor, offset: Tensor, traditional: bool, base: floa
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("mlx_delegate::rope_kv_write", mutates_args=())
+def rope_kv_write(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, inv_freq: Tensor,
+                  rope_pos: Tensor, write_pos: Tensor, traditional: bool, base: float | None,
+                  seq_first: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """One attention layer's RoPE and cache writes: (rope_at(q, rope_pos), the k cache with
+    rope_at(k, rope_pos) written at write_pos, the v cache with v written there). q, k, v are
+    [B, H, L, D], or [B, L, H, D] with seq_first (transposed here). The fusion
+    `fuse_rope_kv_write` (`patterns/rope_kv.py`) builds it from those four ops (and the transposes)."""
+    if seq_first:
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    return (rope_at(q, inv_freq, rope_pos, traditional, base),
+            kv_cache_update_at(k_cache, rope_at(k, inv_freq, rope_pos, traditional, base), write_pos),
+            kv_cache_update_at(v_cache, v, write_pos))
+
+
+@rope_kv_write.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, inv_freq: Tensor, rope_pos: Tensor,
+      write_pos: Tensor, traditional: bool, base: float | None, seq_first: bool) -> tuple[Tensor, Tensor, Tensor]:
+    q = q.transpose(1, 2) if seq_first else q
+    return q.new_empty(q.shape), torch.empty_like(k_cache), torch.empty_like(v_cache)
+
+
 @torch.library.custom_op("mlx_delegate::rms_norm", mutates_args=())
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """x / sqrt(mean(x^2, -1) + eps) * weight, computed in float32, returned in x's dtype."""

@@ -19,19 +19,6 @@ namespace mlxd::rt {
 namespace mx = mlx::core;
 namespace {
 
-// Reads element 0 of a (non-empty) integer array.
-int64_t read_integer(const void* p, mx::Dtype t) {
-  if (t == mx::int32) return *static_cast<const int32_t*>(p);
-  if (t == mx::int64) return *static_cast<const int64_t*>(p);
-  if (t == mx::uint32) return *static_cast<const uint32_t*>(p);
-  if (t == mx::uint64) return static_cast<int64_t>(*static_cast<const uint64_t*>(p));
-  if (t == mx::int16) return *static_cast<const int16_t*>(p);
-  if (t == mx::uint16) return *static_cast<const uint16_t*>(p);
-  if (t == mx::int8) return *static_cast<const int8_t*>(p);
-  if (t == mx::uint8) return *static_cast<const uint8_t*>(p);
-  throw std::invalid_argument("rope offset must be an integer array");
-}
-
 // Everything one call reads, captured when the node is evaluated; the values
 // behind the pointers are read only when the task runs (earlier tasks on the
 // stream may still be writing them).
@@ -72,64 +59,11 @@ struct RopeCall {
   }
 };
 
-// MLX's inverse frequencies in float32: exp(-i * (log(base) / half)), or the
-// given ones through the two reciprocals of MLX's path (exec passes periods =
-// 1 / inv_freq, the fallback takes 1 / periods).
-std::vector<float> inverse_frequencies(const RopeCall& c) {
-  const int half = c.dims / 2;
-  std::vector<float> inv(half);
-  if (c.freqs) {
-    for (int i = 0; i < half; ++i) {
-      float f;
-      cpu_load_f32(c.freqs, c.freqs_type, i * c.freqs_stride, 1, &f);
-      inv[i] = 1.f / (1.f / f);
-    }
-    return inv;
-  }
-  const float step = std::log(c.base) / static_cast<float>(half);
-  for (int i = 0; i < half; ++i) inv[i] = std::exp(-static_cast<float>(i) * step);
-  return inv;
-}
-
-// cos / sin of (position * scale) * inv_freq for each of the L positions: [L, half] each.
-void angle_table(const RopeCall& c, int64_t first, std::vector<float>& cos_t, std::vector<float>& sin_t) {
-  const int half = c.dims / 2;
-  const auto inv = inverse_frequencies(c);
-  cos_t.resize(c.L() * half);
-  sin_t.resize(c.L() * half);
-  cpu_parallel_for(c.L(), 16 * half, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t l = begin; l < end; ++l) {
-      const float pos = (static_cast<float>(l) + static_cast<float>(first)) * c.scale;
-      for (int i = 0; i < half; ++i) {
-        const float theta = pos * inv[i];
-        cos_t[l * half + i] = std::cos(theta);
-        sin_t[l * half + i] = std::sin(theta);
-      }
-    }
-  });
-}
-
-// Rotates the first 2 * half features of one row from x into y (may be x).
-void rotate(const float* x, float* y, const float* cos_r, const float* sin_r, int half, bool traditional) {
-  if (traditional) {  // pairs (x0, x1), (x2, x3), ...
-    for (int i = 0; i < half; ++i) {
-      const float a = x[2 * i], b = x[2 * i + 1];
-      y[2 * i] = a * cos_r[i] - b * sin_r[i];
-      y[2 * i + 1] = a * sin_r[i] + b * cos_r[i];
-    }
-    return;
-  }
-  for (int i = 0; i < half; ++i) {  // halves (x[:half], x[half:dims])
-    const float a = x[i], b = x[i + half];
-    y[i] = a * cos_r[i] - b * sin_r[i];
-    y[i + half] = a * sin_r[i] + b * cos_r[i];
-  }
-}
-
 void run_rope(const RopeCall& c) {
-  const int64_t first = c.offset_ptr ? read_integer(c.offset_ptr, c.offset_type) : c.offset;
+  const int64_t first = c.offset_ptr ? rope_read_position(c.offset_ptr, c.offset_type) : c.offset;
   std::vector<float> cos_t, sin_t;
-  angle_table(c, first, cos_t, sin_t);
+  rope_angle_table(c.L(), first, c.scale, rope_inverse_frequencies(c.dims, c.base, c.freqs, c.freqs_type, c.freqs_stride),
+                   cos_t, sin_t);
   const int half = c.dims / 2;
   const int64_t D = c.D(), L = c.L(), d_stride = c.strides.back();
   // float32 rows with unit stride go straight from x to y; others through a float32 row.
@@ -143,7 +77,7 @@ void run_rope(const RopeCall& c) {
       if (direct) {
         const float* x = static_cast<const float*>(c.x) + src;
         float* y = static_cast<float*>(c.y) + r * D;
-        rotate(x, y, cos_r, sin_r, half, c.traditional);
+        rope_rotate_row(x, y, cos_r, sin_r, half, c.traditional);
         std::memcpy(y + c.dims, x + c.dims, (D - c.dims) * sizeof(float));
         continue;
       }
@@ -152,7 +86,7 @@ void run_rope(const RopeCall& c) {
       } else {
         for (int64_t j = 0; j < D; ++j) cpu_load_f32(c.x, c.dtype, src + j * d_stride, 1, &buf[j]);
       }
-      rotate(buf.data(), buf.data(), cos_r, sin_r, half, c.traditional);
+      rope_rotate_row(buf.data(), buf.data(), cos_r, sin_r, half, c.traditional);
       cpu_store_f32(buf.data(), c.dtype, r * D, D, c.y);
     }
   });
@@ -211,6 +145,72 @@ class RopeCpu : public mx::UnaryPrimitive {
 };
 
 }  // namespace
+
+// Reads element 0 of a (non-empty) integer array.
+int64_t rope_read_position(const void* p, mx::Dtype t) {
+  if (t == mx::int32) return *static_cast<const int32_t*>(p);
+  if (t == mx::int64) return *static_cast<const int64_t*>(p);
+  if (t == mx::uint32) return *static_cast<const uint32_t*>(p);
+  if (t == mx::uint64) return static_cast<int64_t>(*static_cast<const uint64_t*>(p));
+  if (t == mx::int16) return *static_cast<const int16_t*>(p);
+  if (t == mx::uint16) return *static_cast<const uint16_t*>(p);
+  if (t == mx::int8) return *static_cast<const int8_t*>(p);
+  if (t == mx::uint8) return *static_cast<const uint8_t*>(p);
+  throw std::invalid_argument("rope offset must be an integer array");
+}
+
+// MLX's inverse frequencies in float32: exp(-i * (log(base) / half)), or the
+// given ones through the two reciprocals of MLX's path (exec passes periods =
+// 1 / inv_freq, the fallback takes 1 / periods).
+std::vector<float> rope_inverse_frequencies(int dims, float base, const void* freqs, mx::Dtype freqs_type,
+                                            int64_t freqs_stride) {
+  const int half = dims / 2;
+  std::vector<float> inv(half);
+  if (freqs) {
+    for (int i = 0; i < half; ++i) {
+      float f;
+      cpu_load_f32(freqs, freqs_type, i * freqs_stride, 1, &f);
+      inv[i] = 1.f / (1.f / f);
+    }
+    return inv;
+  }
+  const float step = std::log(base) / static_cast<float>(half);
+  for (int i = 0; i < half; ++i) inv[i] = std::exp(-static_cast<float>(i) * step);
+  return inv;
+}
+
+void rope_angle_table(int64_t L, int64_t first, float scale, const std::vector<float>& inv, std::vector<float>& cos_t,
+                      std::vector<float>& sin_t) {
+  const int half = static_cast<int>(inv.size());
+  cos_t.resize(L * half);
+  sin_t.resize(L * half);
+  cpu_parallel_for(L, 16 * half, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t l = begin; l < end; ++l) {
+      const float pos = (static_cast<float>(l) + static_cast<float>(first)) * scale;
+      for (int i = 0; i < half; ++i) {
+        const float theta = pos * inv[i];
+        cos_t[l * half + i] = std::cos(theta);
+        sin_t[l * half + i] = std::sin(theta);
+      }
+    }
+  });
+}
+
+void rope_rotate_row(const float* x, float* y, const float* cos_r, const float* sin_r, int half, bool traditional) {
+  if (traditional) {  // pairs (x0, x1), (x2, x3), ...
+    for (int i = 0; i < half; ++i) {
+      const float a = x[2 * i], b = x[2 * i + 1];
+      y[2 * i] = a * cos_r[i] - b * sin_r[i];
+      y[2 * i + 1] = a * sin_r[i] + b * cos_r[i];
+    }
+    return;
+  }
+  for (int i = 0; i < half; ++i) {  // halves (x[:half], x[half:dims])
+    const float a = x[i], b = x[i + half];
+    y[i] = a * cos_r[i] - b * sin_r[i];
+    y[i + half] = a * sin_r[i] + b * cos_r[i];
+  }
+}
 
 bool rope_cpu_applies(const mx::array& x, const mx::array* inv_freq) {
   if (!cpu_kernels_active() || !cpu_kernel_dtype_ok(x) || x.ndim() < 2) return false;

@@ -8,6 +8,7 @@
 
 #include <optional>
 #include <variant>
+#include <vector>
 
 #include <mlx/mlx.h>
 
@@ -30,5 +31,18 @@ bool rope_cpu_applies(const mlx::core::array& x, const mlx::core::array* inv_fre
 // The result has x's shape and dtype.
 mlx::core::array rope_cpu(const mlx::core::array& x, int dims, bool traditional, float base, float scale,
                           const RopeOffset& offset, const std::optional<mlx::core::array>& inv_freq);
+
+// rope_cpu's pieces, for kernels that rotate rows inside their own task
+// (rope_kv_cpu): element 0 of an integer array (a position); MLX's float32
+// inverse frequencies (from base, or `freqs` of freqs_type at freqs_stride);
+// the cos / sin table [L, inv.size()] of positions first .. first + L - 1
+// (times scale); one row's rotation of its first 2 * half features, x -> y
+// (y may be x).
+int64_t rope_read_position(const void* p, mlx::core::Dtype t);
+std::vector<float> rope_inverse_frequencies(int dims, float base, const void* freqs, mlx::core::Dtype freqs_type,
+                                            int64_t freqs_stride);
+void rope_angle_table(int64_t L, int64_t first, float scale, const std::vector<float>& inv, std::vector<float>& cos_t,
+                      std::vector<float>& sin_t);
+void rope_rotate_row(const float* x, float* y, const float* cos_r, const float* sin_r, int half, bool traditional);
 
 }  // namespace mlxd::rt

@@ -7,6 +7,7 @@
 #include "kernels/attention_cpu.h"
 #include "kernels/cpu_parallel.h"
 #include "kernels/rope_cpu.h"
+#include "kernels/rope_kv_cpu.h"
 #include "kernels/rows_cpu.h"
 
 namespace mlxd::rt {
@@ -108,35 +109,104 @@ mx::array rope_cpu_node(const mlxd::RopeNode& n, const mx::array& x, const mx::a
 
 }  // namespace
 
-void exec_RopeNode(const mlxd::RopeNode& n, ExecContext& ctx) {
-  auto x = ctx.in(n.x());
-  if (x.ndim() < 2) throw NodeError("rope needs [..., L, D]");
-  if (n.dims() <= 0 || n.dims() > x.shape(-1) || n.dims() % 2) throw NodeError("bad rope dims");
-  if (const auto* inv_freq = ctx.maybe_in(n.inv_freq()); rope_cpu_applies(x, inv_freq)) {
-    ctx.set(n.out(), rope_cpu_node(n, x, inv_freq, ctx));
-    return;
-  }
-  std::optional<float> base = n.base();
+namespace {
+
+// MLX's RoPE (mx::fast::rope, composed on the CPU): first position `at` (a
+// one-element integer array, no host read) or `offset`.
+mx::array rope_mlx(mx::array x, int dims, bool traditional, float base_value, float scale, const mx::array* inv_freq,
+                   const mx::array* at, int offset) {
+  std::optional<float> base = base_value;
   std::optional<mx::array> periods;  // MLX takes 1 / inv_freq
-  if (const auto* inv_freq = ctx.maybe_in(n.inv_freq())) {
+  if (inv_freq) {
     periods = mx::reciprocal(mx::astype(*inv_freq, mx::float32));
     base = std::nullopt;
   }
   bool lifted = x.ndim() == 2;  // MLX wants at least [B, L, D]
   if (lifted) x = mx::expand_dims(x, 0);
   mx::array out = x;
-  if (const auto* at = ctx.maybe_in(n.offset_tensor())) {
+  if (at) {
     // The position stays an array (no host read), so the graph is the same at
     // every position. A scalar offset applies to any batch size.
-    if (at->size() != 1 || !mx::issubdtype(at->dtype(), mx::integer))
-      throw NodeError("rope offset must be a one-element integer tensor");
-    auto offset = mx::reshape(mx::astype(*at, mx::int32), {});
-    out = mx::fast::rope(x, n.dims(), n.traditional(), base, n.scale(), offset, periods);
+    auto first = mx::reshape(mx::astype(*at, mx::int32), {});
+    out = mx::fast::rope(x, dims, traditional, base, scale, first, periods);
   } else {
-    int offset = static_cast<int>(ctx.resolve(n.offset()));
-    out = mx::fast::rope(x, n.dims(), n.traditional(), base, n.scale(), offset, periods);
+    out = mx::fast::rope(x, dims, traditional, base, scale, offset, periods);
   }
-  ctx.set(n.out(), lifted ? mx::squeeze(out, 0) : out);
+  return lifted ? mx::squeeze(out, 0) : out;
+}
+
+void check_position(const mx::array& at, const char* what) {
+  if (at.size() != 1 || !mx::issubdtype(at.dtype(), mx::integer))
+    throw NodeError(std::string(what) + " must be a one-element integer tensor");
+}
+
+}  // namespace
+
+void exec_RopeNode(const mlxd::RopeNode& n, ExecContext& ctx) {
+  auto x = ctx.in(n.x());
+  if (x.ndim() < 2) throw NodeError("rope needs [..., L, D]");
+  if (n.dims() <= 0 || n.dims() > x.shape(-1) || n.dims() % 2) throw NodeError("bad rope dims");
+  const auto* inv_freq = ctx.maybe_in(n.inv_freq());
+  if (rope_cpu_applies(x, inv_freq)) {
+    ctx.set(n.out(), rope_cpu_node(n, x, inv_freq, ctx));
+    return;
+  }
+  const auto* at = ctx.maybe_in(n.offset_tensor());
+  if (at) check_position(*at, "rope offset");
+  ctx.set(n.out(), rope_mlx(x, n.dims(), n.traditional(), n.base(), n.scale(), inv_freq, at,
+                            at ? 0 : static_cast<int>(ctx.resolve(n.offset()))));
+}
+
+void exec_RopeKvWriteNode(const mlxd::RopeKvWriteNode& n, ExecContext& ctx) {
+  const auto& q_in = ctx.in(n.q());
+  const auto& k_in = ctx.in(n.k());
+  const auto& v_in = ctx.in(n.v());
+  const auto& k_cache = ctx.in(n.k_cache());
+  const auto& v_cache = ctx.in(n.v_cache());
+  const auto& rope_pos = ctx.in(n.rope_pos());
+  const auto& write_pos = ctx.in(n.write_pos());
+  const auto* inv_freq = ctx.maybe_in(n.inv_freq());
+  const bool sf = n.seq_first();
+  for (const auto* a : {&q_in, &k_in, &v_in, &k_cache, &v_cache})
+    if (a->ndim() != 4) throw NodeError("q, k, v and the caches must be rank 4");
+  // Shapes as [B, H, L, D] (seq_first inputs are [B, L, H, D]).
+  const auto qs = heads_first_shape(q_in, sf), ks = heads_first_shape(k_in, sf), vs = heads_first_shape(v_in, sf);
+  if (n.dims() <= 0 || n.dims() > qs[3] || n.dims() % 2 || ks[3] != qs[3])
+    throw NodeError("bad rope dims, or q and k differ in head size");
+  for (int c = 0; c < 2; ++c) {
+    const auto& cache = c ? v_cache : k_cache;
+    const auto& update = c ? vs : ks;
+    for (int d = 0; d < 4; ++d)
+      if (d != 2 ? update[d] != cache.shape(d) : update[d] > cache.shape(d))
+        throw NodeError("k / v do not fit their cache outside the sequence axis, or are longer than it");
+  }
+  if (ks[2] != vs[2] || k_cache.shape(2) != v_cache.shape(2))
+    throw NodeError("k and v (and their caches) must have the same length");
+  check_position(rope_pos, "rope position");
+  check_position(write_pos, "cache write position");
+  const int last = k_cache.shape(2) - ks[2];
+  ctx.guard_index(n.write_pos(), 0, last, "slice update start");
+  if (rope_kv_write_cpu_applies(q_in, k_in, v_in, k_cache, v_cache, inv_freq, sf)) {
+    std::optional<mx::array> freqs;
+    if (inv_freq) freqs = *inv_freq;
+    auto outs = rope_kv_write_cpu(q_in, k_in, v_in, k_cache, v_cache, rope_pos, write_pos, freqs,
+                                  {n.dims(), n.traditional(), n.base(), sf});
+    ctx.set(n.out_q(), outs[0]);
+    ctx.set(n.out_k_cache(), outs[1]);
+    ctx.set(n.out_v_cache(), outs[2]);
+    return;
+  }
+  // MLX ops (GPUs, kernels off): what the transposes, RopeNode and DynamicSliceUpdateNode run.
+  auto heads_first = [sf](const mx::array& x) { return sf ? mx::transpose(x, {0, 2, 1, 3}) : x; };
+  auto rope = [&](const mx::array& x) {
+    return rope_mlx(heads_first(x), n.dims(), n.traditional(), n.base(), 1.f, inv_freq, &rope_pos, 0);
+  };
+  // Still clamped: a position computed inside the graph cannot be checked on the host.
+  auto at = mx::clip(mx::reshape(mx::astype(write_pos, mx::int32), {1}), mx::array(0, mx::int32),
+                     mx::array(last, mx::int32));
+  ctx.set(n.out_q(), rope(q_in));
+  ctx.set(n.out_k_cache(), mx::slice_update(k_cache, mx::astype(rope(k_in), k_cache.dtype()), at, {2}));
+  ctx.set(n.out_v_cache(), mx::slice_update(v_cache, mx::astype(heads_first(v_in), v_cache.dtype()), at, {2}));
 }
 
 }  // namespace mlxd::rt

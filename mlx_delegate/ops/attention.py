@@ -84,8 +84,10 @@ def _check_position(b: ProgramBuilder, pos: torch.fx.Node) -> None:
         raise b.unsupported("the position must be a one-element int32/int64 tensor")
 
 
-def _check_kv_update(b: ProgramBuilder, cache: torch.fx.Node, update: torch.fx.Node) -> None:
-    cshape, ushape = b.shape_of(cache), b.shape_of(update)
+def _check_kv_update(b: ProgramBuilder, cache: torch.fx.Node, update: torch.fx.Node,
+                     ushape: list | None = None) -> None:
+    """`ushape`: the [B, H, L, D] shape `update` is read as (default: its own)."""
+    cshape, ushape = b.shape_of(cache), ushape if ushape is not None else b.shape_of(update)
     if len(cshape) != 4 or len(ushape) != 4:
         raise b.unsupported("cache and update must be [B, H, S, D]")
     if b.dtype_of(cache) != b.dtype_of(update):
@@ -139,6 +141,34 @@ def rope_at(b: ProgramBuilder, n: torch.fx.Node) -> None:
     """The first position stays an array (no host read): one graph for every position."""
     _check_position(b, n.args[2])
     _emit_rope(b, n, 0, n.args[2])
+
+
+@register(mlxd.rope_kv_write.default)
+def rope_kv_write(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    """RoPE of q and k and both cache writes of one attention layer as one node."""
+    q, k, v, k_cache, v_cache, inv_freq, rope_pos, write_pos, traditional, base, seq_first = n.args
+
+    def heads_first(x: torch.fx.Node) -> list:  # the [B, H, L, D] shape the node reads x as
+        s = b.shape_of(x)
+        return [s[0], s[2], s[1], s[3]] if seq_first and len(s) == 4 else s
+
+    _check_kv_update(b, k_cache, k, heads_first(k))
+    _check_kv_update(b, v_cache, v, heads_first(v))
+    _check_position(b, rope_pos)
+    _check_position(b, write_pos)
+    qs, ks = heads_first(q), heads_first(k)
+    if len(qs) != 4 or b.dtype_of(q) not in FLOAT_DTYPES or b.dtype_of(k) != b.dtype_of(q):
+        raise b.unsupported("q must be a floating [B, H, L, D] tensor of k's dtype")
+    dims = _static_int(b, qs[-1], "the head size")
+    if not same_dim(ks[-1], qs[-1]) or not same_dim(ks[2], qs[2]) or dims % 2 or b.shape_of(inv_freq) != [dims // 2]:
+        raise b.unsupported(f"q / k shapes {qs} / {ks} with inv_freq of shape {b.shape_of(inv_freq)}")
+    out_q, out_k, out_v = b.outs(n, 3)
+    b.emit(N.RopeKvWriteNode(q=b.tensor(q), k=b.tensor(k), v=b.tensor(v), k_cache=b.tensor(k_cache),
+                             v_cache=b.tensor(v_cache), rope_pos=b.tensor(rope_pos), write_pos=b.tensor(write_pos),
+                             dims=dims, traditional=bool(traditional),
+                             base=float(base) if base is not None else 0.0,
+                             inv_freq=b.tensor(inv_freq) if base is None else None,
+                             out_q=out_q, out_k_cache=out_k, out_v_cache=out_v, seq_first=bool(seq_first)))
 
 
 @register(mlxd.rms_norm.default)

@@ -28,7 +28,7 @@ from torch.export import ExportedProgram
 
 from .. import custom_ops  # noqa: F401  (the fused ops)
 from . import (activations, attention, conv_batch_norm, conv_fusions, inverted_residual, kv_cache, layer_norm,
-               linear_activation, linear_group, quantized_epilogue, quantized_linear, rms_norm, rope)
+               linear_activation, linear_group, quantized_epilogue, quantized_linear, rms_norm, rope, rope_kv)
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,10 @@ FUSIONS = {"fold_batch_norm": conv_batch_norm.apply, "fold_conv_pad": conv_fusio
            # residual add, applied by the quantized product itself
            "fuse_quantized_glu": quantized_epilogue.fuse_glu,
            "fuse_quantized_residual": quantized_epilogue.fuse_residual,
-           "fuse_quantized_norm": quantized_epilogue.fuse_norm}
+           "fuse_quantized_norm": quantized_epilogue.fuse_norm,
+           # after fuse_attention (written-out attention becomes the SDPA it matches): q's and k's RoPE and
+           # both cache writes of a layer as one node
+           "fuse_rope_kv_write": rope_kv.apply}
 ALL_FUSIONS = "fusions"
 
 

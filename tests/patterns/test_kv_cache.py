@@ -4,7 +4,7 @@ consecutive positions becomes one DynamicSliceUpdateNode (no scatter) under a pl
 by node and compiled; a position read through transformers' `cumulative_length.copy_(pos[0])` is
 traced to the input, so a write past the end is a named error, not a silent clamp. Also the
 transformers 5 static-cache export of a tiny Llama: RMSNorm, RoPE and the cache writes fused
-without `MLXPatternPass`, logits equal to the model run without a cache."""
+(RoPE and the writes of a layer into one RopeKvWriteNode) without `MLXPatternPass`, logits equal to the model run without a cache."""
 
 from __future__ import annotations
 
@@ -120,8 +120,9 @@ def test_transformers_static_cache_fuses_and_matches(static_cache_llama) -> None
     model, lowered = static_cache_llama
     assert lowered.summary == (1, [])
     kinds = nodes_of(lowered)
-    assert {"RmsNormNode", "RopeNode", "DynamicSliceUpdateNode", "SdpaNode"} <= kinds, kinds
-    assert not kinds & {"ScatterNode", "ReduceNode", "ConcatNode"}, kinds  # nothing left composed
+    # RoPE and both cache writes of each layer as one node (fuse_rope_kv_write)
+    assert {"RmsNormNode", "RopeKvWriteNode", "SdpaNode"} <= kinds, kinds
+    assert not kinds & {"ScatterNode", "ReduceNode", "ConcatNode", "RopeNode", "DynamicSliceUpdateNode"}, kinds
     tokens = [3, 17, 5, 42, 9, 1]
     with torch.no_grad():
         want = model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0]
