@@ -120,7 +120,7 @@ def main() -> None:
 
         # (split policy, blocks per thread, linear kernel)
         configs = [("always", 2, False), ("always", 1, False), ("always", 2, True), ("always", 1, True),
-                   ("measured", 1, False)]
+                   ("measured", 1, False), ("balanced", 1, False)]
         res: dict[tuple, dict[str, list[float]]] = {c: {"delegate": [], "eager": [], "cpu": []} for c in configs}
         for _ in range(args.cycles):
             for config in configs:

@@ -86,7 +86,7 @@ class Pool {
     // Helpers still spinning after their last job see the new generation
     // without a wake-up; only sleeping ones need the futex call.
     if (sleeping_.load(std::memory_order_acquire) > 0) wake_.notify_all();
-    work(job);
+    work(job, true);
     {
       std::lock_guard<std::mutex> lock(m_);
       job_ = nullptr;  // helpers that wake from now on find no job
@@ -102,12 +102,22 @@ class Pool {
   struct Job {
     const std::function<void(int)>* fn;
     int parts;
-    std::atomic<int> next{0};
+    std::atomic<int> claimed{0};  // parts taken so far, by anyone
+    std::atomic<int> front{0}, back{0};  // parts taken by the caller (from 0 up) and by helpers (from the end down)
     std::atomic<int> users{0};  // helpers inside work(); changed under m_
   };
 
-  static void work(Job& job) {
-    for (int i; (i = job.next.fetch_add(1, std::memory_order_relaxed)) < job.parts;) (*job.fn)(i);
+  // The calling thread takes parts from the front and helpers from the back,
+  // so part 0 is the caller's (unless a helper finished everything first): a
+  // kernel that cuts its work unevenly (the BLAS shim's balanced split, a
+  // larger first block for the thread that is certainly running) knows who
+  // gets which. The shared count keeps the two ends from overlapping.
+  static void work(Job& job, bool caller) {
+    while (job.claimed.fetch_add(1, std::memory_order_relaxed) < job.parts) {
+      const int i = caller ? job.front.fetch_add(1, std::memory_order_relaxed)
+                           : job.parts - 1 - job.back.fetch_add(1, std::memory_order_relaxed);
+      (*job.fn)(i);
+    }
   }
 
   Pool() : owner_(getpid()) {
@@ -200,7 +210,7 @@ class Pool {
         if ((job = job_) == nullptr) continue;
         ++job->users;
       }
-      work(*job);
+      work(*job, false);
       std::lock_guard<std::mutex> lock(m_);
       if (--job->users == 0) done_.notify_one();
     }
