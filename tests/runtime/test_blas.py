@@ -139,6 +139,33 @@ def test_balanced_split_sizes_the_callers_block_and_keeps_results(m, n, k):
         np.testing.assert_allclose(out, a @ b, rtol=1e-4, atol=1e-4)
 
 
+def test_split_products_after_the_helpers_went_to_sleep():
+    """Each product after an idle gap (the pool's helpers sleep 100 us after a job), so every split
+    starts with a wake-up and the woken helper may land on the caller's core: the caller's part 0
+    is reserved before the wake, and the product is whole and right every time, under both split
+    policies."""
+    import time
+
+    import mlx.core as mx
+
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((128, 256)).astype(np.float32)
+    b = rng.standard_normal((256, 272)).astype(np.float32)
+    xa, xb = mx.array(a), mx.array(b)
+    for policy in ("always", "balanced"):
+        previous = _blas.set_split_policy(policy)
+        before = _blas.split_calls()
+        try:
+            for _ in range(6):
+                time.sleep(0.002)
+                out = xa @ xb
+                mx.eval(out)
+                np.testing.assert_allclose(np.array(out), a @ b, rtol=1e-4, atol=1e-4)
+        finally:
+            _blas.set_split_policy(previous)
+        assert _blas.split_calls() - before == 6
+
+
 def test_balanced_split_through_the_stock_runtime():
     """A lowered MLP under the balanced policy against eager, call after call (the cut moves
     between calls; odd feature counts so blocks end off the 16-column grid)."""
