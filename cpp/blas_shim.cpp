@@ -54,6 +54,7 @@ static std::atomic<set_threads_local_fn> g_set_threads_local{nullptr};
 // A parallel-for the runtime registers (its CPU helper pool): runs part(ctx, i)
 // for i in [0, parts), each part claimed by whichever of the calling thread and
 // the helpers is free, so a helper that is not scheduled never stalls a call.
+// Part 0 is always the calling thread's (the balanced split relies on it).
 using parallel_fn = void (*)(int parts, void (*part)(void*, int), void* ctx);
 static std::atomic<parallel_fn> g_parallel{nullptr};
 static std::atomic<int> g_parallel_threads{1};

@@ -117,9 +117,9 @@ class Pool {
   // from the last part down). A claim is a compare-and-swap on the word, so a
   // helper that is late for a job, or looks at a job that has ended, takes
   // nothing from the next one, and the job's state can live in the pool (no
-  // helper ever touches a caller's stack after the job). Part 0 is the
-  // caller's unless the helpers took every part first: a kernel that cuts its
-  // work unevenly (the BLAS shim's balanced split) knows who gets which.
+  // helper ever touches a caller's stack after the job). Part 0 is reserved
+  // for the caller when the job is published: a kernel that cuts its work
+  // unevenly (the BLAS shim's balanced split) knows who gets which.
   static constexpr int kTagShift = 40, kCountBits = 20;
   static constexpr uint64_t kTagMask = (uint64_t{1} << 24) - 1, kCountMask = (uint64_t{1} << kCountBits) - 1;
   static constexpr int kMaxParts = static_cast<int>(kCountMask);
