@@ -10,7 +10,8 @@ split policies against eager torch in the demo's own alternation.
 2. The demo's alternation (delegate, eager / eager, delegate, ...) in blocks of 10 rounds per
    configuration, rotating block by block in one process, medians per configuration:
    - the product split policy (`_blas.set_split_policy`: "measured" chooses per product shape by
-     measured time; "always", the default, splits every large product over the pool);
+     measured time; "always", the default, splits every large product over the pool in even blocks;
+     "balanced" splits every one with the calling thread's block sized by the helpers' measured speed);
    - the split shape (`_blas.set_split_shape`: blocks per pool thread, 1 by default, 2 before);
    - the opt-in fp32 linear kernel (bias added per output block in cache; `_runtime.set_linear_kernel`,
      read when a graph is built, so the program is loaded twice: one copy traced with it off, one on).
@@ -120,7 +121,7 @@ def main() -> None:
 
         # (split policy, blocks per thread, linear kernel)
         configs = [("always", 2, False), ("always", 1, False), ("always", 2, True), ("always", 1, True),
-                   ("measured", 1, False)]
+                   ("measured", 1, False), ("balanced", 1, False)]
         res: dict[tuple, dict[str, list[float]]] = {c: {"delegate": [], "eager": [], "cpu": []} for c in configs}
         for _ in range(args.cycles):
             for config in configs:

@@ -24,7 +24,9 @@ graphs are built: the composed matmul + softmax path it replaced) and `omp` (the
 fp32 products as one MKL call on MKL's OpenMP team, `_runtime.set_blas_split(False)` around each call:
 what it did before it cut them into blocks on its own helper pool), `measured` (each large fp32 product
 shape split over that pool or run as one single-threaded call, whichever its recent calls timed faster:
-`_blas.set_split_policy("measured")`; the default splits every one) and `unfused-act` (the delegate
+`_blas.set_split_policy("measured")`; the default splits every one), `balanced` (every large product
+split, the calling thread's block sized by the helpers' measured speed: `_blas.set_split_policy("balanced")`)
+and `unfused-act` (the delegate
 lowered with `disable={"fuse_linear_activation"}`: a linear's bias add and GELU as separate passes),
 `linear-kernel` (fp32 linears on the opt-in CPU linear kernel, each output block's bias added in
 cache, instead of MLX's matmul plus a broadcast add: `_runtime.set_linear_kernel(True)` while its
@@ -56,8 +58,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ENGINE_KEYS = ("delegate", "composed", "omp", "measured", "unfused-act", "linear-kernel", "two-blocks", "eager",
-               "xnnpack")
+ENGINE_KEYS = ("delegate", "composed", "omp", "measured", "balanced", "unfused-act", "linear-kernel", "two-blocks",
+               "eager", "xnnpack")
 DEFAULT_ENGINES = ("delegate", "eager", "xnnpack")
 CASES = ("torch-layer", "bert", "vit", "whisper-encoder", "demo-block", "attention", "llama-prefill")
 LENGTHS = (128, 512, 1500)
@@ -102,6 +104,14 @@ def _measured_split(w: Workload) -> common.Prepared:
     return _delegate_with(_blas.split_policy, _blas.set_split_policy, "measured")(w)
 
 
+def _balanced_split(w: Workload) -> common.Prepared:
+    """The delegate with each split product's calling-thread block sized by the helpers' measured
+    speed (`_blas.set_split_policy("balanced")`)."""
+    from mlx_delegate import _blas
+
+    return _delegate_with(_blas.split_policy, _blas.set_split_policy, "balanced")(w)
+
+
 def _linear_kernel(w: Workload) -> common.Prepared:
     """The delegate with fp32 linears on its opt-in CPU linear kernel (bias added per output block in
     cache) while its graphs are built: `_runtime.set_linear_kernel(True)`."""
@@ -124,6 +134,7 @@ LOCAL_ENGINES = {
     "composed": ("mlx_delegate, attention composed", _composed),
     "omp": ("mlx_delegate, products on MKL's OpenMP team", _omp_team),
     "measured": ("mlx_delegate, split by measured time", _measured_split),
+    "balanced": ("mlx_delegate, balanced split", _balanced_split),
     # the linear + GELU / SiLU fusion off: bias add and activation as their own passes
     "unfused-act": ("mlx_delegate, linear act unfused",
                     common._executorch(lambda: mlx_delegate.MLXPartitioner(disable={"fuse_linear_activation"}))),

@@ -3,9 +3,12 @@ libmlxd_blas.so, called directly, so no MLX graph or hand-off is timed) cut in d
 eager torch's `F.linear` (MKL on its 2-thread OpenMP team) and one single-threaded MKL call
 (`mlxd_sgemm_serial`), interleaved call by call: split shapes (`_blas.set_split_shape`: blocks per
 pool thread, axis) and, with `--omp`, one MKL call on the calling thread's OpenMP team (split policy
-"never"). Medians in microseconds.
+"never"). `--balanced` adds the balanced split (policy "balanced": the calling thread's block sized by
+the helpers' measured speed). `--gap-us N` idles N us (a busy wait on the calling thread) before each
+call, so the pool's helpers have gone to sleep (they spin 100 us after a job) and each split product
+starts with a wake-up, as the first product of a call does. Medians in microseconds.
 
-    python benchmarks/products.py [--reps 300] [--omp]
+    python benchmarks/products.py [--reps 300] [--omp] [--balanced] [--gap-us 300]
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=300)
     p.add_argument("--omp", action="store_true", help="also one MKL call on its OpenMP team")
+    p.add_argument("--balanced", action="store_true", help="also the balanced split (1 block per thread)")
+    p.add_argument("--gap-us", type=float, default=0.0, help="busy-wait this long before each call")
     args = p.parse_args()
     lib = _blas._state["lib"]
     if lib is None:
@@ -68,6 +73,8 @@ def main() -> None:
     modes = {name: ("always", shape) for name, shape in SPLITS.items()}
     if args.omp:
         modes["MKL OpenMP team"] = ("never", (1, "longer"))
+    if args.balanced:
+        modes["balanced, 1 / thread"] = ("balanced", (1, "longer"))
     rows = []
     for m, k, n in SHAPES:
         x, w, c = torch.randn(m, k), torch.randn(n, k), torch.empty(m, n)
@@ -78,6 +85,10 @@ def main() -> None:
                 t = time.perf_counter()
                 run()
                 times[name].append(time.perf_counter() - t)
+                if args.gap_us:  # a busy wait: a sleep would hand the core to whatever else is runnable
+                    until = time.perf_counter() + args.gap_us * 1e-6
+                    while time.perf_counter() < until:
+                        pass
         runs[next(iter(SPLITS))]()
         torch.testing.assert_close(c, x @ w.T, rtol=1e-4, atol=1e-3)
         rows.append([f"{m} x {k} x {n}", *(f"{statistics.median(v) * 1e6:.0f}" for v in times.values())])

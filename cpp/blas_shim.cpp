@@ -11,6 +11,7 @@
 // that entry point with dlsym(RTLD_DEFAULT) and uses MLX's own matmul when it
 // is absent (no shim, MLX_DELEGATE_BLAS=reference, or a torch without MKL).
 #include <dlfcn.h>
+#include <pthread.h>
 
 #include <algorithm>
 #include <atomic>
@@ -53,6 +54,7 @@ static std::atomic<set_threads_local_fn> g_set_threads_local{nullptr};
 // A parallel-for the runtime registers (its CPU helper pool): runs part(ctx, i)
 // for i in [0, parts), each part claimed by whichever of the calling thread and
 // the helpers is free, so a helper that is not scheduled never stalls a call.
+// Part 0 is always the calling thread's (the balanced split relies on it).
 using parallel_fn = void (*)(int parts, void (*part)(void*, int), void* ctx);
 static std::atomic<parallel_fn> g_parallel{nullptr};
 static std::atomic<int> g_parallel_threads{1};
@@ -83,9 +85,11 @@ int mlxd_blas_init(const char* fast_lib, const char* reference_lib) {
   g_gemm_lowp[1] = reinterpret_cast<cblas_gemm_lowp_fn>(dlsym(lib, "cblas_gemm_f16f16f32"));
   g_set_threads_local = reinterpret_cast<set_threads_local_fn>(dlsym(lib, "mkl_set_num_threads_local_"));
   // MLX_DELEGATE_BLAS_SPLIT=measured: split a product shape only when its recent calls timed it faster
-  // (machines shared with busy processes); =0 turns splitting off (cpu_parallel.cpp).
+  // (machines shared with busy processes); =balanced: size the calling thread's block by the helpers'
+  // measured speed; =0 turns splitting off (cpu_parallel.cpp).
   const char* split = std::getenv("MLX_DELEGATE_BLAS_SPLIT");
   if (split && std::strcmp(split, "measured") == 0) mlxd_blas_set_split_policy(1);
+  if (split && std::strcmp(split, "balanced") == 0) mlxd_blas_set_split_policy(3);
   return g_sgemm.load() != nullptr;
 }
 
@@ -141,6 +145,11 @@ static void gemm(Fortran f, int order, int ta, int tb, int m, int n, int k, T al
   else f(&ca, &cb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
 }
 
+static int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 // A large row-major sgemm cut into column (or row) blocks, each one
 // single-threaded MKL call on the runtime's pool, instead of one call on MKL's
 // OpenMP team. That team belongs to the calling thread (MLX's stream thread),
@@ -156,12 +165,24 @@ struct SplitSgemm {
   float* c;
   int lda, ldb, ldc, parts;
   bool by_rows;
+  // The balanced split (policy 3): part 0, the calling thread's, ends at
+  // `first` and the other parts share the rest evenly; 0: all parts even.
+  int first = 0;
+  // Per-part start / end times and whether the calling thread ran it (the
+  // balanced split learns from them); only recorded when `timed`.
+  static constexpr int kMaxParts = 32;
+  bool timed = false;
+  pthread_t caller{};
+  int64_t start[kMaxParts]{}, end[kMaxParts]{};
+  bool on_caller[kMaxParts]{};
 
   // Block boundaries, multiples of 16 (whole vector widths) except the end.
   int bound(int i, int extent) const {
     if (i >= parts) return extent;
-    int x = static_cast<int>(static_cast<int64_t>(extent) * i / parts);
-    return x - x % 16;
+    if (i == 0) return 0;
+    int64_t x = first > 0 ? first + static_cast<int64_t>(extent - first) * (i - 1) / (parts - 1)
+                          : static_cast<int64_t>(extent) * i / parts;
+    return static_cast<int>(x - x % 16);
   }
   void run(int i) const {
     const int extent = by_rows ? m : n, lo = bound(i, extent), hi = bound(i + 1, extent);
@@ -185,7 +206,14 @@ struct SplitSgemm {
     set_local(&previous);
   }
   static void part(void* self, int i) {
-    serial([&] { static_cast<SplitSgemm*>(self)->run(i); });
+    auto* s = static_cast<SplitSgemm*>(self);
+    const int64_t t0 = s->timed ? now_ns() : 0;
+    serial([&] { s->run(i); });
+    if (s->timed && i < kMaxParts) {
+      s->start[i] = t0;
+      s->end[i] = now_ns();
+      s->on_caller[i] = pthread_equal(pthread_self(), s->caller) != 0;
+    }
   }
 };
 
@@ -210,28 +238,31 @@ struct ShapeTimes {
   std::atomic<uint64_t> key{0};
   std::atomic<uint32_t> calls{0};
   std::atomic<int64_t> ns[2]{{0}, {0}};  // smoothed wall time per call: [0] one serial call, [1] split; 0 unknown
+  std::atomic<uint32_t> share{0};  // balanced split: the calling thread's share x 65536; 0 unknown (even)
 };
 ShapeTimes g_shapes[kShapeSlots];
-// 0: never split; 1: by measured time; 2: always (default).
+// 0: never split; 1: by measured time; 2: always, even blocks (default); 3: always, the calling thread's
+// block sized by the measured speed of the helpers (balanced).
 std::atomic<int> g_split_policy{2};
 std::atomic<uint64_t> g_serial_choices{0};  // products the measured choice ran as one call
 std::atomic<int> g_parts_per_thread{1};  // blocks per pool thread (_blas.set_split_shape)
 std::atomic<int> g_split_axis{0};         // 0 the longer output axis, 1 rows, 2 columns
 
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+uint64_t shape_key(bool ta, bool tb, int m, int n, int k) {
+  return (static_cast<uint64_t>(m) << 40) ^ (static_cast<uint64_t>(n) << 20) ^ static_cast<uint64_t>(k) ^
+         (static_cast<uint64_t>(ta) << 62) ^ (static_cast<uint64_t>(tb) << 63);
 }
+ShapeTimes& shape_slot(uint64_t key) { return g_shapes[(key * 0x9E3779B97F4A7C15ull) >> 58]; }
 
 // The slot of one product shape (a different shape in the slot restarts it).
 ShapeTimes& shape_times(int ta, int tb, int m, int n, int k) {
-  const uint64_t key = (static_cast<uint64_t>(m) << 40) ^ (static_cast<uint64_t>(n) << 20) ^ static_cast<uint64_t>(k) ^
-                       (static_cast<uint64_t>(ta == CblasTrans) << 62) ^ (static_cast<uint64_t>(tb == CblasTrans) << 63);
-  auto& s = g_shapes[(key * 0x9E3779B97F4A7C15ull) >> 58];
+  const uint64_t key = shape_key(ta == CblasTrans, tb == CblasTrans, m, n, k);
+  auto& s = shape_slot(key);
   if (s.key.load(std::memory_order_relaxed) != key) {
     s.ns[0].store(0, std::memory_order_relaxed);
     s.ns[1].store(0, std::memory_order_relaxed);
     s.calls.store(0, std::memory_order_relaxed);
+    s.share.store(0, std::memory_order_relaxed);
     s.key.store(key, std::memory_order_relaxed);
   }
   return s;
@@ -255,6 +286,49 @@ void record(ShapeTimes& s, bool split, int64_t ns) {
   const int64_t old = t.load(std::memory_order_relaxed);
   t.store(old == 0 || ns < old ? ns : (3 * old + ns) / 4, std::memory_order_relaxed);
 }
+// The balanced split. A helper is only as fast as the core it gets: with eager
+// torch's OpenMP worker spinning on the other core after its own product (any
+// process that runs torch beside the delegate, the stock runtime's output copy
+// included) or another process there, the helper ran its half at a fraction of
+// the calling thread's speed, or started late, and the caller waited for it at
+// the product's end; an even split then took about as long as one call. So the
+// caller's block (part 0; it is certainly running) is sized so that both ends
+// meet by the last calls' timings: the caller's time for the whole product A,
+// a helper's H (from its block's time) and how late the first helper started
+// w give the share f with f A = w + (1 - f) H / helpers. Smoothed per shape; a
+// call that no helper joined counts as kMaxShare. A helper that is fast again
+// shows it in its (smaller) block, so the share comes back within a few calls.
+constexpr double kMaxShare = 0.9;
+
+double balanced_share(const ShapeTimes& t, int parts) {
+  const uint32_t q = t.share.load(std::memory_order_relaxed);
+  return q == 0 ? 1.0 / parts : q / 65536.0;
+}
+
+void rebalance(ShapeTimes& t, const SplitSgemm& s, int extent, int64_t job_start) {
+  const int parts = std::min(s.parts, SplitSgemm::kMaxParts);
+  const int first = s.bound(1, extent);
+  if (!s.on_caller[0] || first <= 0 || first >= extent) return;  // a helper took part 0: nothing to learn
+  const double caller_whole = static_cast<double>(s.end[0] - s.start[0]) * extent / first;
+  double helper_whole = 0;
+  int helped = 0;
+  int64_t first_start = INT64_MAX;
+  for (int i = 1; i < parts; ++i) {
+    const int lo = s.bound(i, extent), hi = s.bound(i + 1, extent);
+    if (hi <= lo || s.on_caller[i]) continue;
+    helper_whole += static_cast<double>(s.end[i] - s.start[i]) * extent / (hi - lo);
+    first_start = std::min(first_start, s.start[i]);
+    ++helped;
+  }
+  double target = kMaxShare;
+  if (helped > 0) {
+    const double h = helper_whole / helped / (parts - 1), wake = static_cast<double>(first_start - job_start);
+    target = (std::max(0.0, wake) + h) / (caller_whole + h);
+  }
+  target = std::clamp(target, 1.0 / parts, kMaxShare);
+  const double smoothed = (3 * balanced_share(t, parts) + target) / 4;
+  t.share.store(static_cast<uint32_t>(smoothed * 65536), std::memory_order_relaxed);
+}
 }  // namespace
 
 // Splits the product over the runtime's pool when one is registered and the
@@ -276,13 +350,25 @@ static bool split_sgemm(sgemm_fn f, int order, int ta, int tb, int m, int n, int
   if (parts < 2) return false;
   const int policy = g_split_policy.load(std::memory_order_relaxed);
   if (policy == 0) return false;
-  ShapeTimes* times = policy == 1 ? &shape_times(ta, tb, m, n, k) : nullptr;
-  const bool split = times == nullptr || choose_split(*times);
+  // Balanced: one block per thread (with more blocks per thread the parts even themselves out).
+  const bool balanced = policy == 3 && parts == threads && parts <= SplitSgemm::kMaxParts;
+  ShapeTimes* times = policy == 1 || balanced ? &shape_times(ta, tb, m, n, k) : nullptr;
+  const bool split = policy != 1 || choose_split(*times);
   const int64_t start = times ? now_ns() : 0;
   if (split) {
     SplitSgemm s{f, ta, tb, m, n, k, alpha, beta, a, b, c, lda, ldb, ldc, parts, by_rows};
+    if (balanced) {
+      const int x = static_cast<int>(extent * balanced_share(*times, parts));
+      s.first = std::clamp(x - x % 16, 16, std::max(16, extent - 16));
+      s.timed = true;
+      s.caller = pthread_self();
+    }
     g_split_calls.fetch_add(1, std::memory_order_relaxed);
     parallel(parts, &SplitSgemm::part, &s);
+    if (balanced) {
+      rebalance(*times, s, extent, start);
+      return true;
+    }
   } else {
     g_serial_choices.fetch_add(1, std::memory_order_relaxed);
     SplitSgemm::serial([&] { gemm(f, order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc); });
@@ -348,9 +434,18 @@ __attribute__((visibility("default"))) void cblas_dgemm(int order, int ta, int t
 extern "C" {
 
 // How large fp32 products use the runtime's pool: 0 never, 1 by measured time,
-// 2 always (default). Returns the previous policy.
+// 2 always (default), 3 always, balanced by the helpers' measured speed.
+// Returns the previous policy.
 __attribute__((visibility("default"))) int mlxd_blas_set_split_policy(int policy) {
-  return g_split_policy.exchange(policy < 0 || policy > 2 ? 2 : policy);
+  return g_split_policy.exchange(policy < 0 || policy > 3 ? 2 : policy);
+}
+
+// The calling thread's share of a product shape under the balanced split
+// (0-1; 0 when the shape has no measured share yet): for tests and benchmarks.
+__attribute__((visibility("default"))) double mlxd_blas_balanced_share(int trans_a, int trans_b, int m, int n, int k) {
+  const uint64_t key = shape_key(trans_a != 0, trans_b != 0, m, n, k);
+  const auto& s = shape_slot(key);
+  return s.key.load(std::memory_order_relaxed) == key ? s.share.load(std::memory_order_relaxed) / 65536.0 : 0.0;
 }
 
 // How a split product is cut: parts per pool thread (1-4) and the axis (0 the

@@ -60,6 +60,8 @@ def install() -> str:
     lib.mlxd_blas_set_split_shape.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.mlxd_blas_split_shape.argtypes = []
     lib.mlxd_gemm_lowp_ready.argtypes = [ctypes.c_int]
+    lib.mlxd_blas_balanced_share.argtypes = [ctypes.c_int] * 5
+    lib.mlxd_blas_balanced_share.restype = ctypes.c_double
     if lib.mlxd_blas_init(str(fast).encode(), str(reference).encode() if reference else None) != 1:
         _state["mode"] = "reference"
         return _state["mode"]
@@ -94,7 +96,7 @@ def serial_choices() -> int:
     return int(_state["lib"].mlxd_blas_serial_choices()) if _state["lib"] is not None else 0
 
 
-_SPLIT_POLICIES = ("never", "measured", "always")
+_SPLIT_POLICIES = ("never", "measured", "always", "balanced")
 
 
 def split_policy() -> str:
@@ -106,9 +108,10 @@ def split_policy() -> str:
 
 def set_split_policy(policy: str) -> str:
     """How large fp32 products use the runtime's helper pool while splitting is on: "always" (the
-    default), "measured" (each product shape runs split or as one call, whichever its recent calls
-    timed faster; `MLX_DELEGATE_BLAS_SPLIT=measured` at start-up) or "never". Returns the previous
-    policy."""
+    default; even blocks), "balanced" (always split, the calling thread's block sized per product
+    shape by the helpers' measured speed; `MLX_DELEGATE_BLAS_SPLIT=balanced` at start-up),
+    "measured" (each product shape runs split or as one call, whichever its recent calls timed
+    faster; `MLX_DELEGATE_BLAS_SPLIT=measured`) or "never". Returns the previous policy."""
     if policy not in _SPLIT_POLICIES:
         raise ValueError(f"split policy must be one of {_SPLIT_POLICIES}, got {policy!r}")
     if _state["lib"] is None:
@@ -130,6 +133,14 @@ def set_split_shape(parts_per_thread: int, axis: str = "longer") -> tuple[int, s
         return (parts_per_thread, axis)
     previous = _state["lib"].mlxd_blas_set_split_shape(parts_per_thread, _SPLIT_AXES.index(axis))
     return (previous // 4, _SPLIT_AXES[previous % 4])
+
+
+def balanced_share(m: int, n: int, k: int, trans_a: bool = False, trans_b: bool = False) -> float:
+    """The calling thread's share (0-1) of a row-major m x k . k x n product under the "balanced"
+    policy, as its recent calls measured it; 0.0 when that shape has none yet."""
+    if _state["lib"] is None:
+        return 0.0
+    return float(_state["lib"].mlxd_blas_balanced_share(int(trans_a), int(trans_b), m, n, k))
 
 
 def split_shape() -> tuple[int, str]:

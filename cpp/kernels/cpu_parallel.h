@@ -65,7 +65,9 @@ constexpr int64_t kCpuMinParallel = 1 << 14;
 
 // Runs fn(i) for i in [0, parts) on the pool, each part claimed by whichever
 // thread is free (the calling thread included): for kernels that size their
-// own parts (a product cut into as many blocks as threads).
+// own parts (a product cut into as many blocks as threads). Part 0 is always
+// the calling thread's; it claims further parts from the front and the
+// helpers from the last part down.
 void cpu_parallel_parts(int parts, const std::function<void(int)>& fn);
 // Threads the pool computes with: the calling thread and its helpers.
 int cpu_pool_threads();

@@ -1,5 +1,6 @@
 """MLX's CPU matmuls are served by the fast BLAS that mlx_delegate routes them to."""
 
+import os
 import sys
 
 import numpy as np
@@ -109,6 +110,76 @@ def test_measured_split_tries_both_ways_and_keeps_results():
     for out in outs:
         np.testing.assert_allclose(out, a @ b, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(out, outs[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m,n,k", [(130, 771, 96), (997, 40, 257), (128, 1024, 256)])  # columns, rows, the demo
+def test_balanced_split_sizes_the_callers_block_and_keeps_results(m, n, k):
+    """The balanced policy always splits, the calling thread's block sized by the helpers'
+    measured speed: over calls the share moves within [1 / threads, 0.9] (0.9: no helper
+    joined), and every call gives the product numpy computes, whatever the cut."""
+    import mlx.core as mx
+
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    xa, xb = mx.array(a), mx.array(b)
+    previous = _blas.set_split_policy("balanced")
+    before, outs = _blas.split_calls(), []
+    try:
+        for _ in range(12):
+            out = xa @ xb
+            mx.eval(out)
+            outs.append(np.array(out))
+    finally:
+        assert _blas.set_split_policy(previous) == "balanced"
+    assert _blas.split_calls() - before == 12
+    threads = min(len(os.sched_getaffinity(0)), 8)  # the pool's size: the usable cores, at most 8
+    assert 1 / threads - 1e-3 <= _blas.balanced_share(m, n, k) <= 0.9 + 1e-3
+    for out in outs:
+        np.testing.assert_allclose(out, a @ b, rtol=1e-4, atol=1e-4)
+
+
+def test_split_products_after_the_helpers_went_to_sleep():
+    """Each product after an idle gap (the pool's helpers sleep 100 us after a job), so every split
+    starts with a wake-up and the woken helper may land on the caller's core: the caller's part 0
+    is reserved before the wake, and the product is whole and right every time, under both split
+    policies."""
+    import time
+
+    import mlx.core as mx
+
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((128, 256)).astype(np.float32)
+    b = rng.standard_normal((256, 272)).astype(np.float32)
+    xa, xb = mx.array(a), mx.array(b)
+    for policy in ("always", "balanced"):
+        previous = _blas.set_split_policy(policy)
+        before = _blas.split_calls()
+        try:
+            for _ in range(6):
+                time.sleep(0.002)
+                out = xa @ xb
+                mx.eval(out)
+                np.testing.assert_allclose(np.array(out), a @ b, rtol=1e-4, atol=1e-4)
+        finally:
+            _blas.set_split_policy(previous)
+        assert _blas.split_calls() - before == 6
+
+
+def test_balanced_split_through_the_stock_runtime():
+    """A lowered MLP under the balanced policy against eager, call after call (the cut moves
+    between calls; odd feature counts so blocks end off the 16-column grid)."""
+    model = torch.nn.Sequential(torch.nn.Linear(200, 515), torch.nn.GELU(), torch.nn.Linear(515, 77)).eval()
+    x = torch.randn(131, 200)
+    method = lower(model, (x,)).method()
+    previous = _blas.set_split_policy("balanced")
+    try:
+        with torch.no_grad():
+            expected = model(x)
+        for _ in range(6):
+            assert_close(method.execute([x]), expected, 1e-4, 1e-4)
+    finally:
+        _blas.set_split_policy(previous)
 
 
 def test_split_policy_rejects_unknown_names():
