@@ -21,6 +21,7 @@
 #include <mlx/primitives.h>
 
 #include "kernels/cpu_parallel.h"
+#include "kernels/unary_cpu.h"
 #include "kernels/vec_math_cpu.h"
 
 namespace mlxd::rt {
@@ -63,6 +64,7 @@ const float* as_f32(const Tensor& t, std::vector<float>& store) {
 
 struct Geometry {
   int N, C, H, W, O, KH, KW, OH, OW, sh, sw, ph, pw, dh, dw, groups;
+  int act;  // the UnaryKernel applied after the clamp, -1: none
   bool clamp;
   float lo, hi;
   int Cg() const { return C / groups; }
@@ -149,6 +151,19 @@ void clamp_range(const Geometry& g, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] = std::min(std::max(y[i], g.lo), g.hi);
 }
 
+// The fused activation (hard-swish, SiLU, ...) over n results still in cache.
+void activate(const Geometry& g, float* y, int64_t n) {
+  if (g.act >= 0) unary_cpu_map(static_cast<UnaryKernel>(g.act))(y, y, n);
+}
+
+bool has_epilogue(const Geometry& g) { return g.clamp || g.act >= 0; }
+
+// The clamp, then the activation: the epilogue of every path.
+void finish(const Geometry& g, float* y, int64_t n) {
+  clamp_range(g, y, n);
+  activate(g, y, n);
+}
+
 // The output plane's starting values: the bias, plus the residual's plane when there is one.
 void init_plane(const Geometry& g, float* out, float bias, const float* residual) {
   if (residual) {
@@ -179,7 +194,7 @@ void depthwise_plane(const Geometry& g, const float* plane, const float* k, floa
       }
     }
   }
-  clamp_range(g, out, g.P());
+  finish(g, out, g.P());
 }
 
 #ifdef MLXD_CPU_X86
@@ -248,6 +263,7 @@ MLXD_AVX2 void depthwise_plane_avx2(const Geometry& g, const float* plane, const
     }
     for (; ow < g.OW; ++ow) scalar(ow);
   }
+  activate(g, out, g.P());  // the clamp was applied as each row was written
 }
 // One output plane of a depthwise convolution on a small map (where the row
 // kernel above is mostly scalar), equal strides S in both axes:
@@ -284,15 +300,15 @@ MLXD_AVX2 void depthwise_plane_padded(const Geometry& g, const float* plane, con
     const float* grow = grid.data() + int64_t{oh} * Wp;
     for (int ow = 0; ow < g.OW; ++ow) orow[ow] += grow[ow];
   }
-  clamp_range(g, out, g.P());
+  finish(g, out, g.P());
 }
 
 #endif
 
 // One output plane per (image, channel) of a convolution with one input channel per group.
 bool depthwise_padded_on();
-void depthwise(const Geometry& g, const float* x, const float* w, const float* bias, const float* residual,
-               float* y) {
+void depthwise(const Geometry& g, const float* x, const float* w, int64_t w_image, const float* bias,
+               const float* residual, float* y) {
   const int m = g.Og();  // output channels per input channel
 #ifdef MLXD_CPU_X86
   const bool vec = cpu_use_avx2() && (g.sw == 1 || g.sw == 2);
@@ -306,7 +322,7 @@ void depthwise(const Geometry& g, const float* x, const float* w, const float* b
     for (int64_t p = begin; p < end; ++p) {
       const int o = static_cast<int>(p % g.O);
       const float* plane = x + (p / g.O * g.C + o / m) * int64_t{g.H} * g.W;
-      const float* k = w + int64_t{o} * g.KH * g.KW;
+      const float* k = w + p / g.O * w_image + int64_t{o} * g.KH * g.KW;
       float* out = y + p * g.P();
       init_plane(g, out, bias ? bias[o] : 0.f, residual ? residual + p * g.P() : nullptr);
 #ifdef MLXD_CPU_X86
@@ -362,8 +378,8 @@ int tile_rows(const Geometry& g, bool direct) {
 // adding onto them, then the clamp. The whole [K, OH * OW] im2col matrix (9x
 // the input for a 3x3 convolution) never goes through memory, and the output
 // is written once instead of once per pass.
-void run_tiled(const Geometry& g, int rows, bool direct, const float* x, const float* w, const float* bias,
-               const float* residual, float* y) {
+void run_tiled(const Geometry& g, int rows, bool direct, const float* x, const float* w, int64_t w_image,
+               const float* bias, const float* residual, float* y) {
   const int K = g.Cg() * g.KH * g.KW, M = g.Og();
   const int64_t P = g.P();
   const int tiles = (g.OH + rows - 1) / rows;
@@ -398,17 +414,54 @@ void run_tiled(const Geometry& g, int rows, bool direct, const float* x, const f
       }
       // direct: the input's planes are B in place (row stride P), from the tile's first column.
       const float* b = direct ? xg + int64_t{oh0} * g.OW : cols.data();
-      gemm(0, 0, M, T, K, 1.f, w + int64_t{gi} * M * K, K, b, direct ? static_cast<int>(P) : T, 1.f, yt,
+      gemm(0, 0, M, T, K, 1.f, w + n * w_image + int64_t{gi} * M * K, K, b, direct ? static_cast<int>(P) : T, 1.f, yt,
            static_cast<int>(P));
-      if (g.clamp)
-        for (int o = 0; o < M; ++o) clamp_range(g, yt + o * P, T);
+      if (has_epilogue(g))
+        for (int o = 0; o < M; ++o) finish(g, yt + o * P, T);
     }
   });
 }
 
+// An input scale per image and channel (x * s[n, c], a squeeze-excite gate)
+// folded into whichever operand is smaller: a per-image copy of the weights
+// (returns the stride between the copies; w points at them), else a scaled
+// copy of the input (returns 0; x points at it). One parallel pass either way,
+// instead of a broadcast multiply writing a new activation before the call.
+int64_t fold_scale(const Geometry& g, const float* s, const float*& x, const float*& w, std::vector<float>& buf) {
+  const int taps = g.KH * g.KW, Cg = g.Cg(), Og = g.Og();
+  const int64_t per_o = int64_t{Cg} * taps, w_n = g.O * per_o, plane = int64_t{g.H} * g.W;
+  if (w_n <= g.C * plane) {
+    buf.resize(g.N * w_n);
+    const float* src = w;
+    cpu_parallel_for(int64_t{g.N} * g.O, per_o, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t n = t / g.O, o = t % g.O;
+        const float* sc = s + n * g.C + o / Og * Cg;  // the scales of this output channel's group
+        const float* from = src + o * per_o;
+        float* to = buf.data() + t * per_o;
+        for (int c = 0; c < Cg; ++c)
+          for (int k = 0; k < taps; ++k) to[c * taps + k] = from[c * taps + k] * sc[c];
+      }
+    });
+    w = buf.data();
+    return w_n;
+  }
+  buf.resize(int64_t{g.N} * g.C * plane);
+  const float* src = x;
+  cpu_parallel_for(int64_t{g.N} * g.C, plane, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float sv = s[t], *from = src + t * plane;
+      float* to = buf.data() + t * plane;
+      for (int64_t i = 0; i < plane; ++i) to[i] = from[i] * sv;
+    }
+  });
+  x = buf.data();
+  return 0;
+}
+
 struct ConvCall {
   Tensor x, w;
-  std::optional<Tensor> bias, residual;
+  std::optional<Tensor> bias, residual, scale;
   void* y;
   mx::Dtype out_dtype;
   Geometry g;
@@ -416,11 +469,13 @@ struct ConvCall {
 
 void run_conv(const ConvCall& c) {
   const Geometry& g = c.g;
-  std::vector<float> xs, ws, bs, rs, ys, cols;
+  std::vector<float> xs, ws, bs, rs, ss, ys, cols;
   const float* x = as_f32(c.x, xs);
   const float* w = as_f32(c.w, ws);
   const float* bias = c.bias ? as_f32(*c.bias, bs) : nullptr;
   const float* residual = c.residual ? as_f32(*c.residual, rs) : nullptr;
+  std::vector<float> scaled;
+  const int64_t w_image = c.scale ? fold_scale(g, as_f32(*c.scale, ss), x, w, scaled) : 0;
   const int64_t out_n = int64_t{g.N} * g.O * g.P();
   float* y = static_cast<float*>(c.y);
   if (c.out_dtype != mx::float32) {
@@ -428,17 +483,18 @@ void run_conv(const ConvCall& c) {
     y = ys.data();
   }
   if (g.Cg() == 1) {
-    depthwise(g, x, w, bias, residual, y);
+    depthwise(g, x, w, w_image, bias, residual, y);
   } else {
     const bool direct = g.KH == 1 && g.KW == 1 && g.sh == 1 && g.sw == 1 && g.ph == 0 && g.pw == 0 &&
                         g.OH == g.H && g.OW == g.W;
     const int K = g.Cg() * g.KH * g.KW, M = g.Og();
     const int64_t P = g.P();
-    const int nb = static_cast<int>(std::min<int64_t>(g.N, std::max<int64_t>(1, (batch_columns() + P - 1) / P)));
+    // Per-image weights (a folded input scale) rule out sharing one product between images.
+    const int nb = w_image ? 1 : static_cast<int>(std::min<int64_t>(g.N, std::max<int64_t>(1, (batch_columns() + P - 1) / P)));
     const int rows = nb != 1 ? 0 : tile_rows(g, direct);
     if (rows > 0) {
       cpu_kernel_note_call("conv_tiled");
-      run_tiled(g, rows, direct, x, w, bias, residual, y);
+      run_tiled(g, rows, direct, x, w, w_image, bias, residual, y);
     } else if (nb == 1) {  // per image: the sgemm writes the result in place
       if (!direct) cols.resize(int64_t{K} * P);
       // Blocks of output channels, each on one thread (init, product, clamp in one task): one
@@ -452,7 +508,7 @@ void run_conv(const ConvCall& c) {
           float* yg = y + first;
           if (!direct) im2col(g, x, n, 1, gi, cols.data(), P);
           const float* bmat = direct ? xg : cols.data();
-          const float* wg = w + int64_t{gi} * M * K;
+          const float* wg = w + n * w_image + int64_t{gi} * M * K;
           if (blocked) {  // one pass over blocks of output channels: bias / residual, sgemm, clamp
             cpu_parallel_for(M, int64_t{K} * P, 16, [&](int64_t lo, int64_t hi) {
               for (int64_t o = lo; o < hi; ++o)
@@ -460,7 +516,7 @@ void run_conv(const ConvCall& c) {
                            residual ? residual + first + o * P : nullptr);
               serial_sgemm()(0, 0, static_cast<int>(hi - lo), static_cast<int>(P), K, 1.f, wg + lo * K, K, bmat,
                              static_cast<int>(P), 1.f, yg + lo * P, static_cast<int>(P));
-              clamp_range(g, yg + lo * P, (hi - lo) * P);
+              finish(g, yg + lo * P, (hi - lo) * P);
             });
             continue;
           }
@@ -472,10 +528,11 @@ void run_conv(const ConvCall& c) {
                            residual ? residual + first + o * P : nullptr);
             });
           }
-          sgemm()(kRowMajor, kNoTrans, kNoTrans, M, static_cast<int>(P), K, 1.f, w + int64_t{gi} * M * K, K,
+          sgemm()(kRowMajor, kNoTrans, kNoTrans, M, static_cast<int>(P), K, 1.f, wg, K,
                   direct ? xg : cols.data(), static_cast<int>(P), bias || residual ? 1.f : 0.f, yg,
                   static_cast<int>(P));
-          cpu_parallel_for(M, P, 1, [&](int64_t b, int64_t e) { clamp_range(g, yg + b * P, (e - b) * P); });
+          if (has_epilogue(g))
+            cpu_parallel_for(M, P, 1, [&](int64_t b, int64_t e) { finish(g, yg + b * P, (e - b) * P); });
         }
       }
     } else {  // nb images per sgemm into z [M, nb * P]; one pass moves it to NCHW with bias, residual, clamp
@@ -500,7 +557,7 @@ void run_conv(const ConvCall& c) {
               } else {
                 for (int64_t q = 0; q < P; ++q) dst[q] = src[q] + bv;
               }
-              clamp_range(g, dst, P);
+              finish(g, dst, P);
             }
           });
         }
@@ -512,18 +569,19 @@ void run_conv(const ConvCall& c) {
 
 class ConvCpu : public mx::UnaryPrimitive {
  public:
-  ConvCpu(mx::Stream s, Geometry g, bool has_bias, bool has_residual)
-      : mx::UnaryPrimitive(s), g_(g), has_bias_(has_bias), has_residual_(has_residual) {}
+  ConvCpu(mx::Stream s, Geometry g, bool has_bias, bool has_residual, bool has_scale)
+      : mx::UnaryPrimitive(s), g_(g), has_bias_(has_bias), has_residual_(has_residual), has_scale_(has_scale) {}
 
-  // in: x [N, C, H, W], w [O, C/g, KH, KW], then the bias [O] and the
-  // residual [N, O, OH, OW] when present; any strides.
+  // in: x [N, C, H, W], w [O, C/g, KH, KW], then the bias [O], the residual
+  // [N, O, OH, OW] and the input scale [N, C] when present; any strides.
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     auto& encoder = begin_cpu_task(stream(), in, out);
     Geometry g = g_;
     g.N = in[0].shape(0);
-    ConvCall c{tensor(in[0]), tensor(in[1]), std::nullopt, std::nullopt, out.data<void>(), out.dtype(), g};
+    ConvCall c{tensor(in[0]), tensor(in[1]), std::nullopt, std::nullopt, std::nullopt, out.data<void>(), out.dtype(), g};
     if (has_bias_) c.bias = tensor(in[2]);
     if (has_residual_) c.residual = tensor(in[has_bias_ ? 3 : 2]);
+    if (has_scale_) c.scale = tensor(in.back());
     cpu_kernel_note_call(g.Cg() == 1 ? "conv_depthwise" : "conv_gemm");
     encoder.dispatch([c = std::move(c)] { run_conv(c); });
   }
@@ -533,10 +591,10 @@ class ConvCpu : public mx::UnaryPrimitive {
   const char* name() const override { return "ConvCpu"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const ConvCpu&>(other);
-    // The ints compared as one block (no padding among them), then the clamp.
+    // The ints (the activation's included) compared as one block (no padding among them), then the clamp.
     return std::memcmp(&g_, &o.g_, offsetof(Geometry, clamp)) == 0 && g_.clamp == o.g_.clamp &&
            g_.lo == o.g_.lo && g_.hi == o.g_.hi && has_bias_ == o.has_bias_ &&
-           has_residual_ == o.has_residual_;
+           has_residual_ == o.has_residual_ && has_scale_ == o.has_scale_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     return {{in[0].shape(0), g_.O, g_.OH, g_.OW}};
@@ -544,7 +602,7 @@ class ConvCpu : public mx::UnaryPrimitive {
 
  private:
   Geometry g_;
-  bool has_bias_, has_residual_;
+  bool has_bias_, has_residual_, has_scale_;
 };
 
 }  // namespace
@@ -559,19 +617,22 @@ int out_size(int in, int k, int s, int lo, int hi, int d) { return (in + lo + hi
 }  // namespace
 
 bool conv_cpu_applies(const mx::array& x, const mx::array& w, const mx::array* bias, int groups,
-                      const mx::array* residual) {
+                      const mx::array* residual, const mx::array* in_scale) {
   if (!cpu_kernels_active() || sgemm() == nullptr || groups < 1) return false;
   if (!cpu_kernel_dtype_ok(x) || w.dtype() != x.dtype() || w.size() == 0) return false;
   if ((x.ndim() != 3 && x.ndim() != 4) || w.ndim() != x.ndim()) return false;
   if (residual && (residual->dtype() != x.dtype() || residual->ndim() != x.ndim())) return false;
+  if (in_scale && in_scale->dtype() != x.dtype()) return false;
   return !bias || (cpu_kernel_dtype_ok(*bias) && bias->size() == static_cast<size_t>(w.shape(0)));
 }
 
 mx::array conv_cpu(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias,
                    const std::vector<int>& stride, const std::vector<int>& padding, const std::vector<int>& dilation,
                    int groups, std::optional<std::pair<float, float>> clamp, const std::vector<int>& padding_hi,
-                   const std::optional<mx::array>& residual) {
-  if (!conv_cpu_applies(x, w, bias ? &*bias : nullptr, groups, residual ? &*residual : nullptr))
+                   const std::optional<mx::array>& residual, std::optional<UnaryKernel> act,
+                   const std::optional<mx::array>& in_scale) {
+  if (!conv_cpu_applies(x, w, bias ? &*bias : nullptr, groups, residual ? &*residual : nullptr,
+                        in_scale ? &*in_scale : nullptr))
     throw std::invalid_argument("conv_cpu: operands it does not take");
   const bool one_d = x.ndim() == 3;
   const size_t nd = one_d ? 1 : 2;
@@ -584,7 +645,8 @@ mx::array conv_cpu(const mx::array& x, const mx::array& w, const std::optional<m
   // bounds every read by the input's extent).
   Geometry g{x.shape(0), x.shape(1), one_d ? 1 : x.shape(2), x.shape(-1), w.shape(0), one_d ? 1 : w.shape(2),
              w.shape(-1), 0, 0, at(stride, 0, 1), at(stride, 1, 1), at(padding, 0, 0), at(padding, 1, 0),
-             at(dilation, 0, 1), at(dilation, 1, 1), groups, clamp.has_value(), clamp ? clamp->first : 0.f,
+             at(dilation, 0, 1), at(dilation, 1, 1), groups, act ? static_cast<int>(*act) : -1, clamp.has_value(),
+             clamp ? clamp->first : 0.f,
              clamp ? clamp->second : 0.f};
   const int phh = at(pad_hi, 0, 0), pwh = at(pad_hi, 1, 0);
   if (g.C % groups || g.O % groups || w.shape(1) != g.C / groups)
@@ -604,7 +666,13 @@ mx::array conv_cpu(const mx::array& x, const mx::array& w, const std::optional<m
     if (residual->shape() != want) throw std::invalid_argument("conv: the residual does not have the output's shape");
     inputs.push_back(one_d ? mx::reshape(*residual, {g.N, g.O, g.OH, g.OW}) : *residual);
   }
-  auto prim = std::make_shared<ConvCpu>(mx::default_stream(mx::Device::cpu), g, bias.has_value(), residual.has_value());
+  if (in_scale) {
+    if (in_scale->size() != static_cast<size_t>(g.N) * g.C)
+      throw std::invalid_argument("conv: the input scale needs one value per image and input channel");
+    inputs.push_back(mx::reshape(*in_scale, {g.N, g.C}));
+  }
+  auto prim = std::make_shared<ConvCpu>(mx::default_stream(mx::Device::cpu), g, bias.has_value(), residual.has_value(),
+                                        in_scale.has_value());
   auto y = mx::array({g.N, g.O, g.OH, g.OW}, x.dtype(), std::move(prim), std::move(inputs));
   return one_d ? mx::reshape(y, {g.N, g.O, g.OW}) : y;
 }

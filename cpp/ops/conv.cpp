@@ -319,16 +319,27 @@ void exec_ConvNode(const mlxd::ConvNode& n, ExecContext& ctx) {
   if (n.transpose() && padding_hi != padding) throw NodeError("a transposed convolution has symmetric padding");
   const auto* bias = ctx.maybe_in(n.bias());
   const auto* residual = ctx.maybe_in(n.residual());
+  const auto* in_scale = ctx.maybe_in(n.in_scale());
+  if (in_scale && (n.transpose() || in_scale->size() != static_cast<size_t>(x.shape(0)) * x.shape(1)))
+    throw NodeError("conv in_scale needs a non-transposed convolution and one value per image and input channel");
   std::optional<std::pair<float, float>> clamp;
   if (n.clamp()) clamp = {n.clamp_min(), n.clamp_max()};
-  if (!n.transpose() && conv_cpu_applies(x, w, bias, groups, residual)) {  // channels-first, no transposes
-    std::optional<mx::array> b, r;
+  // The activation inside the CPU kernel's epilogue when it has one, else after the convolution.
+  const std::optional<UnaryKernel> act_kernel = n.act() ? cpu_kernel_for(n.act_op()) : std::nullopt;
+  auto activate = [&](mx::array y) { return n.act() ? unary_op(n.act_op(), y) : y; };
+  if (!n.transpose() && conv_cpu_applies(x, w, bias, groups, residual, in_scale)) {  // channels-first, no transposes
+    std::optional<mx::array> b, r, s;
     if (bias) b = *bias;
     if (residual) r = *residual;
-    ctx.set(n.out(), conv_cpu(x, w, b, stride, padding, dilation, groups, clamp, padding_hi, r));
+    if (in_scale) s = *in_scale;
+    auto y = conv_cpu(x, w, b, stride, padding, dilation, groups, clamp, padding_hi, r, act_kernel, s);
+    ctx.set(n.out(), act_kernel ? y : activate(y));
     return;
   }
-  auto xl = channels_last(x);
+  mx::Shape scale_shape(x.ndim(), 1);
+  scale_shape[0] = x.shape(0);
+  scale_shape[1] = x.shape(1);
+  auto xl = channels_last(in_scale ? mx::multiply(x, mx::reshape(*in_scale, scale_shape)) : x);
   mx::array y = n.transpose()
                     ? conv_transpose(xl, w, stride, padding, dilation,
                                      per_axis(n.output_padding(), nd, 0, "output_padding"), groups)
@@ -344,7 +355,7 @@ void exec_ConvNode(const mlxd::ConvNode& n, ExecContext& ctx) {
     y = mx::add(y, *residual);
   }
   if (clamp) y = mx::clip(y, mx::array(clamp->first, y.dtype()), mx::array(clamp->second, y.dtype()));
-  ctx.set(n.out(), mx::astype(y, x.dtype()));
+  ctx.set(n.out(), activate(mx::astype(y, x.dtype())));
 }
 
 void exec_PoolNode(const mlxd::PoolNode& n, ExecContext& ctx) {
