@@ -1,8 +1,8 @@
 // Convolution on the CPU (see conv_cpu.h): im2col + sgemm per image and
 // group (large products in tiles of output rows, smaller ones in blocks of
 // output channels, each tile or block one task on one thread), or a direct loop
-// for depthwise (one input channel per group; AVX2 rows for strides 1 and 2, a
-// padded flat grid for small maps).
+// for depthwise (one input channel per group; AVX2 rows over a zero-bordered
+// copy of each plane for width strides 1 and 2).
 #include "kernels/conv_cpu.h"
 
 #include <dlfcn.h>
@@ -198,111 +198,81 @@ void depthwise_plane(const Geometry& g, const float* plane, const float* k, floa
 }
 
 #ifdef MLXD_CPU_X86
-// One output plane of a depthwise convolution at width stride S: each output
-// row accumulates its taps in registers (four vectors of eight columns at a
-// time, so the FMA chains overlap) from the starting values already in `out`,
-// clamps, and is written once. Columns whose window reaches into the padding
-// take the scalar path.
+// A depthwise convolution's input plane inside a zero border wide enough for
+// every tap of every column computed: rows of whole vectors (output columns up
+// to OW rounded up to 8), whose extra lanes read on into the next row or the
+// zeroed slack and are never stored. So the row loop below has no edge cases,
+// whatever the padding, kernel size (3x3, 5x5, ...) or map width.
+struct PaddedPlane {
+  int Wp, Hp;    // row length and rows
+  int64_t size;  // floats, slack included
+  PaddedPlane(const Geometry& g, int S) {
+    Wp = std::max(g.pw + g.W, (g.OW - 1) * S + (g.KW - 1) * g.dw + 1);
+    Hp = std::max(g.ph + g.H, (g.OH - 1) * g.sh + (g.KH - 1) * g.dh + 1);
+    size = int64_t{Hp} * Wp + int64_t{(g.OW + 7) / 8 * 8} * S + int64_t{g.KW} * g.dw + 16;
+  }
+};
+
+// max(lo, a) / min(hi, a) keep a NaN (the second operand), as std::max(a, lo) does.
+MLXD_AVX2 inline __m256 clamp8(__m256 a, __m256 lo, __m256 hi) { return _mm256_min_ps(hi, _mm256_max_ps(lo, a)); }
+
+// One output plane of a depthwise convolution at width stride S (any height
+// stride, dilation and padding) from its padded copy `buf` (the interior is
+// written here; the border and slack stay zero): each output row accumulates
+// its taps in registers from the bias (and the residual), four vectors of
+// eight columns at a time, the last vector masked; clamped as it is stored,
+// the activation applied to the finished plane while it is in cache.
 template <int S>
-MLXD_AVX2 void depthwise_plane_avx2(const Geometry& g, const float* plane, const float* k, float* out) {
-  // Columns [c0, c1): every tap's input column inside [0, W), loads included (S = 2 reads one past).
-  const int span = (g.KW - 1) * g.dw + (S - 1);
-  int c0 = (g.pw + S - 1) / S, c1 = g.W - 1 + g.pw - span >= 0 ? (g.W - 1 + g.pw - span) / S + 1 : 0;
-  c1 = std::min(c1, g.OW);
-  c0 = std::min(c0, c1);
-  const __m256 vlo = _mm256_set1_ps(g.clamp ? g.lo : -INFINITY), vhi = _mm256_set1_ps(g.clamp ? g.hi : INFINITY);
-  const int taps = g.KH * g.KW;
-  std::vector<const float*> rows(g.KH);
-  std::vector<float> wv(taps);
-  for (int oh = 0; oh < g.OH; ++oh) {
-    float* orow = out + int64_t{oh} * g.OW;
-    int nrows = 0;  // the rows inside the input, with their weights
-    for (int ki = 0; ki < g.KH; ++ki) {
-      const int ih = oh * g.sh - g.ph + ki * g.dh;
-      if (ih < 0 || ih >= g.H) continue;
-      rows[nrows] = plane + int64_t{ih} * g.W - g.pw;
-      for (int kj = 0; kj < g.KW; ++kj) wv[nrows * g.KW + kj] = k[ki * g.KW + kj];
-      ++nrows;
+MLXD_AVX2 void depthwise_padded(const Geometry& g, const PaddedPlane& pp, float* buf, const float* plane,
+                                const float* k, float bias, const float* residual, float* out) {
+  if (plane != nullptr)
+    for (int ih = 0; ih < g.H; ++ih) {
+      float* dst = buf + int64_t{ih + g.ph} * pp.Wp + g.pw;
+      const float* src = plane + int64_t{ih} * g.W;
+      for (int iw = 0; iw < g.W; ++iw) dst[iw] = src[iw];
     }
-    auto scalar = [&](int ow) {
-      float acc = orow[ow];
-      for (int r = 0; r < nrows; ++r)
+  const __m256 vlo = _mm256_set1_ps(g.clamp ? g.lo : -INFINITY), vhi = _mm256_set1_ps(g.clamp ? g.hi : INFINITY);
+  const __m256 vb = _mm256_set1_ps(bias);
+  const int64_t row_step = int64_t{g.dh} * pp.Wp;
+  for (int oh = 0; oh < g.OH; ++oh) {
+    const float* top = buf + int64_t{oh} * g.sh * pp.Wp;
+    float* orow = out + int64_t{oh} * g.OW;
+    const float* rrow = residual ? residual + int64_t{oh} * g.OW : nullptr;
+    int ow = 0;
+    for (; ow + 32 <= g.OW; ow += 32) {
+      __m256 a0 = vb, a1 = vb, a2 = vb, a3 = vb;
+      if (rrow) {
+        a0 = _mm256_add_ps(a0, _mm256_loadu_ps(rrow + ow)), a1 = _mm256_add_ps(a1, _mm256_loadu_ps(rrow + ow + 8));
+        a2 = _mm256_add_ps(a2, _mm256_loadu_ps(rrow + ow + 16)), a3 = _mm256_add_ps(a3, _mm256_loadu_ps(rrow + ow + 24));
+      }
+      const float* row = top + int64_t{ow} * S;
+      for (int ki = 0; ki < g.KH; ++ki, row += row_step)
         for (int kj = 0; kj < g.KW; ++kj) {
-          const int iw = ow * S - g.pw + kj * g.dw;
-          if (iw >= 0 && iw < g.W) acc += wv[r * g.KW + kj] * rows[r][g.pw + iw];
-        }
-      orow[ow] = g.clamp ? std::min(std::max(acc, g.lo), g.hi) : acc;
-    };
-    for (int ow = 0; ow < c0; ++ow) scalar(ow);
-    int ow = c0;
-    for (; ow + 32 <= c1; ow += 32) {
-      __m256 a0 = _mm256_loadu_ps(orow + ow), a1 = _mm256_loadu_ps(orow + ow + 8);
-      __m256 a2 = _mm256_loadu_ps(orow + ow + 16), a3 = _mm256_loadu_ps(orow + ow + 24);
-      for (int r = 0; r < nrows; ++r)
-        for (int kj = 0; kj < g.KW; ++kj) {
-          const __m256 w = _mm256_set1_ps(wv[r * g.KW + kj]);
-          const float* p = rows[r] + int64_t{ow} * S + kj * g.dw;
+          const __m256 w = _mm256_broadcast_ss(k + ki * g.KW + kj);
+          const float* p = row + kj * g.dw;
           a0 = _mm256_fmadd_ps(w, vmath::load_strided<S>(p), a0);
           a1 = _mm256_fmadd_ps(w, vmath::load_strided<S>(p + 8 * S), a1);
           a2 = _mm256_fmadd_ps(w, vmath::load_strided<S>(p + 16 * S), a2);
           a3 = _mm256_fmadd_ps(w, vmath::load_strided<S>(p + 24 * S), a3);
         }
-      // max(lo, a) / min(hi, a) keep a NaN (the second operand), as std::max(a, lo) does.
-      _mm256_storeu_ps(orow + ow, _mm256_min_ps(vhi, _mm256_max_ps(vlo, a0)));
-      _mm256_storeu_ps(orow + ow + 8, _mm256_min_ps(vhi, _mm256_max_ps(vlo, a1)));
-      _mm256_storeu_ps(orow + ow + 16, _mm256_min_ps(vhi, _mm256_max_ps(vlo, a2)));
-      _mm256_storeu_ps(orow + ow + 24, _mm256_min_ps(vhi, _mm256_max_ps(vlo, a3)));
+      _mm256_storeu_ps(orow + ow, clamp8(a0, vlo, vhi));
+      _mm256_storeu_ps(orow + ow + 8, clamp8(a1, vlo, vhi));
+      _mm256_storeu_ps(orow + ow + 16, clamp8(a2, vlo, vhi));
+      _mm256_storeu_ps(orow + ow + 24, clamp8(a3, vlo, vhi));
     }
-    for (; ow + 8 <= c1; ow += 8) {
-      __m256 a = _mm256_loadu_ps(orow + ow);
-      for (int r = 0; r < nrows; ++r)
+    for (; ow < g.OW; ow += 8) {
+      const int n = std::min(8, g.OW - ow);
+      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      __m256 a = rrow ? _mm256_add_ps(vb, _mm256_maskload_ps(rrow + ow, mask)) : vb;
+      const float* row = top + int64_t{ow} * S;
+      for (int ki = 0; ki < g.KH; ++ki, row += row_step)
         for (int kj = 0; kj < g.KW; ++kj)
-          a = _mm256_fmadd_ps(_mm256_set1_ps(wv[r * g.KW + kj]),
-                              vmath::load_strided<S>(rows[r] + int64_t{ow} * S + kj * g.dw), a);
-      _mm256_storeu_ps(orow + ow, _mm256_min_ps(vhi, _mm256_max_ps(vlo, a)));
+          a = _mm256_fmadd_ps(_mm256_broadcast_ss(k + ki * g.KW + kj), vmath::load_strided<S>(row + kj * g.dw), a);
+      _mm256_maskstore_ps(orow + ow, mask, clamp8(a, vlo, vhi));
     }
-    for (; ow < g.OW; ++ow) scalar(ow);
   }
-  activate(g, out, g.P());  // the clamp was applied as each row was written
+  activate(g, out, g.P());
 }
-// One output plane of a depthwise convolution on a small map (where the row
-// kernel above is mostly scalar), equal strides S in both axes:
-// the plane is copied into a zero-bordered buffer `pad` of row length Wp, and
-// the outputs computed on a grid of the same row length, so output q = oh * Wp + ow
-// reads pad[S * q + ki * dh * Wp + kj * dw] for every tap: one flat loop of
-// eight-wide vectors with no bounds checks, whatever OW is. The grid's extra
-// columns are dropped when it is added onto `out` (bias / residual) and clamped.
-template <int S>
-MLXD_AVX2 void depthwise_plane_padded(const Geometry& g, const float* plane, const float* k, float* out,
-                                      std::vector<float>& pad, std::vector<float>& grid) {
-  const int Wp = std::max(g.W + g.pw, (g.OW - 1) * S + (g.KW - 1) * g.dw + 1);
-  const int Hp = std::max(g.H + g.ph, (g.OH - 1) * S + (g.KH - 1) * g.dh + 1);
-  const int64_t q_end = (int64_t{g.OH} * Wp + 7) / 8 * 8;  // grid outputs, whole vectors
-  // The last vector's furthest read: S * (q_end - 1) + the last tap + S - 1 (load_strided<2> reads one past).
-  const int64_t need = S * (q_end - 1) + int64_t{g.KH - 1} * g.dh * Wp + (g.KW - 1) * g.dw + S;
-  pad.assign(std::max<int64_t>(need, int64_t{Hp} * Wp), 0.f);
-  for (int ih = 0; ih < g.H; ++ih)
-    std::memcpy(pad.data() + int64_t{ih + g.ph} * Wp + g.pw, plane + int64_t{ih} * g.W, g.W * sizeof(float));
-  grid.resize(q_end);
-  const int taps = g.KH * g.KW;
-  for (int64_t q = 0; q < q_end; q += 8) {
-    __m256 acc = _mm256_setzero_ps();
-    const float* base = pad.data() + S * q;
-    for (int t = 0; t < taps; ++t) {
-      const int ki = t / g.KW, kj = t % g.KW;
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(k[t]), vmath::load_strided<S>(base + int64_t{ki} * g.dh * Wp + kj * g.dw),
-                            acc);
-    }
-    _mm256_storeu_ps(grid.data() + q, acc);
-  }
-  for (int oh = 0; oh < g.OH; ++oh) {
-    float* orow = out + int64_t{oh} * g.OW;
-    const float* grow = grid.data() + int64_t{oh} * Wp;
-    for (int ow = 0; ow < g.OW; ++ow) orow[ow] += grow[ow];
-  }
-  finish(g, out, g.P());
-}
-
 #endif
 
 // One output plane per (image, channel) of a convolution with one input channel per group.
@@ -311,36 +281,40 @@ void depthwise(const Geometry& g, const float* x, const float* w, int64_t w_imag
                const float* residual, float* y) {
   const int m = g.Og();  // output channels per input channel
 #ifdef MLXD_CPU_X86
-  const bool vec = cpu_use_avx2() && (g.sw == 1 || g.sw == 2);
-  // Stride 2 computes twice the columns it keeps on the padded grid: only where rows are shorter than a vector.
-  // Measured (1 thread): the grid wins at 7 and 14 columns, loses at 28 and beyond.
-  const bool padded = vec && g.sh == g.sw && (g.sw == 1 ? g.OW < 16 : g.OW < 8) && depthwise_padded_on();
-  if (padded) cpu_kernel_note_call("conv_depthwise_padded");
+  if (cpu_use_avx2() && (g.sw == 1 || g.sw == 2) && depthwise_padded_on()) {
+    cpu_kernel_note_call("conv_depthwise_padded");
+    const PaddedPlane pp(g, g.sw);
+    cpu_parallel_for(int64_t{g.N} * g.O, g.P() * g.KH * g.KW, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(pp.size, 0.f);  // the border and slack stay zero across planes
+      const float* last = nullptr;
+      for (int64_t p = begin; p < end; ++p) {
+        const int o = static_cast<int>(p % g.O);
+        const float* plane = x + (p / g.O * g.C + o / m) * int64_t{g.H} * g.W;
+        const float* k = w + p / g.O * w_image + int64_t{o} * g.KH * g.KW;
+        // A channel multiplier's outputs read one input plane: copied once.
+        (g.sw == 1 ? depthwise_padded<1> : depthwise_padded<2>)(g, pp, buf.data(), plane == last ? nullptr : plane,
+                                                                  k, bias ? bias[o] : 0.f,
+                                                                  residual ? residual + p * g.P() : nullptr,
+                                                                  y + p * g.P());
+        last = plane;
+      }
+    });
+    return;
+  }
 #endif
   cpu_parallel_for(int64_t{g.N} * g.O, g.P() * g.KH * g.KW, 1, [&](int64_t begin, int64_t end) {
-    [[maybe_unused]] std::vector<float> pad, grid;
     for (int64_t p = begin; p < end; ++p) {
       const int o = static_cast<int>(p % g.O);
       const float* plane = x + (p / g.O * g.C + o / m) * int64_t{g.H} * g.W;
       const float* k = w + p / g.O * w_image + int64_t{o} * g.KH * g.KW;
       float* out = y + p * g.P();
       init_plane(g, out, bias ? bias[o] : 0.f, residual ? residual + p * g.P() : nullptr);
-#ifdef MLXD_CPU_X86
-      if (padded) {
-        (g.sw == 1 ? depthwise_plane_padded<1> : depthwise_plane_padded<2>)(g, plane, k, out, pad, grid);
-        continue;
-      }
-      if (vec) {
-        (g.sw == 1 ? depthwise_plane_avx2<1> : depthwise_plane_avx2<2>)(g, plane, k, out);
-        continue;
-      }
-#endif
       depthwise_plane(g, plane, k, out);
     }
   });
 }
 
-// The tiled paths (run_tiled, the channel blocks, the padded depthwise grid):
+// The tiled paths (run_tiled, the channel blocks, the padded depthwise rows):
 // on unless MLX_DELEGATE_CONV_TILES=0; set_conv_tiles switches them per call
 // for A/B runs in one process.
 std::atomic<bool>& tiles_flag() {
@@ -351,7 +325,7 @@ std::atomic<bool>& tiles_flag() {
   return on;
 }
 
-// The depthwise small-map path rides the same switch (the A/B of this kernel's reworked paths).
+// The padded depthwise rows ride the same switch (off: the portable row-by-row loop; A/B, tests).
 bool depthwise_padded_on() { return tiles_flag().load(std::memory_order_relaxed); }
 
 // Floats per tile (512 KB): a tile's im2col columns (none for a 1x1 stride-1

@@ -41,8 +41,9 @@ bool conv_cpu_applies(const mlx::core::array& x, const mlx::core::array& w, cons
 // the whole-image path): large products in tiles of output rows (im2col and
 // sgemm per tile, one tile per thread, in cache), smaller one-image products in
 // blocks of output channels (bias, sgemm and clamp per block in one task),
-// and depthwise convolutions on small maps as one flat loop over a padded
-// copy. MLX_DELEGATE_CONV_TILES=0 starts with them off.
+// and depthwise convolutions as vector rows over a zero-bordered copy of each
+// plane (off: a portable row-by-row loop). MLX_DELEGATE_CONV_TILES=0 starts
+// with them off.
 void set_conv_tiles(bool on);
 bool conv_tiles();
 
