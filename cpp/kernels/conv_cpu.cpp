@@ -198,30 +198,97 @@ void depthwise_plane(const Geometry& g, const float* plane, const float* k, floa
 }
 
 #ifdef MLXD_CPU_X86
+// Output rows a depthwise block covers at most (kDwRows) and vectors of eight columns (kDwVectors):
+// up to 8 accumulators in registers, each weight broadcast once per block.
+constexpr int kDwRows = 4, kDwVectors = 4;
+
 // A depthwise convolution's input plane inside a zero border wide enough for
-// every tap of every column computed: rows of whole vectors (output columns up
-// to OW rounded up to 8), whose extra lanes read on into the next row or the
-// zeroed slack and are never stored. So the row loop below has no edge cases,
-// whatever the padding, kernel size (3x3, 5x5, ...) or map width.
+// every tap of every value computed: blocks of whole vectors and rows (output
+// columns up to OW rounded up to 8, rows up to a block past OH), whose extra
+// lanes and rows read on into the next row or the zeroed slack and are never
+// stored. So the loops below have no edge cases, whatever the padding, kernel
+// size (3x3, 5x5, ...) or map width.
 struct PaddedPlane {
   int Wp, Hp;    // row length and rows
   int64_t size;  // floats, slack included
   PaddedPlane(const Geometry& g, int S) {
     Wp = std::max(g.pw + g.W, (g.OW - 1) * S + (g.KW - 1) * g.dw + 1);
     Hp = std::max(g.ph + g.H, (g.OH - 1) * g.sh + (g.KH - 1) * g.dh + 1);
-    size = int64_t{Hp} * Wp + int64_t{(g.OW + 7) / 8 * 8} * S + int64_t{g.KW} * g.dw + 16;
+    size = int64_t{Hp + (kDwRows - 1) * g.sh + 1} * Wp + int64_t{(g.OW + 7) / 8 * 8} * S + int64_t{g.KW} * g.dw + 16;
   }
 };
 
 // max(lo, a) / min(hi, a) keep a NaN (the second operand), as std::max(a, lo) does.
 MLXD_AVX2 inline __m256 clamp8(__m256 a, __m256 lo, __m256 hi) { return _mm256_min_ps(hi, _mm256_max_ps(lo, a)); }
 
+struct DwRow {  // what a block needs besides its position
+  const float* buf;
+  const float* k;
+  const float* residual;  // the plane's, or null
+  float* out;
+  __m256 bias, lo, hi;
+  __m256i tail;  // lanes of the block's last vector inside the row
+};
+
+// R output rows from oh (`rows` of them stored) by V vectors of eight columns
+// from ow: the taps accumulated in registers from the bias (and the
+// residual), clamped as they are stored; the last vector masked by `tail`.
+template <int S, int R, int V>
+MLXD_AVX2 void depthwise_block(const Geometry& g, const PaddedPlane& pp, const DwRow& d, int oh, int ow, int rows) {
+  __m256 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) {
+      acc[r][v] = d.bias;
+      if (d.residual && r < rows) {
+        const float* res = d.residual + int64_t{oh + r} * g.OW + ow + 8 * v;
+        acc[r][v] = _mm256_add_ps(acc[r][v], v == V - 1 ? _mm256_maskload_ps(res, d.tail) : _mm256_loadu_ps(res));
+      }
+    }
+  const float* top = d.buf + int64_t{oh} * g.sh * pp.Wp + int64_t{ow} * S;
+  const int64_t row_step = int64_t{g.sh} * pp.Wp;
+  for (int ki = 0; ki < g.KH; ++ki)
+    for (int kj = 0; kj < g.KW; ++kj) {
+      const __m256 w = _mm256_broadcast_ss(d.k + ki * g.KW + kj);
+      const float* p = top + int64_t{ki} * g.dh * pp.Wp + kj * g.dw;
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < V; ++v)
+          acc[r][v] = _mm256_fmadd_ps(w, vmath::load_strided<S>(p + r * row_step + 8 * v * S), acc[r][v]);
+    }
+  for (int r = 0; r < R && r < rows; ++r)
+    for (int v = 0; v < V; ++v) {
+      float* o = d.out + int64_t{oh + r} * g.OW + ow + 8 * v;
+      const __m256 y = clamp8(acc[r][v], d.lo, d.hi);
+      if (v == V - 1)
+        _mm256_maskstore_ps(o, d.tail, y);
+      else
+        _mm256_storeu_ps(o, y);
+    }
+}
+
+// Rows of R output rows, each cut into blocks of up to kDwVectors vectors.
+template <int S, int R>
+MLXD_AVX2 void depthwise_rows(const Geometry& g, const PaddedPlane& pp, DwRow& d) {
+  for (int oh = 0; oh < g.OH; oh += R) {
+    const int rows = std::min(R, g.OH - oh);
+    for (int ow = 0; ow < g.OW; ow += 8 * kDwVectors) {
+      const int left = g.OW - ow, V = std::min(kDwVectors, (left + 7) / 8);
+      d.tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(left - 8 * (V - 1)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      switch (V) {
+        case 1: depthwise_block<S, R, 1>(g, pp, d, oh, ow, rows); break;
+        case 2: depthwise_block<S, R, 2>(g, pp, d, oh, ow, rows); break;
+        case 3: depthwise_block<S, R, 3>(g, pp, d, oh, ow, rows); break;
+        default: depthwise_block<S, R, 4>(g, pp, d, oh, ow, rows); break;
+      }
+    }
+  }
+}
+
 // One output plane of a depthwise convolution at width stride S (any height
 // stride, dilation and padding) from its padded copy `buf` (the interior is
-// written here; the border and slack stay zero): each output row accumulates
-// its taps in registers from the bias (and the residual), four vectors of
-// eight columns at a time, the last vector masked; clamped as it is stored,
-// the activation applied to the finished plane while it is in cache.
+// written here unless `plane` is null; the border and slack stay zero): blocks
+// of output rows and columns in registers (more rows per block on narrow maps,
+// so each weight is broadcast once for up to eight vectors), then the
+// activation on the finished plane while it is in cache.
 template <int S>
 MLXD_AVX2 void depthwise_padded(const Geometry& g, const PaddedPlane& pp, float* buf, const float* plane,
                                 const float* k, float bias, const float* residual, float* out) {
@@ -231,46 +298,12 @@ MLXD_AVX2 void depthwise_padded(const Geometry& g, const PaddedPlane& pp, float*
       const float* src = plane + int64_t{ih} * g.W;
       for (int iw = 0; iw < g.W; ++iw) dst[iw] = src[iw];
     }
-  const __m256 vlo = _mm256_set1_ps(g.clamp ? g.lo : -INFINITY), vhi = _mm256_set1_ps(g.clamp ? g.hi : INFINITY);
-  const __m256 vb = _mm256_set1_ps(bias);
-  const int64_t row_step = int64_t{g.dh} * pp.Wp;
-  for (int oh = 0; oh < g.OH; ++oh) {
-    const float* top = buf + int64_t{oh} * g.sh * pp.Wp;
-    float* orow = out + int64_t{oh} * g.OW;
-    const float* rrow = residual ? residual + int64_t{oh} * g.OW : nullptr;
-    int ow = 0;
-    for (; ow + 32 <= g.OW; ow += 32) {
-      __m256 a0 = vb, a1 = vb, a2 = vb, a3 = vb;
-      if (rrow) {
-        a0 = _mm256_add_ps(a0, _mm256_loadu_ps(rrow + ow)), a1 = _mm256_add_ps(a1, _mm256_loadu_ps(rrow + ow + 8));
-        a2 = _mm256_add_ps(a2, _mm256_loadu_ps(rrow + ow + 16)), a3 = _mm256_add_ps(a3, _mm256_loadu_ps(rrow + ow + 24));
-      }
-      const float* row = top + int64_t{ow} * S;
-      for (int ki = 0; ki < g.KH; ++ki, row += row_step)
-        for (int kj = 0; kj < g.KW; ++kj) {
-          const __m256 w = _mm256_broadcast_ss(k + ki * g.KW + kj);
-          const float* p = row + kj * g.dw;
-          a0 = _mm256_fmadd_ps(w, vmath::load_strided<S>(p), a0);
-          a1 = _mm256_fmadd_ps(w, vmath::load_strided<S>(p + 8 * S), a1);
-          a2 = _mm256_fmadd_ps(w, vmath::load_strided<S>(p + 16 * S), a2);
-          a3 = _mm256_fmadd_ps(w, vmath::load_strided<S>(p + 24 * S), a3);
-        }
-      _mm256_storeu_ps(orow + ow, clamp8(a0, vlo, vhi));
-      _mm256_storeu_ps(orow + ow + 8, clamp8(a1, vlo, vhi));
-      _mm256_storeu_ps(orow + ow + 16, clamp8(a2, vlo, vhi));
-      _mm256_storeu_ps(orow + ow + 24, clamp8(a3, vlo, vhi));
-    }
-    for (; ow < g.OW; ow += 8) {
-      const int n = std::min(8, g.OW - ow);
-      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-      __m256 a = rrow ? _mm256_add_ps(vb, _mm256_maskload_ps(rrow + ow, mask)) : vb;
-      const float* row = top + int64_t{ow} * S;
-      for (int ki = 0; ki < g.KH; ++ki, row += row_step)
-        for (int kj = 0; kj < g.KW; ++kj)
-          a = _mm256_fmadd_ps(_mm256_broadcast_ss(k + ki * g.KW + kj), vmath::load_strided<S>(row + kj * g.dw), a);
-      _mm256_maskstore_ps(orow + ow, mask, clamp8(a, vlo, vhi));
-    }
-  }
+  DwRow d{buf, k, residual, out, _mm256_set1_ps(bias), _mm256_set1_ps(g.clamp ? g.lo : -INFINITY),
+          _mm256_set1_ps(g.clamp ? g.hi : INFINITY), _mm256_setzero_si256()};
+  if (g.OW > 16)
+    depthwise_rows<S, 2>(g, pp, d);  // 2 rows x up to 4 vectors
+  else
+    depthwise_rows<S, kDwRows>(g, pp, d);  // 4 rows x 1-2 vectors
   activate(g, out, g.P());
 }
 #endif
