@@ -207,15 +207,30 @@ constexpr int kDwRows = 4, kDwVectors = 4;
 // columns up to OW rounded up to 8, rows up to a block past OH), whose extra
 // lanes and rows read on into the next row or the zeroed slack and are never
 // stored. So the loops below have no edge cases, whatever the padding, kernel
-// size (3x3, 5x5, ...) or map width.
+// size (3x3, 5x5, ...) or map width. At width stride 2 each padded row is
+// stored as its even columns, then its odd ones: output column ow's tap at
+// padded column 2 ow + j is then element ow + j / 2 of one half, and every
+// load is eight consecutive floats instead of sixteen shuffled to eight.
 struct PaddedPlane {
-  int Wp, Hp;    // row length and rows
-  int64_t size;  // floats, slack included
+  int Wp, Hp;        // padded row length and rows
+  int half;          // stride 2: the length of each half of a stored row (0: stored as is)
+  int64_t row;       // floats per stored row
+  int64_t size;      // floats, slack included
+  std::vector<int64_t> taps;  // each tap's offset from its output's first input (ki * dh rows, kj * dw columns)
   PaddedPlane(const Geometry& g, int S) {
     Wp = std::max(g.pw + g.W, (g.OW - 1) * S + (g.KW - 1) * g.dw + 1);
     Hp = std::max(g.ph + g.H, (g.OH - 1) * g.sh + (g.KH - 1) * g.dh + 1);
-    size = int64_t{Hp + (kDwRows - 1) * g.sh + 1} * Wp + int64_t{(g.OW + 7) / 8 * 8} * S + int64_t{g.KW} * g.dw + 16;
+    half = S == 2 ? (Wp + 1) / 2 : 0;
+    row = S == 2 ? 2 * int64_t{half} : Wp;
+    size = (Hp + int64_t{kDwRows} * g.sh + 1) * row + int64_t{g.OW + 8} * S + int64_t{g.KW} * g.dw + 16;
+    for (int ki = 0; ki < g.KH; ++ki)
+      for (int kj = 0; kj < g.KW; ++kj) {
+        const int c = kj * g.dw;
+        taps.push_back(int64_t{ki} * g.dh * row + (S == 2 ? (c & 1) * int64_t{half} + (c >> 1) : c));
+      }
   }
+  // Where padded column c of a stored row lives.
+  int64_t at(int c) const { return half ? (c & 1) * int64_t{half} + (c >> 1) : c; }
 };
 
 // max(lo, a) / min(hi, a) keep a NaN (the second operand), as std::max(a, lo) does.
@@ -233,7 +248,7 @@ struct DwRow {  // what a block needs besides its position
 // R output rows from oh (`rows` of them stored) by V vectors of eight columns
 // from ow: the taps accumulated in registers from the bias (and the
 // residual), clamped as they are stored; the last vector masked by `tail`.
-template <int S, int R, int V>
+template <int R, int V>
 MLXD_AVX2 void depthwise_block(const Geometry& g, const PaddedPlane& pp, const DwRow& d, int oh, int ow, int rows) {
   __m256 acc[R][V];
   for (int r = 0; r < R; ++r)
@@ -244,16 +259,16 @@ MLXD_AVX2 void depthwise_block(const Geometry& g, const PaddedPlane& pp, const D
         acc[r][v] = _mm256_add_ps(acc[r][v], v == V - 1 ? _mm256_maskload_ps(res, d.tail) : _mm256_loadu_ps(res));
       }
     }
-  const float* top = d.buf + int64_t{oh} * g.sh * pp.Wp + int64_t{ow} * S;
-  const int64_t row_step = int64_t{g.sh} * pp.Wp;
-  for (int ki = 0; ki < g.KH; ++ki)
-    for (int kj = 0; kj < g.KW; ++kj) {
-      const __m256 w = _mm256_broadcast_ss(d.k + ki * g.KW + kj);
-      const float* p = top + int64_t{ki} * g.dh * pp.Wp + kj * g.dw;
-      for (int r = 0; r < R; ++r)
-        for (int v = 0; v < V; ++v)
-          acc[r][v] = _mm256_fmadd_ps(w, vmath::load_strided<S>(p + r * row_step + 8 * v * S), acc[r][v]);
-    }
+  const int64_t row_step = int64_t{g.sh} * pp.row;
+  // Output column ow's first input: padded column ow (stride 1) or 2 ow (stride 2, element ow of the even half).
+  const float* top = d.buf + int64_t{oh} * row_step + ow;
+  const int taps = g.KH * g.KW;
+  for (int t = 0; t < taps; ++t) {
+    const __m256 w = _mm256_broadcast_ss(d.k + t);
+    const float* p = top + pp.taps[t];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(p + r * row_step + 8 * v), acc[r][v]);
+  }
   for (int r = 0; r < R && r < rows; ++r)
     for (int v = 0; v < V; ++v) {
       float* o = d.out + int64_t{oh + r} * g.OW + ow + 8 * v;
@@ -266,7 +281,7 @@ MLXD_AVX2 void depthwise_block(const Geometry& g, const PaddedPlane& pp, const D
 }
 
 // Rows of R output rows, each cut into blocks of up to kDwVectors vectors.
-template <int S, int R>
+template <int R>
 MLXD_AVX2 void depthwise_rows(const Geometry& g, const PaddedPlane& pp, DwRow& d) {
   for (int oh = 0; oh < g.OH; oh += R) {
     const int rows = std::min(R, g.OH - oh);
@@ -274,36 +289,50 @@ MLXD_AVX2 void depthwise_rows(const Geometry& g, const PaddedPlane& pp, DwRow& d
       const int left = g.OW - ow, V = std::min(kDwVectors, (left + 7) / 8);
       d.tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(left - 8 * (V - 1)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
       switch (V) {
-        case 1: depthwise_block<S, R, 1>(g, pp, d, oh, ow, rows); break;
-        case 2: depthwise_block<S, R, 2>(g, pp, d, oh, ow, rows); break;
-        case 3: depthwise_block<S, R, 3>(g, pp, d, oh, ow, rows); break;
-        default: depthwise_block<S, R, 4>(g, pp, d, oh, ow, rows); break;
+        case 1: depthwise_block<R, 1>(g, pp, d, oh, ow, rows); break;
+        case 2: depthwise_block<R, 2>(g, pp, d, oh, ow, rows); break;
+        case 3: depthwise_block<R, 3>(g, pp, d, oh, ow, rows); break;
+        default: depthwise_block<R, 4>(g, pp, d, oh, ow, rows); break;
       }
     }
   }
 }
 
-// One output plane of a depthwise convolution at width stride S (any height
-// stride, dilation and padding) from its padded copy `buf` (the interior is
-// written here unless `plane` is null; the border and slack stay zero): blocks
-// of output rows and columns in registers (more rows per block on narrow maps,
-// so each weight is broadcast once for up to eight vectors), then the
-// activation on the finished plane while it is in cache.
-template <int S>
+// The input row `src` (W floats) into stored row `dst` at padded column pw.
+MLXD_AVX2 void store_padded_row(const Geometry& g, const PaddedPlane& pp, const float* src, float* dst) {
+  if (!pp.half) {
+    std::memcpy(dst + g.pw, src, g.W * sizeof(float));
+    return;
+  }
+  // Stride 2: input column iw lands at padded column iw + pw, in the even or the odd half.
+  float* first = dst + pp.at(g.pw);       // where src[0], src[2], ... go, consecutively
+  float* second = dst + pp.at(g.pw + 1);  // src[1], src[3], ...
+  int iw = 0;
+  for (; iw + 16 <= g.W; iw += 16) {
+    const __m256 a = _mm256_loadu_ps(src + iw), b = _mm256_loadu_ps(src + iw + 8);
+    const __m256 even = _mm256_shuffle_ps(a, b, 0x88), odd = _mm256_shuffle_ps(a, b, 0xDD);  // lanes a0 a2 b0 b2 | ...
+    _mm256_storeu_ps(first + iw / 2, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), 0xD8)));
+    _mm256_storeu_ps(second + iw / 2, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(odd), 0xD8)));
+  }
+  for (; iw < g.W; ++iw) (iw & 1 ? second : first)[iw / 2] = src[iw];
+}
+
+// One output plane of a depthwise convolution (any height stride, dilation
+// and padding; width stride 1 or 2) from its padded copy `buf` (the interior
+// is written here unless `plane` is null; the border and slack stay zero):
+// blocks of output rows and columns in registers (more rows per block on
+// narrow maps, so each weight is broadcast once for up to eight vectors), then
+// the activation on the finished plane while it is in cache.
 MLXD_AVX2 void depthwise_padded(const Geometry& g, const PaddedPlane& pp, float* buf, const float* plane,
                                 const float* k, float bias, const float* residual, float* out) {
   if (plane != nullptr)
-    for (int ih = 0; ih < g.H; ++ih) {
-      float* dst = buf + int64_t{ih + g.ph} * pp.Wp + g.pw;
-      const float* src = plane + int64_t{ih} * g.W;
-      for (int iw = 0; iw < g.W; ++iw) dst[iw] = src[iw];
-    }
+    for (int ih = 0; ih < g.H; ++ih) store_padded_row(g, pp, plane + int64_t{ih} * g.W, buf + (ih + g.ph) * pp.row);
   DwRow d{buf, k, residual, out, _mm256_set1_ps(bias), _mm256_set1_ps(g.clamp ? g.lo : -INFINITY),
           _mm256_set1_ps(g.clamp ? g.hi : INFINITY), _mm256_setzero_si256()};
   if (g.OW > 16)
-    depthwise_rows<S, 2>(g, pp, d);  // 2 rows x up to 4 vectors
+    depthwise_rows<2>(g, pp, d);  // 2 rows x up to 4 vectors
   else
-    depthwise_rows<S, kDwRows>(g, pp, d);  // 4 rows x 1-2 vectors
+    depthwise_rows<kDwRows>(g, pp, d);  // 4 rows x 1-2 vectors
   activate(g, out, g.P());
 }
 #endif
@@ -325,10 +354,8 @@ void depthwise(const Geometry& g, const float* x, const float* w, int64_t w_imag
         const float* plane = x + (p / g.O * g.C + o / m) * int64_t{g.H} * g.W;
         const float* k = w + p / g.O * w_image + int64_t{o} * g.KH * g.KW;
         // A channel multiplier's outputs read one input plane: copied once.
-        (g.sw == 1 ? depthwise_padded<1> : depthwise_padded<2>)(g, pp, buf.data(), plane == last ? nullptr : plane,
-                                                                  k, bias ? bias[o] : 0.f,
-                                                                  residual ? residual + p * g.P() : nullptr,
-                                                                  y + p * g.P());
+        depthwise_padded(g, pp, buf.data(), plane == last ? nullptr : plane, k, bias ? bias[o] : 0.f,
+                         residual ? residual + p * g.P() : nullptr, y + p * g.P());
         last = plane;
       }
     });
