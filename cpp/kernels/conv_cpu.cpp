@@ -508,7 +508,8 @@ void run_conv(const ConvCall& c) {
   const float* w = as_f32(c.w, ws);
   const float* bias = c.bias ? as_f32(*c.bias, bs) : nullptr;
   const float* residual = c.residual ? as_f32(*c.residual, rs) : nullptr;
-  std::vector<float> scaled;
+  // Kept per thread across calls: a fresh vector of a few hundred KB is a fresh mapping (page faults) each call.
+  thread_local std::vector<float> scaled;
   const int64_t w_image = c.scale ? fold_scale(g, as_f32(*c.scale, ss), x, w, scaled) : 0;
   const int64_t out_n = int64_t{g.N} * g.O * g.P();
   float* y = static_cast<float*>(c.y);
