@@ -68,14 +68,14 @@ def convolution(b: ProgramBuilder, n: torch.fx.Node) -> None:
 
 
 # conv_fused's activations (custom_ops.CONV_ACTIVATIONS) as the ConvNode's act_op.
-CONV_ACT_OPS = {"hardswish": N.UnaryOp.Hardswish, "hardsigmoid": N.UnaryOp.Hardsigmoid, "sigmoid": N.UnaryOp.Sigmoid,
-                "silu": N.UnaryOp.Silu, "gelu": N.UnaryOp.GeluErf, "gelu_tanh": N.UnaryOp.GeluTanh}
+CONV_ACT_OPS = {"hardswish": N.UnaryOp.Hardswish, "hardsigmoid": N.UnaryOp.Hardsigmoid,
+                "sigmoid": N.UnaryOp.Sigmoid, "silu": N.UnaryOp.Silu, "gelu": N.UnaryOp.GeluErf,
+                "gelu_tanh": N.UnaryOp.GeluTanh}
 
 
 @register(torch.ops.mlx_delegate.conv_fused.default)
 def conv_fused(b: ProgramBuilder, n: torch.fx.Node) -> None:
-    """A convolution with an input scale, a zero pad, a residual add and activations fused
-    (patterns/conv_fusions.py)."""
+    """A convolution with its input scale, pad, residual and activations fused (patterns/conv_fusions.py)."""
     args = b.args(n)
     act, in_scale = args.get("act", "none"), args.get("in_scale")
     lo, hi = args["lo"], args["hi"]

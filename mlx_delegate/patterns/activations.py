@@ -9,7 +9,8 @@
 become one `aten.gelu` / `aten.silu` / `aten.hardswish` / `aten.hardsigmoid`
 node (one unary op instead of 3-9, which the convolution fusions can then take
 into a convolution's epilogue). The written form is not matched op by op:
-starting at each erf / tanh / sigmoid / clamp / hardtanh, the element-wise subgraph that reads only one tensor x and scalar
+starting at each erf / tanh / sigmoid / clamp / hardtanh, the element-wise
+subgraph that reads only one tensor x and scalar
 constants is evaluated on probe values and compared with the three functions,
 so any arrangement of the factors (x * 0.5, / 2, x * x * x, ...) fuses and
 anything computing something else (quick-GELU's sigmoid(1.702 x), a wrong

@@ -28,8 +28,8 @@ from .common import aten, dtype, erase_dead, is_op, only_user, replace, same_sha
 
 FUSED = torch.ops.mlx_delegate.conv_fused.default
 INF = math.inf
-ARGS = ("x", "weight", "bias", "residual", "stride", "padding", "padding_hi", "dilation", "groups", "lo", "hi", "act",
-        "in_scale")
+ARGS = ("x", "weight", "bias", "residual", "stride", "padding", "padding_hi", "dilation", "groups", "lo",
+        "hi", "act", "in_scale")
 DEFAULTS = {"act": "none", "in_scale": None}
 
 

@@ -41,7 +41,8 @@ ROWS = [
     # the CPU kernel's vector body, its tail and the specials (NaN, inf), and a non-contiguous input
     ("hardswish_specials", F.hardswish, lambda: (torch.cat([torch.randn(37) * 4, torch.tensor(
         [float("nan"), float("inf"), -float("inf"), -3.0, 3.0, 0.0])]),)),
-    ("hardsigmoid_specials", F.hardsigmoid, with_specials(27)), ("hardswish_nc", transposed(F.hardswish), randn(5, 7)),
+    ("hardsigmoid_specials", F.hardsigmoid, with_specials(27)),
+    ("hardswish_nc", transposed(F.hardswish), randn(5, 7)),
     ("mish", F.mish, with_specials(8)), ("glu", F.glu, randn(3, 8)), ("glu_dim0", lambda x: F.glu(x, 0), randn(4, 3)),
     ("glu_neg_dim", lambda x: F.glu(x, -2), randn(2, 6, 3)),
     ("logit", torch.logit, lambda: (torch.rand(3, 4) * 0.9 + 0.05,)),

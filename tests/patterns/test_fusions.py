@@ -113,7 +113,8 @@ ACTIVATIONS = {
     "silu": (lambda x: x * torch.sigmoid(x), "UnaryNode.Silu"),
     # the hard activations as models write them (relu6 exports as hardtanh) and as torch decomposes them
     "hardswish_relu6": (lambda x: x * F.relu6(x + 3) / 6, "UnaryNode.Hardswish"),
-    "hardswish_decomposed": (lambda x: x * torch.clamp(torch.clamp(x + 3, min=0), max=6) / 6, "UnaryNode.Hardswish"),
+    "hardswish_decomposed": (lambda x: x * torch.clamp(torch.clamp(x + 3, min=0), max=6) / 6,
+                             "UnaryNode.Hardswish"),
     "hardsigmoid_relu6": (lambda x: F.relu6(x + 3.0) / 6.0, "UnaryNode.Hardsigmoid"),
     "hardsigmoid_tf": (lambda x: torch.clamp(x * (1 / 6) + 0.5, 0, 1), "UnaryNode.Hardsigmoid"),
 }
