@@ -222,7 +222,7 @@ struct PaddedPlane {
     Hp = std::max(g.ph + g.H, (g.OH - 1) * g.sh + (g.KH - 1) * g.dh + 1);
     half = S == 2 ? (Wp + 1) / 2 : 0;
     row = S == 2 ? 2 * int64_t{half} : Wp;
-    size = (Hp + int64_t{kDwRows} * g.sh + 1) * row + int64_t{g.OW + 8} * S + int64_t{g.KW} * g.dw + 16;
+    size = (Hp + int64_t{kDwRows} * g.sh + 1) * row + int64_t{g.OW + 16} * S + int64_t{g.KW} * g.dw + 32;
     for (int ki = 0; ki < g.KH; ++ki)
       for (int kj = 0; kj < g.KW; ++kj) {
         const int c = kj * g.dw;
@@ -280,6 +280,55 @@ MLXD_AVX2 void depthwise_block(const Geometry& g, const PaddedPlane& pp, const D
     }
 }
 
+// depthwise_block on sixteen lanes (AVX-512F), for maps wide enough to fill them.
+template <int R, int V>
+MLXD_AVX512 void depthwise_block16(const Geometry& g, const PaddedPlane& pp, const DwRow& d, int oh, int ow, int rows,
+                                   __mmask16 tail) {
+  const __m512 bias = _mm512_set1_ps(_mm256_cvtss_f32(d.bias));
+  const __m512 lo = _mm512_set1_ps(_mm256_cvtss_f32(d.lo)), hi = _mm512_set1_ps(_mm256_cvtss_f32(d.hi));
+  __m512 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) {
+      acc[r][v] = bias;
+      if (d.residual && r < rows) {
+        const float* res = d.residual + int64_t{oh + r} * g.OW + ow + 16 * v;
+        acc[r][v] = _mm512_add_ps(acc[r][v], _mm512_maskz_loadu_ps(v == V - 1 ? tail : __mmask16(0xFFFF), res));
+      }
+    }
+  const int64_t row_step = int64_t{g.sh} * pp.row;
+  const float* top = d.buf + int64_t{oh} * row_step + ow;
+  const int taps = g.KH * g.KW;
+  for (int t = 0; t < taps; ++t) {
+    const __m512 w = _mm512_set1_ps(d.k[t]);
+    const float* p = top + pp.taps[t];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(w, _mm512_loadu_ps(p + r * row_step + 16 * v), acc[r][v]);
+  }
+  for (int r = 0; r < R && r < rows; ++r)
+    for (int v = 0; v < V; ++v)
+      _mm512_mask_storeu_ps(d.out + int64_t{oh + r} * g.OW + ow + 16 * v, v == V - 1 ? tail : __mmask16(0xFFFF),
+                            _mm512_min_ps(hi, _mm512_max_ps(lo, acc[r][v])));
+}
+
+// Rows of 2 output rows by up to 4 vectors of sixteen columns.
+MLXD_AVX512 void depthwise_rows16(const Geometry& g, const PaddedPlane& pp, const DwRow& d) {
+  constexpr int R = 2;
+  for (int oh = 0; oh < g.OH; oh += R) {
+    const int rows = std::min(R, g.OH - oh);
+    for (int ow = 0; ow < g.OW; ow += 16 * kDwVectors) {
+      const int left = g.OW - ow, V = std::min(kDwVectors, (left + 15) / 16);
+      const int last = left - 16 * (V - 1);
+      const __mmask16 tail = static_cast<__mmask16>(last >= 16 ? 0xFFFF : (1u << last) - 1u);
+      switch (V) {
+        case 1: depthwise_block16<R, 1>(g, pp, d, oh, ow, rows, tail); break;
+        case 2: depthwise_block16<R, 2>(g, pp, d, oh, ow, rows, tail); break;
+        case 3: depthwise_block16<R, 3>(g, pp, d, oh, ow, rows, tail); break;
+        default: depthwise_block16<R, 4>(g, pp, d, oh, ow, rows, tail); break;
+      }
+    }
+  }
+}
+
 // Rows of R output rows, each cut into blocks of up to kDwVectors vectors.
 template <int R>
 MLXD_AVX2 void depthwise_rows(const Geometry& g, const PaddedPlane& pp, DwRow& d) {
@@ -329,7 +378,9 @@ MLXD_AVX2 void depthwise_padded(const Geometry& g, const PaddedPlane& pp, float*
     for (int ih = 0; ih < g.H; ++ih) store_padded_row(g, pp, plane + int64_t{ih} * g.W, buf + (ih + g.ph) * pp.row);
   DwRow d{buf, k, residual, out, _mm256_set1_ps(bias), _mm256_set1_ps(g.clamp ? g.lo : -INFINITY),
           _mm256_set1_ps(g.clamp ? g.hi : INFINITY), _mm256_setzero_si256()};
-  if (g.OW > 16)
+  if (g.OW >= 28 && cpu_use_avx512())
+    depthwise_rows16(g, pp, d);  // sixteen lanes: at most 4 of 32 columns of a vector pair wasted
+  else if (g.OW > 16)
     depthwise_rows<2>(g, pp, d);  // 2 rows x up to 4 vectors
   else
     depthwise_rows<kDwRows>(g, pp, d);  // 4 rows x 1-2 vectors

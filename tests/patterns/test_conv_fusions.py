@@ -212,7 +212,8 @@ class ActScale(nn.Module):
     depthwise with padding 2, a squeeze-excite gate closed by hard-sigmoid, SiLU, GELU. The gate folded
     into the next convolution as its input scale: into the weights (a 1x1 with a residual, smaller than
     its input), into the input (a 3x3 with more weights than the input has values), into a depthwise
-    convolution. Look-alikes that stay: an activation whose convolution output is also read, a gated
+    convolution. A wide 1-D depthwise convolution with a residual and ReLU6 (the sixteen-lane rows).
+    Look-alikes that stay: an activation whose convolution output is also read, a gated
     product also read elsewhere, a scale shared by both images ([1, C, 1, 1])."""
 
     def __init__(self) -> None:
@@ -224,6 +225,7 @@ class ActScale(nn.Module):
         self.wide = nn.Conv2d(8, 16, 3, padding=1)
         self.dw3 = nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False)
         self.shared = nn.Conv2d(8, 8, 1)
+        self.dw1d = nn.Conv1d(3, 3, 5, padding=2, groups=3)
         self.layer_scale = nn.Parameter(torch.rand(1, 8, 1, 1) + 0.5)
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -235,7 +237,8 @@ class ActScale(nn.Module):
         e = F.gelu(self.dw3(c * gate))
         s = self.shared(c)
         p = c * gate
-        return [d, e, F.hardswish(s) + s, self.project(p) + p, self.project(c * self.layer_scale)]
+        wide = F.relu6(self.dw1d(x.flatten(2)) + x.flatten(2))
+        return [d, e, F.hardswish(s) + s, self.project(p) + p, self.project(c * self.layer_scale), wide]
 
 
 def conv_epilogues(lowered) -> Counter:
