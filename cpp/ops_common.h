@@ -47,6 +47,10 @@ const Fn& table_at(const std::array<OpRow<Enum, Fn>, N>& table, Enum e, const ch
 // when x has no other reader (ops/elementwise.cpp).
 mx::array unary_op(mlxd::UnaryOp op, const mx::array& x, const std::optional<mx::array>& bias = std::nullopt);
 
+// The CPU kernel (kernels/unary_cpu.h) that computes `op`, if there is one.
+enum class UnaryKernel : uint8_t;
+std::optional<UnaryKernel> cpu_kernel_for(mlxd::UnaryOp op);
+
 // RMS norm over the last axis: the CPU row kernel where it applies (MLX's CPU norm runs on one core),
 // MLX's fused kernel otherwise (norm.cpp).
 mx::array rms_norm_last(const mx::array& x, const std::optional<mx::array>& w, float eps);

@@ -169,23 +169,39 @@ def _conv_fused(x: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int
                                       dilation, False, [0] * len(stride), groups)
 
 
+# The activations `conv_fused` applies after its clamp, by name (the `act` argument; "none": no activation).
+CONV_ACTIVATIONS = {
+    "none": lambda y: y,
+    "hardswish": torch.nn.functional.hardswish,
+    "hardsigmoid": torch.nn.functional.hardsigmoid,
+    "sigmoid": torch.sigmoid,
+    **LINEAR_ACTIVATIONS,
+}
+
+
 @torch.library.custom_op("mlx_delegate::conv_fused", mutates_args=())
 def conv_fused(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None, stride: list[int],
                padding: list[int], padding_hi: list[int], dilation: list[int], groups: int, lo: float,
-               hi: float) -> Tensor:
-    """A convolution with what follows it fused (patterns/conv_fusions.py): zero padding of its input
-    (asymmetric: `padding` low, `padding_hi` high side per axis), a residual added to its result,
-    then an activation (ReLU, ReLU6, hardtanh, clamp) as the bounds [lo, hi] (-inf / inf: none)."""
+               hi: float, act: str = "none", in_scale: Tensor | None = None) -> Tensor:
+    """A convolution with what surrounds it fused (patterns/conv_fusions.py): its input multiplied by
+    `in_scale` ([N, C, 1, ...]: a per-image, per-channel gate such as squeeze-excite's), zero padding of
+    the input (asymmetric: `padding` low, `padding_hi` high side per axis), a residual added to its
+    result, the bounds [lo, hi] (ReLU, ReLU6, hardtanh, clamp; -inf / inf: none), then `act` (one of
+    CONV_ACTIVATIONS)."""
+    if act not in CONV_ACTIVATIONS:
+        raise ValueError(f"conv_fused: unknown activation {act!r}; known: {sorted(CONV_ACTIVATIONS)}")
+    if in_scale is not None:
+        x = x * in_scale
     y = _conv_fused(x, weight, bias, stride, padding, padding_hi, dilation, groups)
     if residual is not None:
         y = y + residual
-    return y.clamp(lo, hi)
+    return CONV_ACTIVATIONS[act](y.clamp(lo, hi))
 
 
 @conv_fused.register_fake
 def _(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None, stride: list[int],
       padding: list[int], padding_hi: list[int], dilation: list[int], groups: int, lo: float,
-      hi: float) -> Tensor:
+      hi: float, act: str = "none", in_scale: Tensor | None = None) -> Tensor:
     return torch.empty_like(_conv_fused(x, weight, bias, stride, padding, padding_hi, dilation, groups))
 
 

@@ -1,8 +1,8 @@
 // Convolution on the CPU (see conv_cpu.h): im2col + sgemm per image and
 // group (large products in tiles of output rows, smaller ones in blocks of
 // output channels, each tile or block one task on one thread), or a direct loop
-// for depthwise (one input channel per group; AVX2 rows for strides 1 and 2, a
-// padded flat grid for small maps).
+// for depthwise (one input channel per group; AVX2 rows over a zero-bordered
+// copy of each plane for width strides 1 and 2).
 #include "kernels/conv_cpu.h"
 
 #include <dlfcn.h>
@@ -21,6 +21,7 @@
 #include <mlx/primitives.h>
 
 #include "kernels/cpu_parallel.h"
+#include "kernels/unary_cpu.h"
 #include "kernels/vec_math_cpu.h"
 
 namespace mlxd::rt {
@@ -63,6 +64,7 @@ const float* as_f32(const Tensor& t, std::vector<float>& store) {
 
 struct Geometry {
   int N, C, H, W, O, KH, KW, OH, OW, sh, sw, ph, pw, dh, dw, groups;
+  int act;  // the UnaryKernel applied after the clamp, -1: none
   bool clamp;
   float lo, hi;
   int Cg() const { return C / groups; }
@@ -149,6 +151,19 @@ void clamp_range(const Geometry& g, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] = std::min(std::max(y[i], g.lo), g.hi);
 }
 
+// The fused activation (hard-swish, SiLU, ...) over n results still in cache.
+void activate(const Geometry& g, float* y, int64_t n) {
+  if (g.act >= 0) unary_cpu_map(static_cast<UnaryKernel>(g.act))(y, y, n);
+}
+
+bool has_epilogue(const Geometry& g) { return g.clamp || g.act >= 0; }
+
+// The clamp, then the activation: the epilogue of every path.
+void finish(const Geometry& g, float* y, int64_t n) {
+  clamp_range(g, y, n);
+  activate(g, y, n);
+}
+
 // The output plane's starting values: the bias, plus the residual's plane when there is one.
 void init_plane(const Geometry& g, float* out, float bias, const float* residual) {
   if (residual) {
@@ -179,152 +194,238 @@ void depthwise_plane(const Geometry& g, const float* plane, const float* k, floa
       }
     }
   }
-  clamp_range(g, out, g.P());
+  finish(g, out, g.P());
 }
 
 #ifdef MLXD_CPU_X86
-// One output plane of a depthwise convolution at width stride S: each output
-// row accumulates its taps in registers (four vectors of eight columns at a
-// time, so the FMA chains overlap) from the starting values already in `out`,
-// clamps, and is written once. Columns whose window reaches into the padding
-// take the scalar path.
-template <int S>
-MLXD_AVX2 void depthwise_plane_avx2(const Geometry& g, const float* plane, const float* k, float* out) {
-  // Columns [c0, c1): every tap's input column inside [0, W), loads included (S = 2 reads one past).
-  const int span = (g.KW - 1) * g.dw + (S - 1);
-  int c0 = (g.pw + S - 1) / S, c1 = g.W - 1 + g.pw - span >= 0 ? (g.W - 1 + g.pw - span) / S + 1 : 0;
-  c1 = std::min(c1, g.OW);
-  c0 = std::min(c0, c1);
-  const __m256 vlo = _mm256_set1_ps(g.clamp ? g.lo : -INFINITY), vhi = _mm256_set1_ps(g.clamp ? g.hi : INFINITY);
+// Output rows a depthwise block covers at most (kDwRows) and vectors of eight columns (kDwVectors):
+// up to 8 accumulators in registers, each weight broadcast once per block.
+constexpr int kDwRows = 4, kDwVectors = 4;
+
+// A depthwise convolution's input plane inside a zero border wide enough for
+// every tap of every value computed: blocks of whole vectors and rows (output
+// columns up to OW rounded up to 8, rows up to a block past OH), whose extra
+// lanes and rows read on into the next row or the zeroed slack and are never
+// stored. So the loops below have no edge cases, whatever the padding, kernel
+// size (3x3, 5x5, ...) or map width. At width stride 2 each padded row is
+// stored as its even columns, then its odd ones: output column ow's tap at
+// padded column 2 ow + j is then element ow + j / 2 of one half, and every
+// load is eight consecutive floats instead of sixteen shuffled to eight.
+struct PaddedPlane {
+  int Wp, Hp;        // padded row length and rows
+  int half;          // stride 2: the length of each half of a stored row (0: stored as is)
+  int64_t row;       // floats per stored row
+  int64_t size;      // floats, slack included
+  std::vector<int64_t> taps;  // each tap's offset from its output's first input (ki * dh rows, kj * dw columns)
+  PaddedPlane(const Geometry& g, int S) {
+    Wp = std::max(g.pw + g.W, (g.OW - 1) * S + (g.KW - 1) * g.dw + 1);
+    Hp = std::max(g.ph + g.H, (g.OH - 1) * g.sh + (g.KH - 1) * g.dh + 1);
+    half = S == 2 ? (Wp + 1) / 2 : 0;
+    row = S == 2 ? 2 * int64_t{half} : Wp;
+    size = (Hp + int64_t{kDwRows} * g.sh + 1) * row + int64_t{g.OW + 16} * S + int64_t{g.KW} * g.dw + 32;
+    for (int ki = 0; ki < g.KH; ++ki)
+      for (int kj = 0; kj < g.KW; ++kj) {
+        const int c = kj * g.dw;
+        taps.push_back(int64_t{ki} * g.dh * row + (S == 2 ? (c & 1) * int64_t{half} + (c >> 1) : c));
+      }
+  }
+  // Where padded column c of a stored row lives.
+  int64_t at(int c) const { return half ? (c & 1) * int64_t{half} + (c >> 1) : c; }
+};
+
+// max(lo, a) / min(hi, a) keep a NaN (the second operand), as std::max(a, lo) does.
+MLXD_AVX2 inline __m256 clamp8(__m256 a, __m256 lo, __m256 hi) { return _mm256_min_ps(hi, _mm256_max_ps(lo, a)); }
+
+struct DwRow {  // what a block needs besides its position
+  const float* buf;
+  const float* k;
+  const float* residual;  // the plane's, or null
+  float* out;
+  __m256 bias, lo, hi;
+  __m256i tail;  // lanes of the block's last vector inside the row
+};
+
+// R output rows from oh (`rows` of them stored) by V vectors of eight columns
+// from ow: the taps accumulated in registers from the bias (and the
+// residual), clamped as they are stored; the last vector masked by `tail`.
+template <int R, int V>
+MLXD_AVX2 void depthwise_block(const Geometry& g, const PaddedPlane& pp, const DwRow& d, int oh, int ow, int rows) {
+  __m256 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) {
+      acc[r][v] = d.bias;
+      if (d.residual && r < rows) {
+        const float* res = d.residual + int64_t{oh + r} * g.OW + ow + 8 * v;
+        acc[r][v] = _mm256_add_ps(acc[r][v], v == V - 1 ? _mm256_maskload_ps(res, d.tail) : _mm256_loadu_ps(res));
+      }
+    }
+  const int64_t row_step = int64_t{g.sh} * pp.row;
+  // Output column ow's first input: padded column ow (stride 1) or 2 ow (stride 2, element ow of the even half).
+  const float* top = d.buf + int64_t{oh} * row_step + ow;
   const int taps = g.KH * g.KW;
-  std::vector<const float*> rows(g.KH);
-  std::vector<float> wv(taps);
-  for (int oh = 0; oh < g.OH; ++oh) {
-    float* orow = out + int64_t{oh} * g.OW;
-    int nrows = 0;  // the rows inside the input, with their weights
-    for (int ki = 0; ki < g.KH; ++ki) {
-      const int ih = oh * g.sh - g.ph + ki * g.dh;
-      if (ih < 0 || ih >= g.H) continue;
-      rows[nrows] = plane + int64_t{ih} * g.W - g.pw;
-      for (int kj = 0; kj < g.KW; ++kj) wv[nrows * g.KW + kj] = k[ki * g.KW + kj];
-      ++nrows;
-    }
-    auto scalar = [&](int ow) {
-      float acc = orow[ow];
-      for (int r = 0; r < nrows; ++r)
-        for (int kj = 0; kj < g.KW; ++kj) {
-          const int iw = ow * S - g.pw + kj * g.dw;
-          if (iw >= 0 && iw < g.W) acc += wv[r * g.KW + kj] * rows[r][g.pw + iw];
-        }
-      orow[ow] = g.clamp ? std::min(std::max(acc, g.lo), g.hi) : acc;
-    };
-    for (int ow = 0; ow < c0; ++ow) scalar(ow);
-    int ow = c0;
-    for (; ow + 32 <= c1; ow += 32) {
-      __m256 a0 = _mm256_loadu_ps(orow + ow), a1 = _mm256_loadu_ps(orow + ow + 8);
-      __m256 a2 = _mm256_loadu_ps(orow + ow + 16), a3 = _mm256_loadu_ps(orow + ow + 24);
-      for (int r = 0; r < nrows; ++r)
-        for (int kj = 0; kj < g.KW; ++kj) {
-          const __m256 w = _mm256_set1_ps(wv[r * g.KW + kj]);
-          const float* p = rows[r] + int64_t{ow} * S + kj * g.dw;
-          a0 = _mm256_fmadd_ps(w, vmath::load_strided<S>(p), a0);
-          a1 = _mm256_fmadd_ps(w, vmath::load_strided<S>(p + 8 * S), a1);
-          a2 = _mm256_fmadd_ps(w, vmath::load_strided<S>(p + 16 * S), a2);
-          a3 = _mm256_fmadd_ps(w, vmath::load_strided<S>(p + 24 * S), a3);
-        }
-      // max(lo, a) / min(hi, a) keep a NaN (the second operand), as std::max(a, lo) does.
-      _mm256_storeu_ps(orow + ow, _mm256_min_ps(vhi, _mm256_max_ps(vlo, a0)));
-      _mm256_storeu_ps(orow + ow + 8, _mm256_min_ps(vhi, _mm256_max_ps(vlo, a1)));
-      _mm256_storeu_ps(orow + ow + 16, _mm256_min_ps(vhi, _mm256_max_ps(vlo, a2)));
-      _mm256_storeu_ps(orow + ow + 24, _mm256_min_ps(vhi, _mm256_max_ps(vlo, a3)));
-    }
-    for (; ow + 8 <= c1; ow += 8) {
-      __m256 a = _mm256_loadu_ps(orow + ow);
-      for (int r = 0; r < nrows; ++r)
-        for (int kj = 0; kj < g.KW; ++kj)
-          a = _mm256_fmadd_ps(_mm256_set1_ps(wv[r * g.KW + kj]),
-                              vmath::load_strided<S>(rows[r] + int64_t{ow} * S + kj * g.dw), a);
-      _mm256_storeu_ps(orow + ow, _mm256_min_ps(vhi, _mm256_max_ps(vlo, a)));
-    }
-    for (; ow < g.OW; ++ow) scalar(ow);
+  for (int t = 0; t < taps; ++t) {
+    const __m256 w = _mm256_broadcast_ss(d.k + t);
+    const float* p = top + pp.taps[t];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(p + r * row_step + 8 * v), acc[r][v]);
   }
-}
-// One output plane of a depthwise convolution on a small map (where the row
-// kernel above is mostly scalar), equal strides S in both axes:
-// the plane is copied into a zero-bordered buffer `pad` of row length Wp, and
-// the outputs computed on a grid of the same row length, so output q = oh * Wp + ow
-// reads pad[S * q + ki * dh * Wp + kj * dw] for every tap: one flat loop of
-// eight-wide vectors with no bounds checks, whatever OW is. The grid's extra
-// columns are dropped when it is added onto `out` (bias / residual) and clamped.
-template <int S>
-MLXD_AVX2 void depthwise_plane_padded(const Geometry& g, const float* plane, const float* k, float* out,
-                                      std::vector<float>& pad, std::vector<float>& grid) {
-  const int Wp = std::max(g.W + g.pw, (g.OW - 1) * S + (g.KW - 1) * g.dw + 1);
-  const int Hp = std::max(g.H + g.ph, (g.OH - 1) * S + (g.KH - 1) * g.dh + 1);
-  const int64_t q_end = (int64_t{g.OH} * Wp + 7) / 8 * 8;  // grid outputs, whole vectors
-  // The last vector's furthest read: S * (q_end - 1) + the last tap + S - 1 (load_strided<2> reads one past).
-  const int64_t need = S * (q_end - 1) + int64_t{g.KH - 1} * g.dh * Wp + (g.KW - 1) * g.dw + S;
-  pad.assign(std::max<int64_t>(need, int64_t{Hp} * Wp), 0.f);
-  for (int ih = 0; ih < g.H; ++ih)
-    std::memcpy(pad.data() + int64_t{ih + g.ph} * Wp + g.pw, plane + int64_t{ih} * g.W, g.W * sizeof(float));
-  grid.resize(q_end);
-  const int taps = g.KH * g.KW;
-  for (int64_t q = 0; q < q_end; q += 8) {
-    __m256 acc = _mm256_setzero_ps();
-    const float* base = pad.data() + S * q;
-    for (int t = 0; t < taps; ++t) {
-      const int ki = t / g.KW, kj = t % g.KW;
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(k[t]), vmath::load_strided<S>(base + int64_t{ki} * g.dh * Wp + kj * g.dw),
-                            acc);
+  for (int r = 0; r < R && r < rows; ++r)
+    for (int v = 0; v < V; ++v) {
+      float* o = d.out + int64_t{oh + r} * g.OW + ow + 8 * v;
+      const __m256 y = clamp8(acc[r][v], d.lo, d.hi);
+      if (v == V - 1)
+        _mm256_maskstore_ps(o, d.tail, y);
+      else
+        _mm256_storeu_ps(o, y);
     }
-    _mm256_storeu_ps(grid.data() + q, acc);
-  }
-  for (int oh = 0; oh < g.OH; ++oh) {
-    float* orow = out + int64_t{oh} * g.OW;
-    const float* grow = grid.data() + int64_t{oh} * Wp;
-    for (int ow = 0; ow < g.OW; ++ow) orow[ow] += grow[ow];
-  }
-  clamp_range(g, out, g.P());
 }
 
+// depthwise_block on sixteen lanes (AVX-512F), for maps wide enough to fill them.
+template <int R, int V>
+MLXD_AVX512 void depthwise_block16(const Geometry& g, const PaddedPlane& pp, const DwRow& d, int oh, int ow, int rows,
+                                   __mmask16 tail) {
+  const __m512 bias = _mm512_set1_ps(_mm256_cvtss_f32(d.bias));
+  const __m512 lo = _mm512_set1_ps(_mm256_cvtss_f32(d.lo)), hi = _mm512_set1_ps(_mm256_cvtss_f32(d.hi));
+  __m512 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) {
+      acc[r][v] = bias;
+      if (d.residual && r < rows) {
+        const float* res = d.residual + int64_t{oh + r} * g.OW + ow + 16 * v;
+        acc[r][v] = _mm512_add_ps(acc[r][v], _mm512_maskz_loadu_ps(v == V - 1 ? tail : __mmask16(0xFFFF), res));
+      }
+    }
+  const int64_t row_step = int64_t{g.sh} * pp.row;
+  const float* top = d.buf + int64_t{oh} * row_step + ow;
+  const int taps = g.KH * g.KW;
+  for (int t = 0; t < taps; ++t) {
+    const __m512 w = _mm512_set1_ps(d.k[t]);
+    const float* p = top + pp.taps[t];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(w, _mm512_loadu_ps(p + r * row_step + 16 * v), acc[r][v]);
+  }
+  for (int r = 0; r < R && r < rows; ++r)
+    for (int v = 0; v < V; ++v)
+      _mm512_mask_storeu_ps(d.out + int64_t{oh + r} * g.OW + ow + 16 * v, v == V - 1 ? tail : __mmask16(0xFFFF),
+                            _mm512_min_ps(hi, _mm512_max_ps(lo, acc[r][v])));
+}
+
+// Rows of 2 output rows by up to 4 vectors of sixteen columns.
+MLXD_AVX512 void depthwise_rows16(const Geometry& g, const PaddedPlane& pp, const DwRow& d) {
+  constexpr int R = 2;
+  for (int oh = 0; oh < g.OH; oh += R) {
+    const int rows = std::min(R, g.OH - oh);
+    for (int ow = 0; ow < g.OW; ow += 16 * kDwVectors) {
+      const int left = g.OW - ow, V = std::min(kDwVectors, (left + 15) / 16);
+      const int last = left - 16 * (V - 1);
+      const __mmask16 tail = static_cast<__mmask16>(last >= 16 ? 0xFFFF : (1u << last) - 1u);
+      switch (V) {
+        case 1: depthwise_block16<R, 1>(g, pp, d, oh, ow, rows, tail); break;
+        case 2: depthwise_block16<R, 2>(g, pp, d, oh, ow, rows, tail); break;
+        case 3: depthwise_block16<R, 3>(g, pp, d, oh, ow, rows, tail); break;
+        default: depthwise_block16<R, 4>(g, pp, d, oh, ow, rows, tail); break;
+      }
+    }
+  }
+}
+
+// Rows of R output rows, each cut into blocks of up to kDwVectors vectors.
+template <int R>
+MLXD_AVX2 void depthwise_rows(const Geometry& g, const PaddedPlane& pp, DwRow& d) {
+  for (int oh = 0; oh < g.OH; oh += R) {
+    const int rows = std::min(R, g.OH - oh);
+    for (int ow = 0; ow < g.OW; ow += 8 * kDwVectors) {
+      const int left = g.OW - ow, V = std::min(kDwVectors, (left + 7) / 8);
+      d.tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(left - 8 * (V - 1)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      switch (V) {
+        case 1: depthwise_block<R, 1>(g, pp, d, oh, ow, rows); break;
+        case 2: depthwise_block<R, 2>(g, pp, d, oh, ow, rows); break;
+        case 3: depthwise_block<R, 3>(g, pp, d, oh, ow, rows); break;
+        default: depthwise_block<R, 4>(g, pp, d, oh, ow, rows); break;
+      }
+    }
+  }
+}
+
+// The input row `src` (W floats) into stored row `dst` at padded column pw.
+MLXD_AVX2 void store_padded_row(const Geometry& g, const PaddedPlane& pp, const float* src, float* dst) {
+  if (!pp.half) {
+    std::memcpy(dst + g.pw, src, g.W * sizeof(float));
+    return;
+  }
+  // Stride 2: input column iw lands at padded column iw + pw, in the even or the odd half.
+  float* first = dst + pp.at(g.pw);       // where src[0], src[2], ... go, consecutively
+  float* second = dst + pp.at(g.pw + 1);  // src[1], src[3], ...
+  int iw = 0;
+  for (; iw + 16 <= g.W; iw += 16) {
+    const __m256 a = _mm256_loadu_ps(src + iw), b = _mm256_loadu_ps(src + iw + 8);
+    const __m256 even = _mm256_shuffle_ps(a, b, 0x88), odd = _mm256_shuffle_ps(a, b, 0xDD);  // lanes a0 a2 b0 b2 | ...
+    _mm256_storeu_ps(first + iw / 2, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), 0xD8)));
+    _mm256_storeu_ps(second + iw / 2, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(odd), 0xD8)));
+  }
+  for (; iw < g.W; ++iw) (iw & 1 ? second : first)[iw / 2] = src[iw];
+}
+
+// One output plane of a depthwise convolution (any height stride, dilation
+// and padding; width stride 1 or 2) from its padded copy `buf` (the interior
+// is written here unless `plane` is null; the border and slack stay zero):
+// blocks of output rows and columns in registers (more rows per block on
+// narrow maps, so each weight is broadcast once for up to eight vectors), then
+// the activation on the finished plane while it is in cache.
+MLXD_AVX2 void depthwise_padded(const Geometry& g, const PaddedPlane& pp, float* buf, const float* plane,
+                                const float* k, float bias, const float* residual, float* out) {
+  if (plane != nullptr)
+    for (int ih = 0; ih < g.H; ++ih) store_padded_row(g, pp, plane + int64_t{ih} * g.W, buf + (ih + g.ph) * pp.row);
+  DwRow d{buf, k, residual, out, _mm256_set1_ps(bias), _mm256_set1_ps(g.clamp ? g.lo : -INFINITY),
+          _mm256_set1_ps(g.clamp ? g.hi : INFINITY), _mm256_setzero_si256()};
+  if (g.OW >= 28 && cpu_use_avx512())
+    depthwise_rows16(g, pp, d);  // sixteen lanes: at most 4 of 32 columns of a vector pair wasted
+  else if (g.OW > 16)
+    depthwise_rows<2>(g, pp, d);  // 2 rows x up to 4 vectors
+  else
+    depthwise_rows<kDwRows>(g, pp, d);  // 4 rows x 1-2 vectors
+  activate(g, out, g.P());
+}
 #endif
 
 // One output plane per (image, channel) of a convolution with one input channel per group.
 bool depthwise_padded_on();
-void depthwise(const Geometry& g, const float* x, const float* w, const float* bias, const float* residual,
-               float* y) {
+void depthwise(const Geometry& g, const float* x, const float* w, int64_t w_image, const float* bias,
+               const float* residual, float* y) {
   const int m = g.Og();  // output channels per input channel
 #ifdef MLXD_CPU_X86
-  const bool vec = cpu_use_avx2() && (g.sw == 1 || g.sw == 2);
-  // Stride 2 computes twice the columns it keeps on the padded grid: only where rows are shorter than a vector.
-  // Measured (1 thread): the grid wins at 7 and 14 columns, loses at 28 and beyond.
-  const bool padded = vec && g.sh == g.sw && (g.sw == 1 ? g.OW < 16 : g.OW < 8) && depthwise_padded_on();
-  if (padded) cpu_kernel_note_call("conv_depthwise_padded");
+  if (cpu_use_avx2() && (g.sw == 1 || g.sw == 2) && depthwise_padded_on()) {
+    cpu_kernel_note_call("conv_depthwise_padded");
+    const PaddedPlane pp(g, g.sw);
+    cpu_parallel_for(int64_t{g.N} * g.O, g.P() * g.KH * g.KW, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(pp.size, 0.f);  // the border and slack stay zero across planes
+      const float* last = nullptr;
+      for (int64_t p = begin; p < end; ++p) {
+        const int o = static_cast<int>(p % g.O);
+        const float* plane = x + (p / g.O * g.C + o / m) * int64_t{g.H} * g.W;
+        const float* k = w + p / g.O * w_image + int64_t{o} * g.KH * g.KW;
+        // A channel multiplier's outputs read one input plane: copied once.
+        depthwise_padded(g, pp, buf.data(), plane == last ? nullptr : plane, k, bias ? bias[o] : 0.f,
+                         residual ? residual + p * g.P() : nullptr, y + p * g.P());
+        last = plane;
+      }
+    });
+    return;
+  }
 #endif
   cpu_parallel_for(int64_t{g.N} * g.O, g.P() * g.KH * g.KW, 1, [&](int64_t begin, int64_t end) {
-    [[maybe_unused]] std::vector<float> pad, grid;
     for (int64_t p = begin; p < end; ++p) {
       const int o = static_cast<int>(p % g.O);
       const float* plane = x + (p / g.O * g.C + o / m) * int64_t{g.H} * g.W;
-      const float* k = w + int64_t{o} * g.KH * g.KW;
+      const float* k = w + p / g.O * w_image + int64_t{o} * g.KH * g.KW;
       float* out = y + p * g.P();
       init_plane(g, out, bias ? bias[o] : 0.f, residual ? residual + p * g.P() : nullptr);
-#ifdef MLXD_CPU_X86
-      if (padded) {
-        (g.sw == 1 ? depthwise_plane_padded<1> : depthwise_plane_padded<2>)(g, plane, k, out, pad, grid);
-        continue;
-      }
-      if (vec) {
-        (g.sw == 1 ? depthwise_plane_avx2<1> : depthwise_plane_avx2<2>)(g, plane, k, out);
-        continue;
-      }
-#endif
       depthwise_plane(g, plane, k, out);
     }
   });
 }
 
-// The tiled paths (run_tiled, the channel blocks, the padded depthwise grid):
+// The tiled paths (run_tiled, the channel blocks, the padded depthwise rows):
 // on unless MLX_DELEGATE_CONV_TILES=0; set_conv_tiles switches them per call
 // for A/B runs in one process.
 std::atomic<bool>& tiles_flag() {
@@ -335,7 +436,7 @@ std::atomic<bool>& tiles_flag() {
   return on;
 }
 
-// The depthwise small-map path rides the same switch (the A/B of this kernel's reworked paths).
+// The padded depthwise rows ride the same switch (off: the portable row-by-row loop; A/B, tests).
 bool depthwise_padded_on() { return tiles_flag().load(std::memory_order_relaxed); }
 
 // Floats per tile (512 KB): a tile's im2col columns (none for a 1x1 stride-1
@@ -362,8 +463,8 @@ int tile_rows(const Geometry& g, bool direct) {
 // adding onto them, then the clamp. The whole [K, OH * OW] im2col matrix (9x
 // the input for a 3x3 convolution) never goes through memory, and the output
 // is written once instead of once per pass.
-void run_tiled(const Geometry& g, int rows, bool direct, const float* x, const float* w, const float* bias,
-               const float* residual, float* y) {
+void run_tiled(const Geometry& g, int rows, bool direct, const float* x, const float* w, int64_t w_image,
+               const float* bias, const float* residual, float* y) {
   const int K = g.Cg() * g.KH * g.KW, M = g.Og();
   const int64_t P = g.P();
   const int tiles = (g.OH + rows - 1) / rows;
@@ -398,17 +499,54 @@ void run_tiled(const Geometry& g, int rows, bool direct, const float* x, const f
       }
       // direct: the input's planes are B in place (row stride P), from the tile's first column.
       const float* b = direct ? xg + int64_t{oh0} * g.OW : cols.data();
-      gemm(0, 0, M, T, K, 1.f, w + int64_t{gi} * M * K, K, b, direct ? static_cast<int>(P) : T, 1.f, yt,
+      gemm(0, 0, M, T, K, 1.f, w + n * w_image + int64_t{gi} * M * K, K, b, direct ? static_cast<int>(P) : T, 1.f, yt,
            static_cast<int>(P));
-      if (g.clamp)
-        for (int o = 0; o < M; ++o) clamp_range(g, yt + o * P, T);
+      if (has_epilogue(g))
+        for (int o = 0; o < M; ++o) finish(g, yt + o * P, T);
     }
   });
 }
 
+// An input scale per image and channel (x * s[n, c], a squeeze-excite gate)
+// folded into whichever operand is smaller: a per-image copy of the weights
+// (returns the stride between the copies; w points at them), else a scaled
+// copy of the input (returns 0; x points at it). One parallel pass either way,
+// instead of a broadcast multiply writing a new activation before the call.
+int64_t fold_scale(const Geometry& g, const float* s, const float*& x, const float*& w, std::vector<float>& buf) {
+  const int taps = g.KH * g.KW, Cg = g.Cg(), Og = g.Og();
+  const int64_t per_o = int64_t{Cg} * taps, w_n = g.O * per_o, plane = int64_t{g.H} * g.W;
+  if (w_n <= g.C * plane) {
+    buf.resize(g.N * w_n);
+    const float* src = w;
+    cpu_parallel_for(int64_t{g.N} * g.O, per_o, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t n = t / g.O, o = t % g.O;
+        const float* sc = s + n * g.C + o / Og * Cg;  // the scales of this output channel's group
+        const float* from = src + o * per_o;
+        float* to = buf.data() + t * per_o;
+        for (int c = 0; c < Cg; ++c)
+          for (int k = 0; k < taps; ++k) to[c * taps + k] = from[c * taps + k] * sc[c];
+      }
+    });
+    w = buf.data();
+    return w_n;
+  }
+  buf.resize(int64_t{g.N} * g.C * plane);
+  const float* src = x;
+  cpu_parallel_for(int64_t{g.N} * g.C, plane, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float sv = s[t], *from = src + t * plane;
+      float* to = buf.data() + t * plane;
+      for (int64_t i = 0; i < plane; ++i) to[i] = from[i] * sv;
+    }
+  });
+  x = buf.data();
+  return 0;
+}
+
 struct ConvCall {
   Tensor x, w;
-  std::optional<Tensor> bias, residual;
+  std::optional<Tensor> bias, residual, scale;
   void* y;
   mx::Dtype out_dtype;
   Geometry g;
@@ -416,11 +554,14 @@ struct ConvCall {
 
 void run_conv(const ConvCall& c) {
   const Geometry& g = c.g;
-  std::vector<float> xs, ws, bs, rs, ys, cols;
+  std::vector<float> xs, ws, bs, rs, ss, ys, cols;
   const float* x = as_f32(c.x, xs);
   const float* w = as_f32(c.w, ws);
   const float* bias = c.bias ? as_f32(*c.bias, bs) : nullptr;
   const float* residual = c.residual ? as_f32(*c.residual, rs) : nullptr;
+  // Kept per thread across calls: a fresh vector of a few hundred KB is a fresh mapping (page faults) each call.
+  thread_local std::vector<float> scaled;
+  const int64_t w_image = c.scale ? fold_scale(g, as_f32(*c.scale, ss), x, w, scaled) : 0;
   const int64_t out_n = int64_t{g.N} * g.O * g.P();
   float* y = static_cast<float*>(c.y);
   if (c.out_dtype != mx::float32) {
@@ -428,17 +569,18 @@ void run_conv(const ConvCall& c) {
     y = ys.data();
   }
   if (g.Cg() == 1) {
-    depthwise(g, x, w, bias, residual, y);
+    depthwise(g, x, w, w_image, bias, residual, y);
   } else {
     const bool direct = g.KH == 1 && g.KW == 1 && g.sh == 1 && g.sw == 1 && g.ph == 0 && g.pw == 0 &&
                         g.OH == g.H && g.OW == g.W;
     const int K = g.Cg() * g.KH * g.KW, M = g.Og();
     const int64_t P = g.P();
-    const int nb = static_cast<int>(std::min<int64_t>(g.N, std::max<int64_t>(1, (batch_columns() + P - 1) / P)));
+    // Per-image weights (a folded input scale) rule out sharing one product between images.
+    const int nb = w_image ? 1 : static_cast<int>(std::min<int64_t>(g.N, std::max<int64_t>(1, (batch_columns() + P - 1) / P)));
     const int rows = nb != 1 ? 0 : tile_rows(g, direct);
     if (rows > 0) {
       cpu_kernel_note_call("conv_tiled");
-      run_tiled(g, rows, direct, x, w, bias, residual, y);
+      run_tiled(g, rows, direct, x, w, w_image, bias, residual, y);
     } else if (nb == 1) {  // per image: the sgemm writes the result in place
       if (!direct) cols.resize(int64_t{K} * P);
       // Blocks of output channels, each on one thread (init, product, clamp in one task): one
@@ -452,7 +594,7 @@ void run_conv(const ConvCall& c) {
           float* yg = y + first;
           if (!direct) im2col(g, x, n, 1, gi, cols.data(), P);
           const float* bmat = direct ? xg : cols.data();
-          const float* wg = w + int64_t{gi} * M * K;
+          const float* wg = w + n * w_image + int64_t{gi} * M * K;
           if (blocked) {  // one pass over blocks of output channels: bias / residual, sgemm, clamp
             cpu_parallel_for(M, int64_t{K} * P, 16, [&](int64_t lo, int64_t hi) {
               for (int64_t o = lo; o < hi; ++o)
@@ -460,7 +602,7 @@ void run_conv(const ConvCall& c) {
                            residual ? residual + first + o * P : nullptr);
               serial_sgemm()(0, 0, static_cast<int>(hi - lo), static_cast<int>(P), K, 1.f, wg + lo * K, K, bmat,
                              static_cast<int>(P), 1.f, yg + lo * P, static_cast<int>(P));
-              clamp_range(g, yg + lo * P, (hi - lo) * P);
+              finish(g, yg + lo * P, (hi - lo) * P);
             });
             continue;
           }
@@ -472,10 +614,11 @@ void run_conv(const ConvCall& c) {
                            residual ? residual + first + o * P : nullptr);
             });
           }
-          sgemm()(kRowMajor, kNoTrans, kNoTrans, M, static_cast<int>(P), K, 1.f, w + int64_t{gi} * M * K, K,
+          sgemm()(kRowMajor, kNoTrans, kNoTrans, M, static_cast<int>(P), K, 1.f, wg, K,
                   direct ? xg : cols.data(), static_cast<int>(P), bias || residual ? 1.f : 0.f, yg,
                   static_cast<int>(P));
-          cpu_parallel_for(M, P, 1, [&](int64_t b, int64_t e) { clamp_range(g, yg + b * P, (e - b) * P); });
+          if (has_epilogue(g))
+            cpu_parallel_for(M, P, 1, [&](int64_t b, int64_t e) { finish(g, yg + b * P, (e - b) * P); });
         }
       }
     } else {  // nb images per sgemm into z [M, nb * P]; one pass moves it to NCHW with bias, residual, clamp
@@ -500,7 +643,7 @@ void run_conv(const ConvCall& c) {
               } else {
                 for (int64_t q = 0; q < P; ++q) dst[q] = src[q] + bv;
               }
-              clamp_range(g, dst, P);
+              finish(g, dst, P);
             }
           });
         }
@@ -512,18 +655,19 @@ void run_conv(const ConvCall& c) {
 
 class ConvCpu : public mx::UnaryPrimitive {
  public:
-  ConvCpu(mx::Stream s, Geometry g, bool has_bias, bool has_residual)
-      : mx::UnaryPrimitive(s), g_(g), has_bias_(has_bias), has_residual_(has_residual) {}
+  ConvCpu(mx::Stream s, Geometry g, bool has_bias, bool has_residual, bool has_scale)
+      : mx::UnaryPrimitive(s), g_(g), has_bias_(has_bias), has_residual_(has_residual), has_scale_(has_scale) {}
 
-  // in: x [N, C, H, W], w [O, C/g, KH, KW], then the bias [O] and the
-  // residual [N, O, OH, OW] when present; any strides.
+  // in: x [N, C, H, W], w [O, C/g, KH, KW], then the bias [O], the residual
+  // [N, O, OH, OW] and the input scale [N, C] when present; any strides.
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     auto& encoder = begin_cpu_task(stream(), in, out);
     Geometry g = g_;
     g.N = in[0].shape(0);
-    ConvCall c{tensor(in[0]), tensor(in[1]), std::nullopt, std::nullopt, out.data<void>(), out.dtype(), g};
+    ConvCall c{tensor(in[0]), tensor(in[1]), std::nullopt, std::nullopt, std::nullopt, out.data<void>(), out.dtype(), g};
     if (has_bias_) c.bias = tensor(in[2]);
     if (has_residual_) c.residual = tensor(in[has_bias_ ? 3 : 2]);
+    if (has_scale_) c.scale = tensor(in.back());
     cpu_kernel_note_call(g.Cg() == 1 ? "conv_depthwise" : "conv_gemm");
     encoder.dispatch([c = std::move(c)] { run_conv(c); });
   }
@@ -533,10 +677,10 @@ class ConvCpu : public mx::UnaryPrimitive {
   const char* name() const override { return "ConvCpu"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const ConvCpu&>(other);
-    // The ints compared as one block (no padding among them), then the clamp.
+    // The ints (the activation's included) compared as one block (no padding among them), then the clamp.
     return std::memcmp(&g_, &o.g_, offsetof(Geometry, clamp)) == 0 && g_.clamp == o.g_.clamp &&
            g_.lo == o.g_.lo && g_.hi == o.g_.hi && has_bias_ == o.has_bias_ &&
-           has_residual_ == o.has_residual_;
+           has_residual_ == o.has_residual_ && has_scale_ == o.has_scale_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     return {{in[0].shape(0), g_.O, g_.OH, g_.OW}};
@@ -544,7 +688,7 @@ class ConvCpu : public mx::UnaryPrimitive {
 
  private:
   Geometry g_;
-  bool has_bias_, has_residual_;
+  bool has_bias_, has_residual_, has_scale_;
 };
 
 }  // namespace
@@ -559,19 +703,22 @@ int out_size(int in, int k, int s, int lo, int hi, int d) { return (in + lo + hi
 }  // namespace
 
 bool conv_cpu_applies(const mx::array& x, const mx::array& w, const mx::array* bias, int groups,
-                      const mx::array* residual) {
+                      const mx::array* residual, const mx::array* in_scale) {
   if (!cpu_kernels_active() || sgemm() == nullptr || groups < 1) return false;
   if (!cpu_kernel_dtype_ok(x) || w.dtype() != x.dtype() || w.size() == 0) return false;
   if ((x.ndim() != 3 && x.ndim() != 4) || w.ndim() != x.ndim()) return false;
   if (residual && (residual->dtype() != x.dtype() || residual->ndim() != x.ndim())) return false;
+  if (in_scale && in_scale->dtype() != x.dtype()) return false;
   return !bias || (cpu_kernel_dtype_ok(*bias) && bias->size() == static_cast<size_t>(w.shape(0)));
 }
 
 mx::array conv_cpu(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias,
                    const std::vector<int>& stride, const std::vector<int>& padding, const std::vector<int>& dilation,
                    int groups, std::optional<std::pair<float, float>> clamp, const std::vector<int>& padding_hi,
-                   const std::optional<mx::array>& residual) {
-  if (!conv_cpu_applies(x, w, bias ? &*bias : nullptr, groups, residual ? &*residual : nullptr))
+                   const std::optional<mx::array>& residual, std::optional<UnaryKernel> act,
+                   const std::optional<mx::array>& in_scale) {
+  if (!conv_cpu_applies(x, w, bias ? &*bias : nullptr, groups, residual ? &*residual : nullptr,
+                        in_scale ? &*in_scale : nullptr))
     throw std::invalid_argument("conv_cpu: operands it does not take");
   const bool one_d = x.ndim() == 3;
   const size_t nd = one_d ? 1 : 2;
@@ -584,7 +731,8 @@ mx::array conv_cpu(const mx::array& x, const mx::array& w, const std::optional<m
   // bounds every read by the input's extent).
   Geometry g{x.shape(0), x.shape(1), one_d ? 1 : x.shape(2), x.shape(-1), w.shape(0), one_d ? 1 : w.shape(2),
              w.shape(-1), 0, 0, at(stride, 0, 1), at(stride, 1, 1), at(padding, 0, 0), at(padding, 1, 0),
-             at(dilation, 0, 1), at(dilation, 1, 1), groups, clamp.has_value(), clamp ? clamp->first : 0.f,
+             at(dilation, 0, 1), at(dilation, 1, 1), groups, act ? static_cast<int>(*act) : -1, clamp.has_value(),
+             clamp ? clamp->first : 0.f,
              clamp ? clamp->second : 0.f};
   const int phh = at(pad_hi, 0, 0), pwh = at(pad_hi, 1, 0);
   if (g.C % groups || g.O % groups || w.shape(1) != g.C / groups)
@@ -604,7 +752,13 @@ mx::array conv_cpu(const mx::array& x, const mx::array& w, const std::optional<m
     if (residual->shape() != want) throw std::invalid_argument("conv: the residual does not have the output's shape");
     inputs.push_back(one_d ? mx::reshape(*residual, {g.N, g.O, g.OH, g.OW}) : *residual);
   }
-  auto prim = std::make_shared<ConvCpu>(mx::default_stream(mx::Device::cpu), g, bias.has_value(), residual.has_value());
+  if (in_scale) {
+    if (in_scale->size() != static_cast<size_t>(g.N) * g.C)
+      throw std::invalid_argument("conv: the input scale needs one value per image and input channel");
+    inputs.push_back(mx::reshape(*in_scale, {g.N, g.C}));
+  }
+  auto prim = std::make_shared<ConvCpu>(mx::default_stream(mx::Device::cpu), g, bias.has_value(), residual.has_value(),
+                                        in_scale.has_value());
   auto y = mx::array({g.N, g.O, g.OH, g.OW}, x.dtype(), std::move(prim), std::move(inputs));
   return one_d ? mx::reshape(y, {g.N, g.O, g.OW}) : y;
 }

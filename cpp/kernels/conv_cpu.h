@@ -15,27 +15,35 @@
 
 #include <mlx/mlx.h>
 
+#include "kernels/unary_cpu.h"
+
 namespace mlxd::rt {
 
 // Whether conv_cpu takes these: kernels on (cpu_kernels_active), an sgemm
 // found, x [N, C, (H,) W] and w [O, C/groups, (kh,) kw] of the same float32 /
 // bfloat16 / float16 dtype, non-empty, and a bias (when given) of O elements.
-// A residual (when given) of x's dtype; its shape is checked by conv_cpu.
+// A residual and an input scale (when given) of x's dtype; their shapes are
+// checked by conv_cpu.
 bool conv_cpu_applies(const mlx::core::array& x, const mlx::core::array& w, const mlx::core::array* bias,
-                      int groups, const mlx::core::array* residual = nullptr);
+                      int groups, const mlx::core::array* residual = nullptr,
+                      const mlx::core::array* in_scale = nullptr);
 
 // torch.nn.functional.conv{1,2}d(x, w, bias, stride, padding, dilation,
 // groups); parameters have one entry per spatial axis, `padding` on the low
 // side and `padding_hi` (empty: the same) on the high side. `residual` (the
 // result's shape) is added and then `clamp` (lo, hi) applied in the passes
-// that write the result (a fused residual add, ReLU / ReLU6). The result has
-// x's dtype.
+// that write the result (a fused residual add, ReLU / ReLU6), then `act` (a
+// fused hard-swish, SiLU, ...) on the same results while they are in cache.
+// `in_scale` ([N, C], N * C elements) multiplies the input per image and
+// channel first (a squeeze-excite gate), folded into the weights or the input
+// inside the kernel. The result has x's dtype.
 // The tiled paths on or off from the next call on (A/B runs, parity tests of
 // the whole-image path): large products in tiles of output rows (im2col and
 // sgemm per tile, one tile per thread, in cache), smaller one-image products in
 // blocks of output channels (bias, sgemm and clamp per block in one task),
-// and depthwise convolutions on small maps as one flat loop over a padded
-// copy. MLX_DELEGATE_CONV_TILES=0 starts with them off.
+// and depthwise convolutions as vector rows over a zero-bordered copy of each
+// plane (off: a portable row-by-row loop). MLX_DELEGATE_CONV_TILES=0 starts
+// with them off.
 void set_conv_tiles(bool on);
 bool conv_tiles();
 
@@ -44,6 +52,8 @@ mlx::core::array conv_cpu(const mlx::core::array& x, const mlx::core::array& w,
                           const std::vector<int>& padding, const std::vector<int>& dilation, int groups,
                           std::optional<std::pair<float, float>> clamp = std::nullopt,
                           const std::vector<int>& padding_hi = {},
-                          const std::optional<mlx::core::array>& residual = std::nullopt);
+                          const std::optional<mlx::core::array>& residual = std::nullopt,
+                          std::optional<UnaryKernel> act = std::nullopt,
+                          const std::optional<mlx::core::array>& in_scale = std::nullopt);
 
 }  // namespace mlxd::rt

@@ -18,7 +18,7 @@ namespace mlxd::rt {
 namespace mx = mlx::core;
 namespace {
 
-using MapFn = void (*)(const float*, float*, int64_t);
+using MapFn = UnaryMapFn;
 
 // ---- Portable: libm, one element at a time ----------------------------------
 
@@ -28,6 +28,9 @@ float gelu_erf1(float x) { return 0.5f * x * (1.f + std::erf(x * 0.7071067811865
 float gelu_tanh1(float x) { return 0.5f * x * (1.f + std::tanh(0.79788456080286536f * (x + 0.044715f * x * x * x))); }
 float exp1(float x) { return std::exp(x); }
 float erf1(float x) { return std::erf(x); }
+float relu6_shift1(float x) { return std::min(std::max(x + 3.f, 0.f), 6.f); }
+float hardswish1(float x) { return x * relu6_shift1(x) / 6.f; }
+float hardsigmoid1(float x) { return relu6_shift1(x) / 6.f; }
 
 template <float (*F)(float)>
 void map_portable(const float* in, float* out, int64_t n) {
@@ -74,6 +77,8 @@ const KernelInfo kKernels[] = {
     MLXD_MAP("gelu_erf", gelu_erf1, gelu_erf),
     MLXD_MAP("gelu_tanh", gelu_tanh1, gelu_tanh),
     MLXD_MAP("erf", erf1, erf),
+    MLXD_MAP("hardswish", hardswish1, hardswish),
+    MLXD_MAP("hardsigmoid", hardsigmoid1, hardsigmoid),
 };
 #undef MLXD_MAP
 
@@ -170,6 +175,8 @@ class UnaryCpu : public mx::UnaryPrimitive {
 };
 
 }  // namespace
+
+UnaryMapFn unary_cpu_map(UnaryKernel kind) { return pick(kind); }
 
 bool unary_cpu_applies(const mx::array& x, const std::optional<mx::array>& bias) {
   if (!cpu_kernels_active() || !cpu_kernel_dtype_ok(x)) return false;

@@ -1,5 +1,5 @@
 // Float32 math for the CPU kernels, eight lanes at a time with AVX2 + FMA:
-// exp, sigmoid, erf and the activations built on them, plus horizontal
+// exp, sigmoid, erf and the activations built on them, hard-sigmoid / hard-swish, plus horizontal
 // reductions. The portable code uses libm (std::exp, std::erf) instead.
 // Internal to cpp/kernels/.
 #pragma once
@@ -90,6 +90,15 @@ MLXD_AVX2 inline __m256 gelu_tanh8(__m256 x) {
   return _mm256_mul_ps(x, sigmoid8(two_u));
 }
 
+// relu6(x + 3) / 6 and x * relu6(x + 3) / 6 in torch's order of operations (a division, not
+// a multiply by 1/6), so float32 results match eager's bit for bit; NaN stays NaN (max / min
+// return their second operand when one is NaN).
+MLXD_AVX2 inline __m256 relu6_shift8(__m256 x) {
+  return _mm256_min_ps(set1(6.f), _mm256_max_ps(_mm256_setzero_ps(), _mm256_add_ps(x, set1(3.f))));
+}
+MLXD_AVX2 inline __m256 hardsigmoid8(__m256 x) { return _mm256_div_ps(relu6_shift8(x), set1(6.f)); }
+MLXD_AVX2 inline __m256 hardswish8(__m256 x) { return _mm256_div_ps(_mm256_mul_ps(x, relu6_shift8(x)), set1(6.f)); }
+
 MLXD_AVX2 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -177,6 +186,14 @@ MLXD_AVX512 inline __m512 gelu_tanh16(__m512 x) {
   __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
   __m512 two_u = _mm512_mul_ps(set16(1.59576912160573071f), _mm512_fmadd_ps(set16(0.044715f), x3, x));
   return _mm512_mul_ps(x, sigmoid16(two_u));
+}
+
+MLXD_AVX512 inline __m512 relu6_shift16(__m512 x) {
+  return _mm512_min_ps(set16(6.f), _mm512_max_ps(_mm512_setzero_ps(), _mm512_add_ps(x, set16(3.f))));
+}
+MLXD_AVX512 inline __m512 hardsigmoid16(__m512 x) { return _mm512_div_ps(relu6_shift16(x), set16(6.f)); }
+MLXD_AVX512 inline __m512 hardswish16(__m512 x) {
+  return _mm512_div_ps(_mm512_mul_ps(x, relu6_shift16(x)), set16(6.f));
 }
 
 // The mask of the first n (<= 16) lanes.

@@ -307,19 +307,29 @@ mx::array linear_axis(const mx::array& x, int axis, int out, float scale, bool a
 
 // A non-transposed convolution as ConvNode runs it: the channels-first CPU
 // kernel where it applies, else MLX's channels-last convolution, then bias,
-// residual and clamp as MLX ops. The result has x's dtype.
+// residual, clamp and the activation as MLX ops (in_scale, a squeeze-excite gate,
+// multiplies x per image and channel first). The result has x's dtype.
 mx::array conv_forward(const mx::array& x, const mx::array& w, const mx::array* bias, const std::vector<int>& stride,
                        const std::vector<int>& padding, const std::vector<int>& padding_hi,
                        const std::vector<int>& dilation, int groups, std::optional<std::pair<float, float>> clamp,
-                       const mx::array* residual) {
-  if (conv_cpu_applies(x, w, bias, groups, residual)) {  // channels-first, no transposes
-    std::optional<mx::array> b, r;
+                       const mx::array* residual, const mx::array* in_scale = nullptr,
+                       std::optional<mlxd::UnaryOp> act = std::nullopt) {
+  // The activation inside the CPU kernel's epilogue when it has one, else after the convolution.
+  const std::optional<UnaryKernel> act_kernel = act ? cpu_kernel_for(*act) : std::nullopt;
+  auto activate = [&](mx::array y) { return act ? unary_op(*act, y) : y; };
+  if (conv_cpu_applies(x, w, bias, groups, residual, in_scale)) {  // channels-first, no transposes
+    std::optional<mx::array> b, r, s;
     if (bias) b = *bias;
     if (residual) r = *residual;
-    return conv_cpu(x, w, b, stride, padding, dilation, groups, clamp, padding_hi, r);
+    if (in_scale) s = *in_scale;
+    auto y = conv_cpu(x, w, b, stride, padding, dilation, groups, clamp, padding_hi, r, act_kernel, s);
+    return act_kernel ? y : activate(y);
   }
-  auto y = channels_first(
-      grouped_conv(channels_last(x), channels_last(w), {stride, padding, padding_hi, dilation, {}, groups, false}));
+  mx::Shape scale_shape(x.ndim(), 1);
+  scale_shape[0] = x.shape(0);
+  scale_shape[1] = x.shape(1);
+  auto xl = channels_last(in_scale ? mx::multiply(x, mx::reshape(*in_scale, scale_shape)) : x);
+  auto y = channels_first(grouped_conv(xl, channels_last(w), {stride, padding, padding_hi, dilation, {}, groups, false}));
   if (bias) {
     mx::Shape bshape(y.ndim() - 1, 1);
     bshape[0] = -1;
@@ -330,7 +340,7 @@ mx::array conv_forward(const mx::array& x, const mx::array& w, const mx::array* 
     y = mx::add(y, *residual);
   }
   if (clamp) y = mx::clip(y, mx::array(clamp->first, y.dtype()), mx::array(clamp->second, y.dtype()));
-  return mx::astype(y, x.dtype());
+  return activate(mx::astype(y, x.dtype()));
 }
 
 // A block stage's activation as ConvNode's clamp (none when both bounds are infinite).
@@ -357,10 +367,16 @@ void exec_ConvNode(const mlxd::ConvNode& n, ExecContext& ctx) {
   if (n.transpose() && padding_hi != padding) throw NodeError("a transposed convolution has symmetric padding");
   const auto* bias = ctx.maybe_in(n.bias());
   const auto* residual = ctx.maybe_in(n.residual());
+  const auto* in_scale = ctx.maybe_in(n.in_scale());
+  if (in_scale && (n.transpose() || in_scale->size() != static_cast<size_t>(x.shape(0)) * x.shape(1)))
+    throw NodeError("conv in_scale needs a non-transposed convolution and one value per image and input channel");
   std::optional<std::pair<float, float>> clamp;
   if (n.clamp()) clamp = {n.clamp_min(), n.clamp_max()};
+  std::optional<mlxd::UnaryOp> act;
+  if (n.act()) act = n.act_op();
   if (!n.transpose()) {
-    ctx.set(n.out(), conv_forward(x, w, bias, stride, padding, padding_hi, dilation, groups, clamp, residual));
+    ctx.set(n.out(), conv_forward(x, w, bias, stride, padding, padding_hi, dilation, groups, clamp, residual,
+                                  in_scale, act));
     return;
   }
   mx::array y = channels_first(conv_transpose(channels_last(x), w, stride, padding, dilation,
@@ -375,7 +391,8 @@ void exec_ConvNode(const mlxd::ConvNode& n, ExecContext& ctx) {
     y = mx::add(y, *residual);
   }
   if (clamp) y = mx::clip(y, mx::array(clamp->first, y.dtype()), mx::array(clamp->second, y.dtype()));
-  ctx.set(n.out(), mx::astype(y, x.dtype()));
+  y = mx::astype(y, x.dtype());
+  ctx.set(n.out(), act ? unary_op(*act, y) : y);
 }
 
 // On the CPU, one kernel per block (kernels/block_cpu.h); elsewhere (GPUs,

@@ -212,6 +212,8 @@ constexpr std::array<OpRow<mlxd::BinaryOp, Binary>, enum_size<mlxd::BinaryOp>()>
 }};
 static_assert(rows_follow_enum(kBinary), "kBinary: one row per BinaryOp, in the schema's order");
 
+}  // namespace
+
 // Ops with a CPU kernel (kernels/unary_cpu.h): MLX's CPU versions are one
 // scalar libm call per element on one core.
 std::optional<UnaryKernel> cpu_kernel_for(mlxd::UnaryOp op) {
@@ -222,11 +224,11 @@ std::optional<UnaryKernel> cpu_kernel_for(mlxd::UnaryOp op) {
     case mlxd::UnaryOp::GeluErf: return UnaryKernel::gelu_erf;
     case mlxd::UnaryOp::GeluTanh: return UnaryKernel::gelu_tanh;
     case mlxd::UnaryOp::Erf: return UnaryKernel::erf;
+    case mlxd::UnaryOp::Hardswish: return UnaryKernel::hardswish;
+    case mlxd::UnaryOp::Hardsigmoid: return UnaryKernel::hardsigmoid;
     default: return std::nullopt;
   }
 }
-
-}  // namespace
 
 mx::array unary_op(mlxd::UnaryOp op, const mx::array& x, const std::optional<mx::array>& bias) {
   const auto& fn = table_at(kUnary, op, "unary op");

@@ -67,10 +67,17 @@ def convolution(b: ProgramBuilder, n: torch.fx.Node) -> None:
     _conv(b, n, args, bool(args["transposed"]))
 
 
+# conv_fused's activations (custom_ops.CONV_ACTIVATIONS) as the ConvNode's act_op.
+CONV_ACT_OPS = {"hardswish": N.UnaryOp.Hardswish, "hardsigmoid": N.UnaryOp.Hardsigmoid,
+                "sigmoid": N.UnaryOp.Sigmoid, "silu": N.UnaryOp.Silu, "gelu": N.UnaryOp.GeluErf,
+                "gelu_tanh": N.UnaryOp.GeluTanh}
+
+
 @register(torch.ops.mlx_delegate.conv_fused.default)
 def conv_fused(b: ProgramBuilder, n: torch.fx.Node) -> None:
-    """A convolution with a zero pad, a residual add and an activation fused (patterns/conv_fusions.py)."""
+    """A convolution with its input scale, pad, residual and activations fused (patterns/conv_fusions.py)."""
     args = b.args(n)
+    act, in_scale = args.get("act", "none"), args.get("in_scale")
     lo, hi = args["lo"], args["hi"]
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (lo, hi)) or not lo <= hi:
         raise b.unsupported(f"conv_fused bounds must be numbers with lo <= hi, got {lo!r}, {hi!r}")
@@ -88,6 +95,17 @@ def conv_fused(b: ProgramBuilder, n: torch.fx.Node) -> None:
             raise b.unsupported(f"residual {list(b.shape_of(residual))} {b.dtype_of(residual)} does not match the "
                                 f"convolution's output {list(b.shape_of(n))} {b.dtype_of(n)}")
         fused["residual"] = b.tensor(residual)
+    if act != "none":
+        if act not in CONV_ACT_OPS:
+            raise b.unsupported(f"conv_fused activation {act!r}; known: {sorted(CONV_ACT_OPS)}")
+        fused |= {"act": True, "act_op": CONV_ACT_OPS[act]}
+    if in_scale is not None:
+        x_shape, s_shape = b.shape_of(args["x"]), b.shape_of(in_scale)
+        want = [*x_shape[:2], *[1] * nd]
+        if [str(d) for d in s_shape] != [str(d) for d in want] or b.dtype_of(in_scale) != b.dtype_of(n):
+            raise b.unsupported(f"in_scale {list(s_shape)} {b.dtype_of(in_scale)}: expected {want} "
+                                f"{b.dtype_of(n)} (one value per image and input channel)")
+        fused["in_scale"] = b.tensor(in_scale)
     _conv(b, n, args, False, fused)
 
 

@@ -51,17 +51,21 @@ def preprocess_switches(disabled: Iterable[str]) -> frozenset[str]:
 # Fusions into ops the delegate already lowers (aten.layer_norm, gelu, silu, SDPA; linears
 # sharing an input into one `linear_group`; a linear's GELU / SiLU into it (`linear_act`);
 # eval-mode BatchNorm folded into the convolution before it, then a zero pad before the convolution,
-# a residual add and a ReLU / ReLU6 / clamp after it fused into it, then MobileNet's inverted-residual
-# blocks into one node each). They run on each delegated graph in
+# a residual add, a ReLU / ReLU6 / clamp and a hard-swish / SiLU / ... after it and a squeeze-excite
+# gate on its input fused into it, then MobileNet's inverted-residual blocks into one node each).
+# They run on each delegated graph in
 # `MLXDelegateBackend.preprocess`, so every lowering gets them;
 # `MLXPartitioner(disable={name})` switches one off, disable={"fusions"} all of them.
-FUSIONS = {"fold_batch_norm": conv_batch_norm.apply, "fold_conv_pad": conv_fusions.fold_pad,
+FUSIONS = {"fold_batch_norm": conv_batch_norm.apply,
+           # before the convolution fusions: a written-out hard-swish becomes the op they take
+           "fuse_activations": activations.apply,
+           "fold_conv_pad": conv_fusions.fold_pad,
            "fuse_conv_residual": conv_fusions.fuse_residual, "fuse_conv_activation": conv_fusions.fuse_activation,
-           # after the three above: a 1x1 expand, depthwise and 1x1 project (their activations and the
+           "fuse_conv_scale": conv_fusions.fuse_scale,
+           # after the four above: a 1x1 expand, depthwise and 1x1 project (their activations and the
            # residual already fused in) into one inverted-residual block
            "fuse_inverted_residual": inverted_residual.apply,
-           "fuse_layer_norm": layer_norm.apply,
-           "fuse_activations": activations.apply, "fuse_attention": attention.apply,
+           "fuse_layer_norm": layer_norm.apply, "fuse_attention": attention.apply,
            "fuse_linears": linear_group.apply,
            # after fuse_activations (written-out GELU / SiLU become aten ops) and fuse_linears (a gate
            # grouped with its up projection stays grouped)

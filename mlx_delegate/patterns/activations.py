@@ -3,10 +3,14 @@
     0.5 * x * (1 + erf(x / sqrt(2)))                                   -> gelu(x)
     0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))           -> gelu(x, approximate="tanh")
     x * sigmoid(x)                                                      -> silu(x)
+    x * relu6(x + 3) / 6, x * clamp(x + 3, 0, 6) / 6, ...                -> hardswish(x)
+    relu6(x + 3) / 6, clamp(x / 6 + 0.5, 0, 1), ...                     -> hardsigmoid(x)
 
-become one `aten.gelu` / `aten.silu` node (one MLX unary op instead of 5-9).
-The written form is not matched op by op: starting at each erf / tanh /
-sigmoid, the element-wise subgraph that reads only one tensor x and scalar
+become one `aten.gelu` / `aten.silu` / `aten.hardswish` / `aten.hardsigmoid`
+node (one unary op instead of 3-9, which the convolution fusions can then take
+into a convolution's epilogue). The written form is not matched op by op:
+starting at each erf / tanh / sigmoid / clamp / hardtanh, the element-wise
+subgraph that reads only one tensor x and scalar
 constants is evaluated on probe values and compared with the three functions,
 so any arrangement of the factors (x * 0.5, / 2, x * x * x, ...) fuses and
 anything computing something else (quick-GELU's sigmoid(1.702 x), a wrong
@@ -26,7 +30,10 @@ from torch.export import ExportedProgram
 from .common import aten, dtype, erase_dead, is_op, replace, same_shape
 from .subgraph import ELEMENTWISE, closed, matches_function, region, scalar_constant
 
-ANCHORS = (aten.erf.default, aten.tanh.default, aten.sigmoid.default)
+# The clamps of the hard activations (relu6 exports as hardtanh(x, 0, 6)) join the element-wise ops.
+CLAMPS = (aten.clamp.default, aten.hardtanh.default)
+OPS = (*ELEMENTWISE, *CLAMPS)
+ANCHORS = (aten.erf.default, aten.tanh.default, aten.sigmoid.default, *CLAMPS)
 MAX_CLIMB = 6  # how far above the anchor the activation's output may be
 PROBE = torch.cat([torch.linspace(-8.0, 8.0, 161, dtype=torch.float64),
                    torch.tensor([-30.0, -12.5, 12.5, 30.0], dtype=torch.float64)])
@@ -41,6 +48,8 @@ FUNCTIONS: list[tuple[Callable[[torch.Tensor], torch.Tensor], object, dict]] = [
     (torch.nn.functional.silu, exir_ops.edge.aten.silu.default, {}),
     (lambda x: 0.5 * x * (1 + torch.erf(x / math.sqrt(2))), exir_ops.edge.aten.gelu.default, {}),
     (_gelu_tanh, exir_ops.edge.aten.gelu.default, {"approximate": "tanh"}),
+    (torch.nn.functional.hardswish, exir_ops.edge.aten.hardswish.default, {}),
+    (torch.nn.functional.hardsigmoid, exir_ops.edge.aten.hardsigmoid.default, {}),
 ]
 
 
@@ -52,7 +61,7 @@ def _inputs(ep: ExportedProgram, anchor: torch.fx.Node) -> list[torch.fx.Node]:
         if not isinstance(n, torch.fx.Node) or n in out or scalar_constant(ep, n) is not None:
             continue
         out.append(n)
-        if is_op(n, *ELEMENTWISE):
+        if is_op(n, *OPS):
             frontier.extend(n.all_input_nodes)
     return out
 
@@ -62,7 +71,7 @@ def _heads(anchor: torch.fx.Node) -> list[torch.fx.Node]:
     chain = [anchor]
     while len(chain) <= MAX_CLIMB and len(chain[-1].users) == 1:
         user = next(iter(chain[-1].users))
-        if not is_op(user, *ELEMENTWISE):
+        if not is_op(user, *OPS):
             break
         chain.append(user)
     return chain
@@ -78,7 +87,7 @@ def match(ep: ExportedProgram, anchor: torch.fx.Node) -> Found | None:
         if not isinstance(x.meta.get("val"), torch.Tensor) or not dtype(x).is_floating_point:
             continue
         for head in heads:
-            nodes = region(ep, head, x, ELEMENTWISE)
+            nodes = region(ep, head, x, OPS)
             if nodes is None or anchor not in nodes or not closed(nodes, head):
                 continue
             if dtype(head) != dtype(x) or not same_shape(head, x):

@@ -5,10 +5,15 @@ the unpadded input, starts its output from bias + residual, and clamps while wri
 - `fold_conv_pad`: a constant zero pad of the spatial axes (TF-style "same" padding, `nn.ZeroPad2d`)
   read only by the convolution becomes the convolution's padding, asymmetric where the pad is;
 - `fuse_conv_residual`: `conv(x) + r` (a residual connection; r of the output's shape and dtype);
-- `fuse_conv_activation`: ReLU, ReLU6 / hardtanh or a constant clamp after it (or after the residual).
+- `fuse_conv_activation`: ReLU, ReLU6 / hardtanh or a constant clamp after it (or after the residual),
+  and hard-swish, hard-sigmoid, sigmoid, SiLU or GELU after that (the CPU kernel applies it to each
+  block of results while they are in cache, instead of a separate pass over the activation);
+- `fuse_conv_scale`: `conv(x * s)` with s of shape [N, C, 1, ...] (a squeeze-excite gate: one value per
+  image and input channel) becomes the convolution's `in_scale`, which the CPU kernel folds into the
+  weights (or the input) inside the call instead of a broadcast multiply writing a new activation.
 
 They run in that order, each on a non-transposed `aten.convolution` or an earlier `conv_fused`, and
-only where the convolution's output (or the pad's) has no other reader."""
+only where the convolution's output (or the pad's, or the product's) has no other reader."""
 
 from __future__ import annotations
 
@@ -23,20 +28,23 @@ from .common import aten, dtype, erase_dead, is_op, only_user, replace, same_sha
 
 FUSED = torch.ops.mlx_delegate.conv_fused.default
 INF = math.inf
-ARGS = ("x", "weight", "bias", "residual", "stride", "padding", "padding_hi", "dilation", "groups", "lo", "hi")
+ARGS = ("x", "weight", "bias", "residual", "stride", "padding", "padding_hi", "dilation", "groups", "lo",
+        "hi", "act", "in_scale")
+DEFAULTS = {"act": "none", "in_scale": None}
 
 
 def _conv_args(n: torch.fx.Node) -> dict[str, Any] | None:
     """`n`'s arguments as conv_fused's, when it is a non-transposed convolution or a conv_fused."""
     if is_op(n, FUSED):
-        return dict(zip(ARGS, n.args))
+        return DEFAULTS | dict(zip(ARGS, n.args)) | dict(n.kwargs)
     if not is_op(n, aten.convolution.default) or n.args[6]:  # transposed
         return None
     x, w, bias, stride, padding, dilation, _, _, groups = n.args
     nd = len(shape(n)) - 2
     full = lambda v: list(v) * nd if len(v) == 1 else list(v)  # one entry: every axis
     return {"x": x, "weight": w, "bias": bias, "residual": None, "stride": full(stride), "padding": full(padding),
-            "padding_hi": full(padding), "dilation": full(dilation), "groups": groups, "lo": -INF, "hi": INF}
+            "padding_hi": full(padding), "dilation": full(dilation), "groups": groups, "lo": -INF, "hi": INF,
+            **DEFAULTS}
 
 
 def _rewrite(ep: ExportedProgram, old: torch.fx.Node, conv: torch.fx.Node, args: dict[str, Any]) -> bool:
@@ -67,8 +75,21 @@ def _bounds(act: torch.fx.Node) -> tuple[float, float] | None:
     return float(lo), float(hi)
 
 
+def _activation(act: torch.fx.Node) -> str | None:
+    """The `conv_fused` name (custom_ops.CONV_ACTIVATIONS) of activation node `act`, or None."""
+    names = {aten.hardswish.default: "hardswish", aten.hardsigmoid.default: "hardsigmoid",
+             aten.sigmoid.default: "sigmoid", aten.silu.default: "silu"}
+    for target, name in names.items():
+        if is_op(act, target):
+            return name
+    if is_op(act, aten.gelu.default):
+        approximate = act.kwargs.get("approximate", act.args[1] if len(act.args) > 1 else "none")
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate)
+    return None
+
+
 def _unclamped(args: dict[str, Any]) -> bool:
-    return args["lo"] == -INF and args["hi"] == INF
+    return args["lo"] == -INF and args["hi"] == INF and args["act"] == "none"
 
 
 def fold_pad(ep: ExportedProgram) -> int:
@@ -111,14 +132,42 @@ def fuse_residual(ep: ExportedProgram) -> int:
 
 
 def fuse_activation(ep: ExportedProgram) -> int:
+    """A clamp, then an activation (applied after the clamp), each fused once per convolution."""
     done = 0
     for conv in list(ep.graph.nodes):
         args = _conv_args(conv)
-        if not args or not _unclamped(args) or len(conv.users) != 1:
+        if not args or args["act"] != "none" or len(conv.users) != 1:
             continue
         (act,) = conv.users
-        bounds = _bounds(act)
-        if bounds is None or not only_user(conv, act) or dtype(act) != dtype(conv):
+        if not only_user(conv, act) or act.args[0] is not conv or dtype(act) != dtype(conv):
             continue
-        done += _rewrite(ep, act, conv, args | {"lo": bounds[0], "hi": bounds[1]})
+        bounds, name = _bounds(act), _activation(act)
+        if bounds is not None and _unclamped(args):
+            fused = args | {"lo": bounds[0], "hi": bounds[1]}
+        elif name is not None:
+            fused = args | {"act": name}
+        else:
+            continue
+        done += _rewrite(ep, act, conv, fused)
+    return done
+
+
+def fuse_scale(ep: ExportedProgram) -> int:
+    done = 0
+    for conv in list(ep.graph.nodes):
+        args = _conv_args(conv)
+        mul = args and args["x"]
+        if (not is_op(mul, aten.mul.Tensor) or args["in_scale"] is not None or not only_user(mul, conv)
+                or args["residual"] is mul):  # the product is needed anyway
+            continue
+        for x, s in (mul.args, mul.args[::-1]):
+            if not (isinstance(x, torch.fx.Node) and isinstance(s, torch.fx.Node)) or x is s:
+                continue
+            xs, ss = shape(x), shape(s)
+            if (len(xs) == len(ss) == len(shape(mul)) and len(xs) >= 3 and same_shape(x, mul)
+                    and all(isinstance(d, int) for d in [*ss, *xs[:2]]) and ss[2:] == [1] * (len(ss) - 2)
+                    and ss[:2] == xs[:2] and dtype(x) == dtype(s) == dtype(mul)
+                    and _rewrite(ep, conv, conv, args | {"x": x, "in_scale": s})):
+                done += 1
+                break
     return done

@@ -23,10 +23,15 @@ from .conv_fusions import _conv_args, _unclamped
 BLOCK = torch.ops.mlx_delegate.inverted_residual.default
 
 
+def _block_epilogue(args: dict[str, Any]) -> bool:
+    """Only what the block node carries: a clamp, no other activation and no squeeze-excite input scale."""
+    return args.get("act", "none") == "none" and args.get("in_scale") is None
+
+
 def _pointwise(args: dict[str, Any]) -> bool:
     """A 1x1 convolution over all channels, stride 1, no padding."""
     w = shape(args["weight"])
-    return (len(w) == 4 and w[2:] == [1, 1] and args["groups"] == 1 and list(args["stride"]) == [1, 1]
+    return (_block_epilogue(args) and len(w) == 4 and w[2:] == [1, 1] and args["groups"] == 1 and list(args["stride"]) == [1, 1]
             and list(args["padding"]) == [0, 0] and list(args["padding_hi"]) == [0, 0]
             and list(args["dilation"]) == [1, 1])
 
@@ -34,7 +39,7 @@ def _pointwise(args: dict[str, Any]) -> bool:
 def _depthwise(args: dict[str, Any]) -> bool:
     """One filter per channel (weight [C, 1, kh, kw]), 2-D, undilated, no residual of its own."""
     w, x = shape(args["weight"]), shape(args["x"])
-    return (len(w) == 4 and len(x) == 4 and w[1] == 1 and args["groups"] == w[0] == x[1]
+    return (_block_epilogue(args) and len(w) == 4 and len(x) == 4 and w[1] == 1 and args["groups"] == w[0] == x[1]
             and list(args["dilation"]) == [1, 1] and args["residual"] is None)
 
 

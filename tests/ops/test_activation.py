@@ -38,6 +38,11 @@ ROWS = [
     ("softplus_threshold", lambda x: F.softplus(x, beta=0.5, threshold=1.0), randn(3, 4)),
     ("softplus_high_threshold", lambda x: F.softplus(x, beta=1.0, threshold=40.0), with_specials(8)),
     ("hardswish", F.hardswish, randn(3, 4)), ("hardsigmoid", F.hardsigmoid, randn(3, 4)),
+    # the CPU kernel's vector body, its tail and the specials (NaN, inf), and a non-contiguous input
+    ("hardswish_specials", F.hardswish, lambda: (torch.cat([torch.randn(37) * 4, torch.tensor(
+        [float("nan"), float("inf"), -float("inf"), -3.0, 3.0, 0.0])]),)),
+    ("hardsigmoid_specials", F.hardsigmoid, with_specials(27)),
+    ("hardswish_nc", transposed(F.hardswish), randn(5, 7)),
     ("mish", F.mish, with_specials(8)), ("glu", F.glu, randn(3, 8)), ("glu_dim0", lambda x: F.glu(x, 0), randn(4, 3)),
     ("glu_neg_dim", lambda x: F.glu(x, -2), randn(2, 6, 3)),
     ("logit", torch.logit, lambda: (torch.rand(3, 4) * 0.9 + 0.05,)),

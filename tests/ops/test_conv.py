@@ -60,6 +60,14 @@ CONV_LAYERS = [
     # Three images of 552 output columns: the CPU kernel's batched sgemm takes two, then one.
     ("conv2d_batched_groups", lambda: torch.nn.Conv2d(4, 6, 3, padding=1, groups=2), (3, 4, 23, 24)),
     ("conv2d_depthwise_s3", lambda: torch.nn.Conv2d(2, 2, 3, stride=3, groups=2), (1, 2, 7, 40)),
+    # 5x5 depthwise (MobileNetV3, EfficientNet) with padding 2: stride 1 on a small map (the padded
+    # grid) and a wide one (AVX2 rows and scalar edges), stride 2 on a small map and a wide one.
+    ("conv2d_depthwise_5x5_small", lambda: torch.nn.Conv2d(5, 5, 5, padding=2, groups=5), (2, 5, 9, 7)),
+    ("conv2d_depthwise_5x5_wide", lambda: torch.nn.Conv2d(3, 3, 5, padding=2, groups=3), (1, 3, 6, 45)),
+    ("conv2d_depthwise_5x5_s2_small", lambda: torch.nn.Conv2d(4, 4, 5, stride=2, padding=2, groups=4),
+     (2, 4, 13, 11)),
+    ("conv2d_depthwise_5x5_s2_wide",
+     lambda: torch.nn.Conv2d(3, 3, 5, stride=2, padding=2, groups=3, bias=False), (1, 3, 9, 83)),
     ("conv2d_same", lambda: torch.nn.Conv2d(3, 4, 3, padding="same"), (1, 3, 7, 7)),
     ("conv2d_1x1", lambda: torch.nn.Conv2d(8, 4, 1), (2, 8, 5, 5)),
     ("conv3d", lambda: torch.nn.Conv3d(2, 4, 3, padding=1), (1, 2, 5, 5, 5)),

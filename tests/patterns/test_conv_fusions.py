@@ -4,7 +4,8 @@ float16, and the unfolded program (disable={"fold_batch_norm"}): with and withou
 own bias, affine and non-affine BatchNorm, 1-D and grouped convolutions. A BatchNorm whose input is
 also read elsewhere, or after a transposed convolution, stays. `fuse_conv_activation`: ReLU, ReLU6,
 hardtanh and clamp after a convolution become the ConvNode's clamp, matching eager torch, MLX's own
-convolution (kernels off) and the unfused program."""
+convolution (kernels off) and the unfused program. Hard-swish, hard-sigmoid, SiLU and GELU become its
+`act` and squeeze-excite gates (x * s, s [N, C, 1, 1]) its `in_scale` (`fuse_conv_scale`), likewise."""
 
 from __future__ import annotations
 
@@ -201,6 +202,84 @@ def test_fold_pad_and_residual(dtype: torch.dtype) -> None:
     got = fused.method().execute([x.to(dtype)])
     assert_close([g.float() for g in got], reference, rtol, atol)
     with runtime_switches(cpu_kernels=False):  # MLX's convolution with pad_lo != pad_hi, then add and clip
+        off = fused.fresh_method().execute([x.to(dtype)])
+    assert_close([g.float() for g in got], [o.float() for o in off], rtol, atol)
+    assert_close([g.float() for g in got], [k.float() for k in kept.method().execute([x.to(dtype)])], rtol, atol)
+
+
+class ActScale(nn.Module):
+    """Activations in the convolution's epilogue: hard-swish after a 3x3 and after a 5x5 stride-2
+    depthwise with padding 2, a squeeze-excite gate closed by hard-sigmoid, SiLU, GELU. The gate folded
+    into the next convolution as its input scale: into the weights (a 1x1 with a residual, smaller than
+    its input), into the input (a 3x3 with more weights than the input has values), into a depthwise
+    convolution. A wide 1-D depthwise convolution with a residual and ReLU6 (the sixteen-lane rows).
+    Look-alikes that stay: an activation whose convolution output is also read, a gated
+    product also read elsewhere, a scale shared by both images ([1, C, 1, 1])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.dw = nn.Conv2d(8, 8, 5, stride=2, padding=2, groups=8)
+        self.squeeze, self.excite = nn.Conv2d(8, 4, 1), nn.Conv2d(4, 8, 1)
+        self.project = nn.Conv2d(8, 8, 1)
+        self.wide = nn.Conv2d(8, 16, 3, padding=1)
+        self.dw3 = nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False)
+        self.shared = nn.Conv2d(8, 8, 1)
+        self.dw1d = nn.Conv1d(3, 3, 5, padding=2, groups=3)
+        self.layer_scale = nn.Parameter(torch.rand(1, 8, 1, 1) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        a = F.hardswish(self.stem(x))
+        b = F.hardswish(self.dw(a))
+        gate = F.hardsigmoid(self.excite(F.relu(self.squeeze(b.mean((2, 3), keepdim=True)))))
+        c = self.project(b * gate) + b
+        d = F.silu(self.wide(F.avg_pool2d(c, 3) * gate))
+        e = F.gelu(self.dw3(c * gate))
+        s = self.shared(c)
+        p = c * gate
+        wide = F.relu6(self.dw1d(x.flatten(2)) + x.flatten(2))
+        return [d, e, F.hardswish(s) + s, self.project(p) + p, self.project(c * self.layer_scale), wide]
+
+
+def conv_epilogues(lowered) -> Counter:
+    data, _ = delegate_payload(lowered.edge)
+    kinds = Counter()
+    for i in N.deserialize(data).instructions:
+        if type(i.node).__name__ == "ConvNode":
+            kinds["act." + i.node.act_op.name if i.node.act else "no act"] += 1
+            kinds["in_scale"] += i.node.in_scale is not None
+        else:
+            kinds[type(i.node).__name__] += 1
+    return kinds
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_fuse_conv_act_and_scale(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    model = ActScale().eval()
+    x = torch.randn(2, 3, 13, 11, generator=torch.Generator().manual_seed(1)) * 2
+    module = ActScale().eval()
+    module.load_state_dict(model.state_dict())
+    module = module.to(dtype)
+    fused = lower(module, (x.to(dtype),))
+    kept = lower(module, (x.to(dtype),), partitioner=MLXPartitioner(disable={"fuse_conv_activation",
+                                                                             "fuse_conv_scale"}))
+    assert fused.summary[1] == [] and kept.summary[1] == []
+    kinds, before = conv_epilogues(fused), conv_epilogues(kept)
+    assert {k: v for k, v in kinds.items() if k.startswith("act.")} == {
+        "act.Hardswish": 2, "act.Hardsigmoid": 1, "act.Silu": 1, "act.GeluErf": 1}
+    # Left as nodes: hardswish(s) and the add after it, and the two look-alike products.
+    assert kinds["in_scale"] == 3 and kinds["UnaryNode"] == 1 and kinds["BinaryNode"] == 3
+    assert before["in_scale"] == 0 and not any(k.startswith("act.") for k in before)
+
+    with torch.no_grad():
+        expected = ActScale().eval()
+        expected.load_state_dict({k: v.to(dtype).float() for k, v in model.state_dict().items()})
+        reference = expected(x.to(dtype).float())
+    rtol, atol = fp32_tolerance(200) if dtype == torch.float32 else FP32_REFERENCE_TOLERANCE[dtype]
+    got = fused.method().execute([x.to(dtype)])
+    assert_close([g.float() for g in got], reference, rtol, atol)
+    with runtime_switches(cpu_kernels=False):  # MLX's multiply, convolution, then its activation ops
         off = fused.fresh_method().execute([x.to(dtype)])
     assert_close([g.float() for g in got], [o.float() for o in off], rtol, atol)
     assert_close([g.float() for g in got], [k.float() for k in kept.method().execute([x.to(dtype)])], rtol, atol)

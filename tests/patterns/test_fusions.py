@@ -111,7 +111,15 @@ ACTIVATIONS = {
     "gelu_tanh_fast": (lambda x: 0.5 * x * (1 + torch.tanh(x * SQRT_2_OVER_PI * (1 + 0.044715 * x * x))),
                        "UnaryNode.GeluTanh"),
     "silu": (lambda x: x * torch.sigmoid(x), "UnaryNode.Silu"),
+    # the hard activations as models write them (relu6 exports as hardtanh) and as torch decomposes them
+    "hardswish_relu6": (lambda x: x * F.relu6(x + 3) / 6, "UnaryNode.Hardswish"),
+    "hardswish_decomposed": (lambda x: x * torch.clamp(torch.clamp(x + 3, min=0), max=6) / 6,
+                             "UnaryNode.Hardswish"),
+    "hardsigmoid_relu6": (lambda x: F.relu6(x + 3.0) / 6.0, "UnaryNode.Hardsigmoid"),
+    "hardsigmoid_tf": (lambda x: torch.clamp(x * (1 / 6) + 0.5, 0, 1), "UnaryNode.Hardsigmoid"),
 }
+FUSED_ACTIVATIONS = {"UnaryNode.Silu", "UnaryNode.GeluErf", "UnaryNode.GeluTanh", "UnaryNode.Hardswish",
+                     "UnaryNode.Hardsigmoid"}
 
 
 class Elementwise(torch.nn.Module):
@@ -162,13 +170,15 @@ ACTIVATION_LOOKALIKES = {
     "quick_gelu": Elementwise(lambda x: x * torch.sigmoid(1.702 * x)),
     "wrong_constant": Elementwise(lambda x: 0.5 * x * (1 + torch.erf(x / 1.5))),
     "sigmoid_read_elsewhere": SharedSigmoid(),
+    "relu6_shift_over_5": Elementwise(lambda x: F.relu6(x + 3) / 5),
+    "hardswish_shift_2": Elementwise(lambda x: x * F.relu6(x + 2) / 6),
 }
 
 
 @pytest.mark.parametrize("name", list(ACTIVATION_LOOKALIKES))
 def test_activation_lookalikes_stay_unfused(name):
     kinds, _ = lowered_kinds(ACTIVATION_LOOKALIKES[name], (torch.randn(4, 64) * 4,))
-    assert not {"UnaryNode.Silu", "UnaryNode.GeluErf", "UnaryNode.GeluTanh"} & set(kinds)
+    assert not FUSED_ACTIVATIONS & set(kinds)
 
 
 # ------------------------------------------------------------------ attention

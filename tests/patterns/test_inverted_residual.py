@@ -131,3 +131,17 @@ def test_inverted_residual_blocks(case, tiling: str) -> None:
     assert kinds["BatchNormNode"] == 0
     if cpu_kernels_active():
         assert _runtime.cpu_kernel_call_counts().get(counter, 0) > before
+
+
+# MobileNetV3-style: hard-swish after the expand and the depthwise fuses into each convolution as its `act`,
+# which the block node does not carry, so those blocks stay convolutions (and still match eager).
+HARD_SWISH = cases("hardswish_blocks", lambda: nn.Sequential(Block(5, 5, 1, 3, act=nn.Hardswish),
+                                                             Block(5, 7, 2, 3, k=5, act=nn.Hardswish)).eval(),
+                   lambda: (torch.randn(1, 5, 9, 11),), (torch.float32,), is_module=True,
+                   tolerance={torch.float32: fp32_tolerance(64)})
+
+
+@pytest.mark.parametrize("case", HARD_SWISH, ids=str)
+def test_blocks_with_other_activations_stay_convolutions(case) -> None:
+    kinds = node_kinds(lower_and_compare(case))
+    assert kinds["InvertedResidualNode"] == 0 and kinds["ConvNode"] == 6
