@@ -430,8 +430,9 @@ constexpr int64_t kRowsChunk = 64;
 // are small: a helper that starts late (or is preempted) on a shared machine otherwise leaves the
 // other thread a whole equal part to do alone at the end. Each thread claims, from one counter,
 // a share of what is left (1 / (2 x threads) of the remaining rows, so the pieces shrink as the
-// product ends) down to kGuidedMinRows rows (about 32 KiB of int4 weights at K 2048), in
-// multiples of 4 rows (the kernels' row block).
+// product ends), never more than 1 / (8 x threads) of all rows (half the equal split's part: a
+// thread preempted while it holds a piece strands less) and down to kGuidedMinRows rows (about
+// 32 KiB of int4 weights at K 2048), in multiples of 4 rows (the kernels' row block).
 constexpr int64_t kGuidedMinRows = 32;
 
 template <class Fn>
@@ -447,7 +448,7 @@ void guided_rows(int64_t n, int64_t cost_per_row, const Fn& fn) {
     for (;;) {
       do {
         if (begin >= n) return;
-        int64_t chunk = std::max(kGuidedMinRows, (n - begin) / (2 * threads));
+        int64_t chunk = std::max(kGuidedMinRows, std::min((n - begin) / (2 * threads), n / (8 * threads)));
         chunk = (chunk + 3) / 4 * 4;
         end = std::min(n, begin + chunk);
       } while (!next.compare_exchange_weak(begin, end, std::memory_order_relaxed));
