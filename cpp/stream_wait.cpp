@@ -79,6 +79,7 @@ struct Linger {
   std::atomic<int64_t> last_gap_ns{kNever};  // the previous call's gap
   std::atomic<int64_t> linger_ns{0};  // chosen by the last call: follow-up evaluations in it reuse it
   Park* park = nullptr;  // set (once, before first use) for a delegate stream; never freed
+  std::atomic<bool> long_gaps{false};  // the last two gaps were at least kParkMinGapNs (set by the last call)
 
   // Runs on the stream thread, after a call's tasks: stays awake until a
   // caller releases it (its tasks are queued behind), the linger time passes
@@ -185,6 +186,7 @@ struct Sleeper {
 // enqueued; a release lets every park up to a number return. Enqueueing and releasing happen under
 // `enqueue`, so a caller that sees a park pending knows its tasks queue behind it.
 constexpr int64_t kParkTimeoutNs = 100'000'000;
+constexpr int64_t kParkMinGapNs = 1'000'000;
 std::atomic<bool> g_exiting{false};
 
 struct Park {
@@ -377,6 +379,7 @@ void eval_impl(std::vector<mx::array>& arrays, EvalPace* pace, bool small) {
     const int64_t recent = std::min(gap, prev);
     linger_ns = recent < cap_ns ? std::min(cap_ns, 3 * recent + 20'000) : 0;
     L->linger_ns.store(linger_ns, std::memory_order_relaxed);
+    L->long_gaps.store(recent >= kParkMinGapNs, std::memory_order_relaxed);
   }
 
   // A delegate stream's thread sleeping in a park: this call's tasks queue behind it without waking it,
@@ -387,8 +390,12 @@ void eval_impl(std::vector<mx::array>& arrays, EvalPace* pace, bool small) {
   if (P) enqueue_lock = std::unique_lock<std::mutex>(P->enqueue);
   const bool parked = P && P->pending();
   if (parked && !small) P->release(P->queued);
-  // The next call, milliseconds away (no linger chosen), will find this thread parked.
-  const bool park_next = P && small && linger_ns == 0 && stream_park() && !g_exiting.load(std::memory_order_relaxed);
+  // The next call, milliseconds away, will find this thread parked. Gaps under a millisecond keep the
+  // gate instead: it wakes the thread as the caller starts enqueueing, so the wake-up's latency overlaps
+  // the enqueue, where a park's release comes after it (at load 8 the calls of overhead.py's interleaved
+  // back-to-back rows, ~0.5 ms apart, took 94 us parked against 31 us gated).
+  const bool park_next = P && small && linger_ns == 0 && L->long_gaps.load(std::memory_order_relaxed) &&
+                         stream_park() && !g_exiting.load(std::memory_order_relaxed);
 
   // Small graphs enqueue in microseconds: keep a lingering thread awake
   // through it instead of letting it sleep and waking it for the first task.
