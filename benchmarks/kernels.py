@@ -43,8 +43,8 @@ graph); the copies and eager torch take turns in rotating order, call by call
 - `kernels off`: MLX's own ops (`_runtime.set_cpu_kernels(False)`).
 - `avx512 off` (`qgemv`, `qgemv1b`): the quantized GEMV's AVX2 kernels where the CPU has AVX-512 VNNI
   (`_runtime.set_qgemv_avx512_path(False)`).
-- `guided split off` (`qgemv1b`): the decode GEMV split into four equal parts per thread instead of
-  pieces claimed from one counter that shrink as the product ends (`_runtime.set_qgemv_guided_split(False)`).
+- `guided split on` (`qgemv1b`): the decode GEMV's rows in pieces claimed from one counter that shrink as
+  the product ends instead of four equal parts per thread (`_runtime.set_qgemv_guided_split(True)`, opt-in).
 - `eager torch`: the torch op (`--threads`, default 2); `attn` adds `eager bmm`.
 - with `--nodes`, each delegate path also node by node (`..., nodes`: compiled graphs off).
 
@@ -110,13 +110,13 @@ class RunAs:
     env: dict[str, str] = field(default_factory=dict)
     group32: bool = True  # the quantized GEMV's one-row groups-of-32 path
     avx512: bool = True  # the quantized GEMV's AVX-512 VNNI kernels (where the CPU has them)
-    guided: bool = True  # the quantized GEMV's guided split (shrinking pieces) rather than equal parts
+    guided: bool = False  # the quantized GEMV's guided split (shrinking pieces; opt-in) rather than equal parts
 
 
 PATHS = {"kernels on": RunAs(), "composed": RunAs(env={SDPA_ENV: "0"}), "kernels off": RunAs(kernels=False),
          "blocked off": RunAs(env={BLOCKED_ENV: "0"}),
          "group-32 path off": RunAs(group32=False), "avx512 off": RunAs(avx512=False),
-         "guided split off": RunAs(guided=False)}
+         "guided split on": RunAs(guided=True)}
 
 
 def shape_text(x: torch.Tensor) -> str:
@@ -272,7 +272,7 @@ def qgemv1b_cases(quick: bool) -> Iterator[Case]:
         label = (f"{name} [{n} x {k}] x{copies}, g{group_size}, scales {str(scales_dtype).removeprefix('torch.')}"
                  f", x {str(x_dtype).removeprefix('torch.')}")
         yield Case("qgemv1b", label, module, xs, lambda m=module, xs=xs: packed_reference(m, xs),
-                   paths=("kernels on", "guided split off", "avx512 off"), bytes_read=one * copies,
+                   paths=("kernels on", "guided split on", "avx512 off"), bytes_read=one * copies,
                    eager_timed=False)
 
 
@@ -368,7 +368,7 @@ def delegate_run(buffer: bytes, inputs: tuple[torch.Tensor, ...],
             _runtime.set_compile(was[1])
             _runtime.set_qgemv_group32_path(True)
             _runtime.set_qgemv_avx512_path(True)
-            _runtime.set_qgemv_guided_split(True)
+            _runtime.set_qgemv_guided_split(False)
 
     return run, program
 

@@ -262,7 +262,8 @@ NB_MODULE(_runtime, m) {
         "on (parity tests, A/B timings).");
   m.def("set_qgemv_guided_split", &mlxd::rt::qgemv_cpu_set_guided_split, nb::arg("on"),
         "Decode-sized quantized products split their rows into pieces claimed from one counter that shrink as "
-        "the product ends (on, default; MLX_DELEGATE_QGEMV_GUIDED=0 at start-up) or four equal parts per thread.");
+        "the product ends (on; opt-in: MLX_DELEGATE_QGEMV_GUIDED=1 at start-up) or four equal parts per thread "
+        "(off, the default).");
   m.def("qgemv_guided_split", &mlxd::rt::qgemv_cpu_guided_split);
   m.def("set_qgemv_avx512_path", &mlxd::rt::qgemv_cpu_set_avx512_path, nb::arg("on"),
         "Turn the quantized GEMV's AVX-512 VNNI kernels on (default, where the CPU has them) or off (the AVX2 "

@@ -35,9 +35,11 @@ namespace {
 std::atomic<uint64_t> g_calls{0};
 // The one-row group-32 path (block_avx2_g32); switchable for A/B measurements in one process.
 std::atomic<bool> g_group32_path{true};
+// Off by default: two in-process A/Bs of a 1.2B int4 decode at load 6 did not show it ahead (see
+// docs/performance.md, 2026-11-26 11:05-11:31).
 std::atomic<bool> g_guided_split{[] {
   const char* v = std::getenv("MLX_DELEGATE_QGEMV_GUIDED");
-  return v == nullptr || std::string(v) != "0";
+  return v != nullptr && std::string(v) == "1";
 }()};
 // The AVX-512 VNNI kernels (block_avx512*) where the CPU has them; off runs the AVX2 ones (A/B, parity).
 std::atomic<bool> g_avx512_path{true};

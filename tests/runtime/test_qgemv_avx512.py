@@ -115,16 +115,17 @@ def test_guided_split_matches_equal_parts(programs):
     outputs are bitwise equal, and match eager torch."""
     module, buffer = programs[(torch.float32, torch.float32)]
     method = Runtime.get().load_program(buffer).load_method("forward")
-    assert _runtime.qgemv_guided_split()  # the default
+    was = _runtime.qgemv_guided_split()
     for rows in (1, 3):
         x = torch.randn(1, rows, K)
         with torch.no_grad():
             expected = module(x)
-        guided = [method.execute([x]) for _ in range(2)][-1]  # node by node, then the traced graph
-        _runtime.set_qgemv_guided_split(False)
         try:
+            _runtime.set_qgemv_guided_split(True)
+            guided = [method.execute([x]) for _ in range(2)][-1]  # node by node, then the traced graph
+            _runtime.set_qgemv_guided_split(False)
             equal = method.execute([x])
         finally:
-            _runtime.set_qgemv_guided_split(True)
+            _runtime.set_qgemv_guided_split(was)
         assert all(torch.equal(a, b) for a, b in zip(guided, equal))
         assert_close(guided, expected, *QUANTIZED_TOLERANCE[torch.float32])
