@@ -352,7 +352,7 @@ def delegate_run(buffer: bytes, inputs: tuple[torch.Tensor, ...],
     args = list(inputs)
 
     def run() -> Any:
-        was = _runtime.cpu_kernels_enabled(), _runtime.compile_enabled()
+        was = _runtime.cpu_kernels_enabled(), _runtime.compile_enabled(), _runtime.qgemv_guided_split()
         _runtime.set_cpu_kernels(path.kernels)
         _runtime.set_compile(path.compiled)
         _runtime.set_qgemv_group32_path(path.group32)
@@ -368,7 +368,7 @@ def delegate_run(buffer: bytes, inputs: tuple[torch.Tensor, ...],
             _runtime.set_compile(was[1])
             _runtime.set_qgemv_group32_path(True)
             _runtime.set_qgemv_avx512_path(True)
-            _runtime.set_qgemv_guided_split(False)
+            _runtime.set_qgemv_guided_split(was[2])
 
     return run, program
 
