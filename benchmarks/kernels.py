@@ -43,6 +43,8 @@ graph); the copies and eager torch take turns in rotating order, call by call
 - `kernels off`: MLX's own ops (`_runtime.set_cpu_kernels(False)`).
 - `avx512 off` (`qgemv`, `qgemv1b`): the quantized GEMV's AVX2 kernels where the CPU has AVX-512 VNNI
   (`_runtime.set_qgemv_avx512_path(False)`).
+- `guided split on` (`qgemv1b`): the decode GEMV's rows in pieces claimed from one counter that shrink as
+  the product ends instead of four equal parts per thread (`_runtime.set_qgemv_guided_split(True)`, opt-in).
 - `eager torch`: the torch op (`--threads`, default 2); `attn` adds `eager bmm`.
 - with `--nodes`, each delegate path also node by node (`..., nodes`: compiled graphs off).
 
@@ -108,11 +110,13 @@ class RunAs:
     env: dict[str, str] = field(default_factory=dict)
     group32: bool = True  # the quantized GEMV's one-row groups-of-32 path
     avx512: bool = True  # the quantized GEMV's AVX-512 VNNI kernels (where the CPU has them)
+    guided: bool = False  # the quantized GEMV's guided split (shrinking pieces; opt-in) rather than equal parts
 
 
 PATHS = {"kernels on": RunAs(), "composed": RunAs(env={SDPA_ENV: "0"}), "kernels off": RunAs(kernels=False),
          "blocked off": RunAs(env={BLOCKED_ENV: "0"}),
-         "group-32 path off": RunAs(group32=False), "avx512 off": RunAs(avx512=False)}
+         "group-32 path off": RunAs(group32=False), "avx512 off": RunAs(avx512=False),
+         "guided split on": RunAs(guided=True)}
 
 
 def shape_text(x: torch.Tensor) -> str:
@@ -268,7 +272,8 @@ def qgemv1b_cases(quick: bool) -> Iterator[Case]:
         label = (f"{name} [{n} x {k}] x{copies}, g{group_size}, scales {str(scales_dtype).removeprefix('torch.')}"
                  f", x {str(x_dtype).removeprefix('torch.')}")
         yield Case("qgemv1b", label, module, xs, lambda m=module, xs=xs: packed_reference(m, xs),
-                   paths=("kernels on", "avx512 off"), bytes_read=one * copies, eager_timed=False)
+                   paths=("kernels on", "guided split on", "avx512 off"), bytes_read=one * copies,
+                   eager_timed=False)
 
 
 SDPA_HQ, SDPA_HK, SDPA_D, SDPA_S = 9, 3, 64, 256
@@ -347,11 +352,12 @@ def delegate_run(buffer: bytes, inputs: tuple[torch.Tensor, ...],
     args = list(inputs)
 
     def run() -> Any:
-        was = _runtime.cpu_kernels_enabled(), _runtime.compile_enabled()
+        was = _runtime.cpu_kernels_enabled(), _runtime.compile_enabled(), _runtime.qgemv_guided_split()
         _runtime.set_cpu_kernels(path.kernels)
         _runtime.set_compile(path.compiled)
         _runtime.set_qgemv_group32_path(path.group32)
         _runtime.set_qgemv_avx512_path(path.avx512)
+        _runtime.set_qgemv_guided_split(path.guided)
         os.environ.update(path.env)  # read when the graph is built: the first and the tracing call
         try:
             return method.execute(args)
@@ -362,6 +368,7 @@ def delegate_run(buffer: bytes, inputs: tuple[torch.Tensor, ...],
             _runtime.set_compile(was[1])
             _runtime.set_qgemv_group32_path(True)
             _runtime.set_qgemv_avx512_path(True)
+            _runtime.set_qgemv_guided_split(was[2])
 
     return run, program
 

@@ -10,8 +10,10 @@ into that floor, MLX Python's own evaluation of the graph, and the rest (ours),
 and (without --quick) the CPU time each call costs at 100 Hz, delegate beside eager. The
 `wait off` row is the delegate with its adaptive wait on MLX's stream thread switched off
 (`_runtime.set_stream_linger(0)` around each call; the switch costs well under a microsecond); the
-`gate off` row the delegate without the gate for small graphs sent to a sleeping stream thread
-(`_runtime.set_stream_gate(0)`: one wake-up per task, the caller sleeping for the result).
+`gate+park off` row the delegate without the gate for small graphs sent to a sleeping stream thread
+(`_runtime.set_stream_gate(0)` and the park off: one wake-up per task, the caller sleeping for the result); the
+`park off` row the delegate without the stream park (`_runtime.set_stream_park(False)`: at 100 Hz
+each call gates a sleeping stream thread instead of releasing a parked one).
 
     python benchmarks/overhead.py [--quick] [--json out.json] [--engines ...]
 """
@@ -19,6 +21,7 @@ and (without --quick) the CPU time each call costs at 100 Hz, delegate beside ea
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import time
 from dataclasses import asdict, replace
@@ -69,21 +72,33 @@ def _no_linger(w: Workload) -> Prepared:
 
 
 def _no_gate(w: Workload) -> Prepared:
-    """The delegate with the gate off (MLX_DELEGATE_STREAM_GATE=0) during its calls: a small graph
-    sent to a sleeping stream thread wakes it once per task, and the caller sleeps for the result."""
+    """The delegate with the gate and the park off (MLX_DELEGATE_STREAM_GATE=0, MLX_DELEGATE_STREAM_PARK=0)
+    during its calls: a small graph sent to a sleeping stream thread wakes it once per task, and the
+    caller sleeps for the result."""
     from mlx_delegate import _runtime
 
-    return common.switched(common.ENGINES["delegate"][1], _runtime.stream_gate, _runtime.set_stream_gate, 0,
-                           "gate off")(w)
+    no_park = common.switched(common.ENGINES["delegate"][1], _runtime.stream_park, _runtime.set_stream_park, False)
+    return common.switched(no_park, _runtime.stream_gate, _runtime.set_stream_gate, 0, "gate and park off")(w)
+
+
+def _no_park(w: Workload) -> Prepared:
+    """The delegate with the stream park off (MLX_DELEGATE_STREAM_PARK=0) during its calls: a small
+    graph called with gaps wakes a sleeping stream thread through the gate, as before the park."""
+    from mlx_delegate import _runtime
+
+    return common.switched(common.ENGINES["delegate"][1], _runtime.stream_park, _runtime.set_stream_park, False,
+                           "park off")(w)
 
 
 FLOOR = "et_floor"
 NO_LINGER = "no_linger"
 NO_GATE = "no_gate"
+NO_PARK = "no_park"
 common.ENGINES[FLOOR] = ("ExecuTorch floor", _et_floor)
 common.ENGINES[NO_LINGER] = ("mlx_delegate, wait off", _no_linger)
-common.ENGINES[NO_GATE] = ("mlx_delegate, gate off", _no_gate)
-DEFAULT = ["delegate", NO_LINGER, NO_GATE, "nodes", FLOOR, "mlx", "eager"]  # also the table order
+common.ENGINES[NO_GATE] = ("mlx_delegate, gate+park off", _no_gate)
+common.ENGINES[NO_PARK] = ("mlx_delegate, park off", _no_park)
+DEFAULT = ["delegate", NO_PARK, NO_LINGER, NO_GATE, "nodes", FLOOR, "mlx", "eager"]  # also the table order
 
 
 def breakdown(results: Sequence[Result]) -> list[str]:
@@ -93,7 +108,7 @@ def breakdown(results: Sequence[Result]) -> list[str]:
     rows = []
     for case in dict.fromkeys(r.case for r in results):
         floor, mlx = by.get((case, floor_name)), by.get((case, mlx_name))
-        for key in ("delegate", NO_LINGER, NO_GATE, "nodes"):
+        for key in ("delegate", NO_PARK, NO_LINGER, NO_GATE, "nodes"):
             total = by.get((case, common.ENGINES[key][0]))
             if total is None or floor is None or mlx is None:
                 continue
@@ -107,18 +122,20 @@ def breakdown(results: Sequence[Result]) -> list[str]:
     return ["", "Breakdown (medians of this run): call = ExecuTorch floor + MLX Python + ours", table]
 
 
-IDLE_KEYS = ("delegate", NO_LINGER, NO_GATE, FLOOR, "eager")
+IDLE_KEYS = ("delegate", NO_PARK, NO_LINGER, NO_GATE, FLOOR, "eager")
 IDLE_GAP_S = 0.01  # a call every ~10 ms: an app polling a small model at 100 Hz
 
 
-def idle_cost(w: Workload, calls: int = 200, rounds: int = 3) -> list[str]:
+def idle_cost(w: Workload, calls: int = 200, rounds: int = 5) -> list[str]:
     """CPU time per call when calls come ~10 ms apart: whatever a runtime burns between calls
     (threads spinning for work) counts. Blocks of calls per engine, alternated, so both see the
     same machine; the process's CPU time over each block is charged to its calls."""
     prepared = {k: common.ENGINES[k][1](w) for k in IDLE_KEYS}
     cpu = {k: [] for k in IDLE_KEYS}
-    for _ in range(rounds):
-        for k, p in prepared.items():
+    keys = list(prepared)
+    for r in range(rounds):
+        for k in keys[r % len(keys):] + keys[:r % len(keys)]:  # rotating, so no engine always follows another
+            p = prepared[k]
             for _ in range(10):
                 p.run()
             start = time.process_time()
@@ -127,10 +144,13 @@ def idle_cost(w: Workload, calls: int = 200, rounds: int = 3) -> list[str]:
                 time.sleep(IDLE_GAP_S)
             cpu[k].append((time.process_time() - start) / calls)
     best = {k: min(v) for k, v in cpu.items()}
-    rows = [[common.ENGINES[k][0], f"{best[k] * 1e3:.3f} ms", f"{best[k] / best['eager']:.2f}x"] for k in IDLE_KEYS]
-    table = common.format_table(["engine", "CPU per call", "vs eager"], rows, [False, True, True])
+    med = {k: statistics.median(v) for k, v in cpu.items()}
+    rows = [[common.ENGINES[k][0], f"{best[k] * 1e3:.3f} ms", f"{best[k] / best['eager']:.2f}x",
+             f"{med[k] * 1e3:.3f} ms", f"{med[k] / med['eager']:.2f}x"] for k in IDLE_KEYS]
+    table = common.format_table(["engine", "CPU per call (best)", "vs eager", "median", "vs eager"], rows,
+                                [False, True, True, True, True])
     return ["", f"Idle cost: CPU time per call at one call every {IDLE_GAP_S * 1e3:.0f} ms "
-            f"(best of {rounds} blocks of {calls})", table]
+            f"(best and median of {rounds} blocks of {calls}, engines taking turns in rotating order)", table]
 
 
 def _with_default_engines(argv: list[str]) -> list[str]:

@@ -294,6 +294,7 @@ void Handle::finish(Span<EValue*> args, std::vector<mx::array> results, std::vec
 
 void Handle::execute(Span<EValue*> args) {
   std::lock_guard<std::mutex> lock(mutex_);
+  DelegateStreamScope stream;  // the graph runs on this thread's delegate stream (the stream park, stream_wait.h)
   try {
     bind_inputs(args);
     bool profiling = profile_enabled();

@@ -262,6 +262,11 @@ NB_MODULE(_runtime, m) {
   m.def("set_qgemv_group32_path", &mlxd::rt::qgemv_cpu_set_group32_path, nb::arg("on"),
         "Turn the quantized GEMV's one-row path for groups of 32 on (default) or off, from the next call "
         "on (parity tests, A/B timings).");
+  m.def("set_qgemv_guided_split", &mlxd::rt::qgemv_cpu_set_guided_split, nb::arg("on"),
+        "Decode-sized quantized products split their rows into pieces claimed from one counter that shrink as "
+        "the product ends (on; opt-in: MLX_DELEGATE_QGEMV_GUIDED=1 at start-up) or four equal parts per thread "
+        "(off, the default).");
+  m.def("qgemv_guided_split", &mlxd::rt::qgemv_cpu_guided_split);
   m.def("set_qgemv_avx512_path", &mlxd::rt::qgemv_cpu_set_avx512_path, nb::arg("on"),
         "Turn the quantized GEMV's AVX-512 VNNI kernels on (default, where the CPU has them) or off (the AVX2 "
         "kernels run), from the next call on (parity tests, A/B timings).");
@@ -305,15 +310,22 @@ NB_MODULE(_runtime, m) {
         "Small graphs sent to a sleeping MLX stream thread wake it once, for a gate task, instead of once per "
         "task: 0 off, 1 on (default), 2 on with the caller spinning for the result (MLX_DELEGATE_STREAM_GATE at start-up).");
   m.def("stream_gate", &stream_gate);
+  m.def("set_stream_park", &set_stream_park, nb::arg("on"),
+        "Delegate calls run on a CPU stream of their own per thread, whose thread a small graph called with "
+        "long gaps leaves parked (asleep on the delegate's own condition variable) so the next call wakes it "
+        "once, after enqueueing (MLX_DELEGATE_STREAM_PARK=0 at start-up turns it off).");
+  m.def("stream_park", &stream_park);
   m.def("stream_wait_stats", [] {
     auto s = stream_wait_stats();
     return std::map<std::string, uint64_t>{{"calls", s.calls}, {"held", s.held}, {"lingers", s.lingers},
                                            {"spins", s.spins}, {"spin_hits", s.spin_hits},
                                            {"linger_timeouts", s.linger_timeouts}, {"parks", s.parks},
-                                           {"gates", s.gates}};
+                                           {"gates", s.gates}, {"stream_parks", s.stream_parks},
+                                           {"unparked", s.unparked}, {"park_timeouts", s.park_timeouts}};
   }, "Process-wide counters of the adaptive wait: evaluations, those that found the stream thread awake (held), "
      "lingers enqueued, caller spins (and those that saw the result), lingers that ended unused, calls that "
-     "sent the kernels' helper threads to sleep at their end (parks).");
+     "sent the kernels' helper threads to sleep at their end (parks), park tasks enqueued on a delegate stream "
+     "(stream_parks), evaluations that released one after enqueueing (unparked), parks that timed out.");
   m.def("reset_stream_wait_stats", &reset_stream_wait_stats);
   if (!register_backend()) throw std::runtime_error("mlx_delegate: could not register the backend with ExecuTorch");
 }

@@ -1,5 +1,7 @@
 #include "runtime.h"
 
+#include "stream_wait.h"
+
 #include <atomic>
 
 #include <unistd.h>
@@ -107,7 +109,7 @@ mx::array ExecContext::in_as(const mlxd::Tid* tid, mx::Dtype dtype) {
   if (it != converted->arrays.end() && it->second.source.id() == a.id()) return it->second.value;
   if (it != converted->arrays.end()) return mx::astype(a, dtype);  // the slot holds something else now
   mx::array c = mx::astype(a, dtype);
-  mx::eval(c);  // a constant, not a traced value: allowed while a graph is being compiled
+  eval_follow_up({c});  // a constant, not a traced value: allowed while a graph is being compiled
   converted->arrays.emplace(key, ConvertedConstants::Entry{a, c});
   g_constant_conversions.fetch_add(1, std::memory_order_relaxed);
   return c;

@@ -11,12 +11,18 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <unordered_map>
 
 #include <mlx/primitives.h>
 #include <mlx/scheduler.h>
 #include <pthread.h>
 #include <sched.h>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace mlxd::rt {
 namespace {
@@ -39,6 +45,11 @@ int64_t env_linger_us() {
   return v ? std::max(0L, std::strtol(v, nullptr, 10)) : 200;
 }
 
+bool env_park() {
+  const char* v = std::getenv("MLX_DELEGATE_STREAM_PARK");
+  return v == nullptr || std::string(v) != "0";
+}
+
 int env_gate() {
   const char* v = std::getenv("MLX_DELEGATE_STREAM_GATE");
   return v ? std::clamp(static_cast<int>(std::strtol(v, nullptr, 10)), 0, 2) : 1;
@@ -46,13 +57,16 @@ int env_gate() {
 
 std::atomic<int64_t> g_linger_us{env_linger_us()};
 std::atomic<int> g_gate{env_gate()};
+std::atomic<bool> g_park{env_park()};
 std::atomic<uint64_t> g_calls{0}, g_held{0}, g_lingers{0}, g_spins{0}, g_spin_hits{0}, g_timeouts{0}, g_parks{0},
-    g_gates{0};
+    g_gates{0}, g_stream_parks{0}, g_unparked{0}, g_park_timeouts{0};
 
 // A caller holding the stream thread awake releases it within this time; past
 // it the linger lets the queued tasks run anyway. MLX's eval can itself wait
 // for the stream (its active-task throttle), which must never hang on a hold.
 constexpr int64_t kMaxHoldNs = 500'000;
+
+struct Park;  // below
 
 // One per CPU stream: whether its thread is lingering, and the recent gaps
 // between one call's result and the next call's evaluation.
@@ -64,6 +78,8 @@ struct Linger {
   std::atomic<int64_t> last_done_ns{0};  // when the previous result was seen; 0: never
   std::atomic<int64_t> last_gap_ns{kNever};  // the previous call's gap
   std::atomic<int64_t> linger_ns{0};  // chosen by the last call: follow-up evaluations in it reuse it
+  Park* park = nullptr;  // set (once, before first use) for a delegate stream; never freed
+  std::atomic<bool> long_gaps{false};  // the last two gaps were at least kParkMinGapNs (set by the last call)
 
   // Runs on the stream thread, after a call's tasks: stays awake until a
   // caller releases it (its tasks are queued behind), the linger time passes
@@ -129,6 +145,99 @@ struct Gate {
   }
 };
 
+// A thread sleeping on a 32-bit word until another changes it and wakes it: the futex itself (Linux),
+// not a condition variable, whose waiter re-takes its mutex marked contended, so every hand-off through
+// one cost a second, empty futex wake (seen in strace). `sleepers` lets a waker skip the system call
+// when nobody sleeps.
+struct Sleeper {
+  std::atomic<uint32_t> word{0};
+  std::atomic<int> sleepers{0};
+
+  // Sleeps while `done()` is false, at most until `deadline_ns`; whether done() became true.
+  template <class Done>
+  bool sleep_until(Done done, int64_t deadline_ns) {
+    while (!done()) {
+      const uint32_t w = word.load(std::memory_order_acquire);
+      const int64_t left = deadline_ns - now_ns();
+      if (left <= 0) return done();
+      sleepers.fetch_add(1, std::memory_order_seq_cst);
+      if (!done()) {
+#if defined(__linux__)
+        timespec ts{static_cast<time_t>(left / 1'000'000'000), static_cast<long>(left % 1'000'000'000)};
+        syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAIT_PRIVATE, w, &ts, nullptr, 0);
+#endif
+      }
+      sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    }
+    return true;
+  }
+
+  // After making done() true.
+  void wake() {
+    word.fetch_add(1, std::memory_order_seq_cst);
+#if defined(__linux__)
+    if (sleepers.load(std::memory_order_seq_cst) > 0)
+      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
+#endif
+  }
+};
+
+// The stream park (stream_wait.h), one per delegate stream. Park tasks are numbered in the order they are
+// enqueued; a release lets every park up to a number return. Enqueueing and releasing happen under
+// `enqueue`, so a caller that sees a park pending knows its tasks queue behind it.
+constexpr int64_t kParkTimeoutNs = 100'000'000;
+constexpr int64_t kParkMinGapNs = 1'000'000;
+std::atomic<bool> g_exiting{false};
+
+struct Park {
+  std::mutex enqueue;
+  uint64_t queued = 0;                // the last park enqueued (under `enqueue`)
+  std::atomic<uint64_t> released{0};  // parks up to this one may return
+  Sleeper sleeper;
+
+  bool pending() const { return released.load(std::memory_order_acquire) < queued; }
+
+  void raise(uint64_t upto) {
+    uint64_t r = released.load(std::memory_order_relaxed);
+    while (r < upto && !released.compare_exchange_weak(r, upto, std::memory_order_seq_cst)) {
+    }
+  }
+
+  // On the stream thread: asleep until released, the time bound passes or the process exits.
+  void wait(uint64_t seq) {
+    auto ready = [&] { return released.load(std::memory_order_seq_cst) >= seq || g_exiting.load(); };
+    if (sleeper.sleep_until(ready, now_ns() + kParkTimeoutNs)) return;
+    g_park_timeouts.fetch_add(1, std::memory_order_relaxed);
+    raise(seq);
+  }
+
+  void release(uint64_t upto) {
+    raise(upto);
+    sleeper.wake();
+  }
+};
+
+// Whether a futex is there to park on.
+constexpr bool kCanPark =
+#if defined(__linux__)
+    true;
+#else
+    false;
+#endif
+
+std::mutex g_parks_mutex;
+std::vector<Park*>& all_parks() {
+  static auto* parks = new std::vector<Park*>();
+  return *parks;
+}
+
+// At exit MLX joins its stream threads: a parked one must not wait out its time bound first.
+void release_all_parks() {
+  g_exiting.store(true);
+  std::lock_guard<std::mutex> lock(g_parks_mutex);
+  for (Park* p : all_parks()) p->sleeper.wake();
+}
+
 // A forked child has none of the parent's threads (a linger state copied
 // from the parent would be waited on forever): it evaluates plainly.
 std::atomic<bool> g_forked{false};
@@ -144,6 +253,21 @@ Linger* linger_for(const mx::Stream& s) {
   auto& p = (*map)[s.index];
   if (!p) p = std::make_unique<Linger>();
   return p.get();
+}
+
+// The calling thread's delegate stream (created on first use: a new MLX stream, with its own thread,
+// that only delegate calls evaluate on).
+mx::Stream make_delegate_stream() {
+  mx::Stream s = mx::new_stream(mx::Device::cpu);
+  auto* park = new Park();
+  {
+    std::lock_guard<std::mutex> lock(g_parks_mutex);
+    // Registered after MLX's scheduler exists (new_stream built it), so it runs before its destructor.
+    if (all_parks().empty()) std::atexit(release_all_parks);
+    all_parks().push_back(park);
+  }
+  linger_for(s)->park = park;
+  return s;
 }
 
 // The CPU stream the graph of `arrays` runs on (none: already evaluated, or
@@ -176,21 +300,51 @@ bool spin_until(Ready ready, int64_t limit_ns) {
 int64_t linger_us() { return g_linger_us.load(std::memory_order_relaxed); }
 void set_linger_us(int64_t us) { g_linger_us.store(std::max<int64_t>(us, 0)); }
 int stream_gate() { return g_gate.load(std::memory_order_relaxed); }
+bool stream_park() { return g_park.load(std::memory_order_relaxed); }
+void set_stream_park(bool on) { g_park.store(on); }
+
+std::optional<mx::Stream> delegate_stream() {
+  if (!kCanPark || !stream_park() || in_fork_child() || g_exiting.load(std::memory_order_relaxed) ||
+      mx::default_device() != mx::Device::cpu)
+    return std::nullopt;
+  thread_local std::optional<mx::Stream> stream;
+  if (!stream) stream = make_delegate_stream();
+  return stream;
+}
+
+DelegateStreamScope::DelegateStreamScope() {
+  if (auto s = delegate_stream()) {
+    previous_ = mx::default_stream(mx::Device::cpu);
+    mx::set_default_stream(*s);
+  }
+}
+
+DelegateStreamScope::~DelegateStreamScope() {
+  if (previous_) mx::set_default_stream(*previous_);
+}
 void set_stream_gate(int mode) { g_gate.store(std::clamp(mode, 0, 2)); }
 
 StreamWaitStats stream_wait_stats() {
-  return {g_calls.load(), g_held.load(), g_lingers.load(), g_spins.load(), g_spin_hits.load(), g_timeouts.load(),
-          g_parks.load(), g_gates.load()};
+  return {g_calls.load(),     g_held.load(),  g_lingers.load(),       g_spins.load(),
+          g_spin_hits.load(), g_timeouts.load(), g_parks.load(),     g_gates.load(),
+          g_stream_parks.load(), g_unparked.load(), g_park_timeouts.load()};
 }
 
 void reset_stream_wait_stats() {
-  for (auto* c : {&g_calls, &g_held, &g_lingers, &g_spins, &g_spin_hits, &g_timeouts, &g_parks, &g_gates}) c->store(0);
+  for (auto* c : {&g_calls, &g_held, &g_lingers, &g_spins, &g_spin_hits, &g_timeouts, &g_parks, &g_gates,
+                  &g_stream_parks, &g_unparked, &g_park_timeouts})
+    c->store(0);
 }
 
 void end_linger() {
   if (in_fork_child()) return;
   auto s = mx::default_stream(mx::Device::cpu);
-  linger_for(s)->end();
+  Linger* L = linger_for(s);
+  L->end();
+  if (Park* P = L->park) {
+    std::lock_guard<std::mutex> lock(P->enqueue);
+    P->release(P->queued);
+  }
 }
 
 namespace {
@@ -199,7 +353,15 @@ namespace {
 // item() read), which keeps the call's linger choice and gap history.
 void eval_impl(std::vector<mx::array>& arrays, EvalPace* pace, bool small) {
   const int64_t cap_ns = linger_us() * 1000;
-  auto stream = cap_ns > 0 && !in_fork_child() ? cpu_stream(arrays) : std::nullopt;
+  auto stream = !in_fork_child() ? cpu_stream(arrays) : std::nullopt;
+  if (stream && cap_ns == 0) {
+    // The adaptive wait is off: a plain evaluation, which must not queue behind a park.
+    if (Park* P = linger_for(*stream)->park) {
+      std::lock_guard<std::mutex> lock(P->enqueue);
+      P->release(P->queued);
+    }
+    stream.reset();
+  }
   if (!stream) {
     mx::eval(arrays);
     return;
@@ -217,12 +379,28 @@ void eval_impl(std::vector<mx::array>& arrays, EvalPace* pace, bool small) {
     const int64_t recent = std::min(gap, prev);
     linger_ns = recent < cap_ns ? std::min(cap_ns, 3 * recent + 20'000) : 0;
     L->linger_ns.store(linger_ns, std::memory_order_relaxed);
+    L->long_gaps.store(recent >= kParkMinGapNs, std::memory_order_relaxed);
   }
+
+  // A delegate stream's thread sleeping in a park: this call's tasks queue behind it without waking it,
+  // and one release after the last wakes it once. A large graph releases it first instead, so the thread
+  // starts on the first task (and MLX's throttle on active tasks never waits behind a park).
+  Park* P = L->park;
+  std::unique_lock<std::mutex> enqueue_lock;
+  if (P) enqueue_lock = std::unique_lock<std::mutex>(P->enqueue);
+  const bool parked = P && P->pending();
+  if (parked && !small) P->release(P->queued);
+  // The next call, milliseconds away, will find this thread parked. Gaps under a millisecond keep the
+  // gate instead: it wakes the thread as the caller starts enqueueing, so the wake-up's latency overlaps
+  // the enqueue, where a park's release comes after it (at load 8 the calls of overhead.py's interleaved
+  // back-to-back rows, ~0.5 ms apart, took 94 us parked against 31 us gated).
+  const bool park_next = P && small && linger_ns == 0 && L->long_gaps.load(std::memory_order_relaxed) &&
+                         stream_park() && !g_exiting.load(std::memory_order_relaxed);
 
   // Small graphs enqueue in microseconds: keep a lingering thread awake
   // through it instead of letting it sleep and waking it for the first task.
   // A large graph lets it go now, so it starts on the first task enqueued.
-  const int64_t token = small ? L->try_hold() : -1;
+  const int64_t token = small && !parked ? L->try_hold() : -1;
   if (!small) L->end();
   if (token >= 0 && pace) g_held.fetch_add(1, std::memory_order_relaxed);
   const int gate_mode = stream_gate();
@@ -231,17 +409,26 @@ void eval_impl(std::vector<mx::array>& arrays, EvalPace* pace, bool small) {
   // that just ended is followed within microseconds by the next, and gating
   // there made the back-to-back median worse in overhead.py (a gated caller
   // spinning while the woken thread waited for a core on a loaded machine).
-  if (small && token < 0 && gate_mode > 0 && linger_ns == 0) gate = std::make_shared<Gate>();
+  if (small && !parked && token < 0 && gate_mode > 0 && linger_ns == 0) gate = std::make_shared<Gate>();
   // While calls come back to back, or behind a gate, the caller spins
   // (yielding) for its result when recent evaluations of this graph were
   // short: asleep, it would need a wake-up (and back to back, by the time it
   // ran again the linger for its next call could be over). Otherwise it sleeps.
   const bool spin = (linger_ns > 0 || (gate && gate_mode == 2)) && pace && pace->eval_us >= 0 &&
                     pace->eval_us * 1000 < cap_ns;
-  auto done = std::make_shared<std::atomic<bool>>(false);
+  // Behind a park, the caller sleeps on a futex of ours that a task after the graph's sets, rather than
+  // on MLX's completion event (a condition variable: two futex calls more per hand-off).
+  const bool sleep_done = P && small && !spin && linger_ns == 0 && stream_park();
+  struct Done {
+    std::atomic<bool> flag{false};
+    Sleeper sleeper;
+  };
+  auto done = std::make_shared<Done>();
+  const uint64_t parks_before = P ? P->queued : 0;
   auto open = [&] {
     L->release(token);
     if (gate) gate->open.store(true, std::memory_order_release);
+    if (parked && small) P->release(parks_before);
   };
   try {
     if (gate) {
@@ -249,24 +436,35 @@ void eval_impl(std::vector<mx::array>& arrays, EvalPace* pace, bool small) {
       g_gates.fetch_add(1, std::memory_order_relaxed);
     }
     mx::async_eval(arrays);
-    if (linger_ns > 0 || spin) {
+    if (linger_ns > 0 || spin || sleep_done) {
       g_lingers.fetch_add(linger_ns > 0, std::memory_order_relaxed);
       mx::scheduler::enqueue(*stream, [L, done, linger_ns] {
-        done->store(true, std::memory_order_release);
+        done->flag.store(true, std::memory_order_seq_cst);
+        done->sleeper.wake();
         if (linger_ns > 0) L->linger(linger_ns);
       });
+    }
+    if (park_next) {
+      const uint64_t seq = ++P->queued;
+      mx::scheduler::enqueue(*stream, [P, seq] { P->wait(seq); });
+      g_stream_parks.fetch_add(1, std::memory_order_relaxed);
     }
   } catch (...) {
     open();
     throw;
   }
   open();
+  if (parked && small) g_unparked.fetch_add(1, std::memory_order_relaxed);
+  if (enqueue_lock) enqueue_lock.unlock();
   const int64_t enqueued = now_ns();
   if (spin) {
     g_spins.fetch_add(1, std::memory_order_relaxed);
     const int64_t budget = std::min<int64_t>(cap_ns, static_cast<int64_t>(3000 * pace->eval_us) + 20'000);
-    if (spin_until([&] { return done->load(std::memory_order_acquire); }, budget))
+    if (spin_until([&] { return done->flag.load(std::memory_order_acquire); }, budget))
       g_spin_hits.fetch_add(1, std::memory_order_relaxed);
+  } else if (sleep_done) {
+    // Bounded like a park: mx::eval below remains the wait that counts.
+    done->sleeper.sleep_until([&] { return done->flag.load(std::memory_order_seq_cst); }, enqueued + kParkTimeoutNs);
   }
   mx::eval(arrays);  // waits (at once when the spin saw it done) and raises the graph's errors
   const int64_t end = now_ns();

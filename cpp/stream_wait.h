@@ -25,6 +25,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include <mlx/mlx.h>
@@ -64,6 +65,33 @@ void set_linger_us(int64_t us);
 int stream_gate();
 void set_stream_gate(int mode);
 
+// The stream park: while it is on (default; MLX_DELEGATE_STREAM_PARK=0 at start-up turns it off) and the
+// default device is the CPU, delegate calls run on a CPU stream of their own per calling thread, and a
+// small graph called with long gaps leaves that stream's thread blocked in a "park" task of ours (asleep
+// on our condition variable, not MLX's) after its result. The next call's tasks then queue behind the park
+// without waking the thread (MLX's enqueue finds no waiter), and one release after the last task wakes it
+// once: no gate spinning through the enqueue, no futex hand-offs per task. Nothing but delegate work (whose
+// evaluations all release the park) runs on that stream, and a park left alone ends after
+// 100 ms (or at exit) anyway, so no work can be held up for longer.
+bool stream_park();
+void set_stream_park(bool on);
+
+// The calling thread's delegate stream while the park is on and the default device is the CPU.
+std::optional<mx::Stream> delegate_stream();
+
+// Makes delegate_stream() the calling thread's default stream for its lifetime (a delegate call); a
+// no-op when there is none.
+class DelegateStreamScope {
+ public:
+  DelegateStreamScope();
+  ~DelegateStreamScope();
+  DelegateStreamScope(const DelegateStreamScope&) = delete;
+  DelegateStreamScope& operator=(const DelegateStreamScope&) = delete;
+
+ private:
+  std::optional<mx::Stream> previous_;
+};
+
 // Process-wide counters (tests and benchmarks).
 struct StreamWaitStats {
   uint64_t calls = 0;        // evaluations through eval_adaptive on a CPU stream
@@ -74,6 +102,9 @@ struct StreamWaitStats {
   uint64_t linger_timeouts = 0;  // lingers that ended with no call (spin time wasted)
   uint64_t parks = 0;        // calls with no linger that sent the kernels' helper threads to sleep at their end
   uint64_t gates = 0;        // evaluations that gated a small graph for a sleeping stream thread
+  uint64_t stream_parks = 0;     // park tasks enqueued on a delegate stream
+  uint64_t unparked = 0;         // evaluations enqueued behind a park and released it (one wake-up)
+  uint64_t park_timeouts = 0;    // parks that ended by their time bound, unreleased
 };
 StreamWaitStats stream_wait_stats();
 void reset_stream_wait_stats();

@@ -13,10 +13,11 @@
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
-#include <utility>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <mlx/backend/cpu/encoder.h>
@@ -34,6 +35,12 @@ namespace {
 std::atomic<uint64_t> g_calls{0};
 // The one-row group-32 path (block_avx2_g32); switchable for A/B measurements in one process.
 std::atomic<bool> g_group32_path{true};
+// Off by default: two in-process A/Bs of a 1.2B int4 decode at load 6 did not show it ahead (see
+// docs/performance.md, 2026-11-26 11:05-11:31).
+std::atomic<bool> g_guided_split{[] {
+  const char* v = std::getenv("MLX_DELEGATE_QGEMV_GUIDED");
+  return v != nullptr && std::string(v) == "1";
+}()};
 // The AVX-512 VNNI kernels (block_avx512*) where the CPU has them; off runs the AVX2 ones (A/B, parity).
 std::atomic<bool> g_avx512_path{true};
 
@@ -421,6 +428,38 @@ Problem from_row(Problem p, int64_t r0) {
 // in the core's cache.
 constexpr int64_t kRowsChunk = 64;
 
+// The decode GEMV streams its weights once, so the cores finish together only if the last pieces
+// are small: a helper that starts late (or is preempted) on a shared machine otherwise leaves the
+// other thread a whole equal part to do alone at the end. Each thread claims, from one counter,
+// a share of what is left (1 / (2 x threads) of the remaining rows, so the pieces shrink as the
+// product ends), never more than 1 / (8 x threads) of all rows (half the equal split's part: a
+// thread preempted while it holds a piece strands less) and down to kGuidedMinRows rows (about
+// 32 KiB of int4 weights at K 2048), in multiples of 4 rows (the kernels' row block).
+constexpr int64_t kGuidedMinRows = 32;
+
+template <class Fn>
+void guided_rows(int64_t n, int64_t cost_per_row, const Fn& fn) {
+  const int threads = cpu_pool_threads();
+  if (threads <= 1 || n * cost_per_row < kCpuMinParallel || n <= kGuidedMinRows) {
+    fn(0, n);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  cpu_parallel_parts(threads, [&](int) {
+    int64_t begin = next.load(std::memory_order_relaxed), end;
+    for (;;) {
+      do {
+        if (begin >= n) return;
+        int64_t chunk = std::max(kGuidedMinRows, std::min((n - begin) / (2 * threads), n / (8 * threads)));
+        chunk = (chunk + 3) / 4 * 4;
+        end = std::min(n, begin + chunk);
+      } while (!next.compare_exchange_weak(begin, end, std::memory_order_relaxed));
+      fn(begin, end);
+      begin = next.load(std::memory_order_relaxed);
+    }
+  });
+}
+
 void run_problem(Problem p, int scales, int bits, int64_t m) {
   std::vector<int16_t> x16;
   std::vector<float> x16_scales;
@@ -442,7 +481,10 @@ void run_problem(Problem p, int scales, int bits, int64_t m) {
   if (m <= kQgemvMaxRows) {
     if (isa == kAvx512) cpu_kernel_note_call("qgemv_avx512");  // tests prove the AVX-512 kernels ran
     RowsFn kernel = pick_kernel(isa, scales, bits, m);
-    cpu_parallel_for(p.n_rows, p.k * m, 4, [&](int64_t begin, int64_t end) { kernel(p, begin, end); });
+    if (g_guided_split.load(std::memory_order_relaxed))
+      guided_rows(p.n_rows, p.k * m, [&](int64_t begin, int64_t end) { kernel(p, begin, end); });
+    else
+      cpu_parallel_for(p.n_rows, p.k * m, 4, [&](int64_t begin, int64_t end) { kernel(p, begin, end); });
     return;
   }
   if (isa == kAvx512) cpu_kernel_note_call("qgemv_avx512");
@@ -646,6 +688,9 @@ mx::array qgemv_cpu(const mx::array& x, const mx::array& w, const mx::array& sca
 uint64_t qgemv_cpu_calls() { return g_calls.load(std::memory_order_relaxed); }
 
 void qgemv_cpu_set_group32_path(bool on) { g_group32_path.store(on, std::memory_order_relaxed); }
+
+void qgemv_cpu_set_guided_split(bool on) { g_guided_split.store(on, std::memory_order_relaxed); }
+bool qgemv_cpu_guided_split() { return g_guided_split.load(std::memory_order_relaxed); }
 
 void qgemv_cpu_set_avx512_path(bool on) { g_avx512_path.store(on, std::memory_order_relaxed); }
 

@@ -84,4 +84,11 @@ void qgemv_cpu_set_group32_path(bool on);
 // MLX_DELEGATE_CPU_KERNELS is not "avx2"): off runs the AVX2 kernels, for parity tests and A/B timings.
 void qgemv_cpu_set_avx512_path(bool on);
 
+// How a decode-sized product (x with at most kQgemvMaxRows rows) splits its N rows across the
+// pool: on (opt-in: MLX_DELEGATE_QGEMV_GUIDED=1 at start-up), pieces claimed from one counter that
+// shrink as the product ends; off (default), four equal parts per thread. For A/B timings and
+// parity tests in one process.
+void qgemv_cpu_set_guided_split(bool on);
+bool qgemv_cpu_guided_split();
+
 }  // namespace mlxd::rt

@@ -106,3 +106,26 @@ def test_avx512_matches_eager_avx2_and_kernels_off(pair, programs):
         with runtime_switches(compile=False, cpu_kernels=False):  # MLX's own quantized matmul
             off = method.execute([x])
         assert_close(got, off, *tol)
+
+
+def test_guided_split_matches_equal_parts(programs):
+    """The decode GEMV's guided split (pieces claimed from one counter, shrinking to 32 rows) against four
+    equal parts per thread: N 389 and 37 (neither a multiple of the 32-row piece nor of 4), 1 and 3 rows.
+    Pieces start on multiples of 4 rows in both splits, so every row runs the same kernel block: the
+    outputs are bitwise equal, and match eager torch."""
+    module, buffer = programs[(torch.float32, torch.float32)]
+    method = Runtime.get().load_program(buffer).load_method("forward")
+    was = _runtime.qgemv_guided_split()
+    for rows in (1, 3):
+        x = torch.randn(1, rows, K)
+        with torch.no_grad():
+            expected = module(x)
+        try:
+            _runtime.set_qgemv_guided_split(True)
+            guided = [method.execute([x]) for _ in range(2)][-1]  # node by node, then the traced graph
+            _runtime.set_qgemv_guided_split(False)
+            equal = method.execute([x])
+        finally:
+            _runtime.set_qgemv_guided_split(was)
+        assert all(torch.equal(a, b) for a, b in zip(guided, equal))
+        assert_close(guided, expected, *QUANTIZED_TOLERANCE[torch.float32])

@@ -1,7 +1,9 @@
 """The adaptive wait on MLX's CPU stream thread (cpp/stream_wait.h): while calls come back to
 back the stream thread lingers between calls and the caller spins for small results; with gaps
-of milliseconds nothing lingers or spins, and a small graph is gated (the sleeping stream thread is
-woken once, for a gate task, rather than once per task). Results must not depend on which path a call took: every
+of milliseconds nothing lingers or spins, and a small graph finds the delegate stream's thread
+parked (asleep in a task of ours: its tasks queue behind it and one release wakes it), or, with
+the park off, is gated (the sleeping stream thread is woken once, for a gate task, rather than
+once per task). Results must not depend on which path a call took: every
 call here is checked against eager PyTorch (or a single-threaded run) through the stock
 `executorch.runtime`."""
 
@@ -82,15 +84,35 @@ def test_many_back_to_back_calls_linger_and_stay_exact(small):
         assert ran["calls"] == 0
 
 
-def test_calls_with_gaps_neither_linger_nor_spin(small):
+class _Switches:
+    """Sets the wait's switches to known values (whatever the environment says) and restores them."""
+
+    def __init__(self, linger: int = 200, gate: int = 1, park: bool = True) -> None:
+        self.want = (linger, gate, park)
+
+    def __enter__(self) -> None:
+        self.was = (_runtime.stream_linger(), _runtime.stream_gate(), _runtime.stream_park())
+        self._set(self.want)
+
+    def __exit__(self, *exc: object) -> None:
+        self._set(self.was)
+
+    @staticmethod
+    def _set(v: tuple[int, int, bool]) -> None:
+        _runtime.set_stream_linger(v[0])
+        _runtime.set_stream_gate(v[1])
+        _runtime.set_stream_park(v[2])
+
+
+@pytest.mark.parametrize("park", [True, False])
+def test_calls_with_gaps_neither_linger_nor_spin(small, park):
     """At a call every few ms (an app polling a model) nothing spins: no linger keeps the stream
-    thread awake after a call, and the caller sleeps for its gated result (the default gate mode)."""
+    thread awake after a call, and the caller sleeps for its result. With the park (default) each
+    call finds the delegate stream's thread parked and releases it once its tasks are queued; with
+    it off, each call is gated (the default gate mode)."""
     method = small.method()
     xs = _inputs(4, seed=2)
-    was, gate = _runtime.stream_linger(), _runtime.stream_gate()
-    _runtime.set_stream_linger(200)  # the default bound, whatever MLX_DELEGATE_LINGER_US says
-    _runtime.set_stream_gate(1)  # the default mode, whatever MLX_DELEGATE_STREAM_GATE says
-    try:
+    with _Switches(park=park):
         for x, y in xs[:2]:  # the first two gaps are measured here
             time.sleep(0.003)
             _check(method, x, y)
@@ -99,42 +121,63 @@ def test_calls_with_gaps_neither_linger_nor_spin(small):
             time.sleep(0.003)
             _check(method, *xs[i % len(xs)])
         ran = {k: v - before[k] for k, v in _stats().items()}
-    finally:
-        _runtime.set_stream_linger(was)
-        _runtime.set_stream_gate(gate)
     assert ran["lingers"] == 0 and ran["held"] == 0 and ran["spins"] == 0, ran
     if _on_cpu_stream():
-        # Each call's small graph woke the sleeping stream thread through a gate.
-        assert ran["gates"] >= 12, ran
+        if park:
+            # Each call's tasks queued behind the park the previous call left, and it left one.
+            assert ran["unparked"] >= 12 and ran["stream_parks"] >= 12, ran
+            assert ran["gates"] == 0 and ran["park_timeouts"] == 0, ran
+        else:
+            # Each call's small graph woke the sleeping stream thread through a gate.
+            assert ran["gates"] >= 12 and ran["unparked"] == 0 and ran["stream_parks"] == 0, ran
         # ... and each call sends the kernels' helper threads to sleep as it ends, rather than
         # leaving them spinning for a next product that is milliseconds away.
         assert ran["parks"] >= 12, ran
 
 
+def test_parked_stream_never_holds_up_mlx_work_on_the_calling_thread(small):
+    """MLX Python on the caller's own thread between parked calls runs on its own default
+    stream, not behind the park: no park has to time out for it, and the results stay exact."""
+    import mlx.core as mx
+
+    method = small.method()
+    xs = _inputs(4, seed=9)
+    with _Switches():
+        before = _stats()
+        for i in range(20):
+            x, y = xs[i % len(xs)]
+            time.sleep(0.002)
+            _check(method, x, y)
+            a = mx.array(x.numpy()) * 3.0
+            mx.eval(a)
+            assert_close([torch.from_numpy(np.array(a))], x * 3.0, 1e-6, 1e-6)
+        ran = {k: v - before[k] for k, v in _stats().items()}
+    if _on_cpu_stream():
+        assert ran["unparked"] >= 15 and ran["park_timeouts"] == 0, ran
+
+
 @pytest.mark.parametrize("mode", [0, 1, 2])
 def test_gated_calls_stay_exact_in_every_gate_mode(small, mode):
-    """Gate off, gate alone, gate with the caller spinning: the same results."""
+    """Gate off, gate alone, gate with the caller spinning (the park off): the same results."""
     method = small.method()
     xs = _inputs(4, seed=7)
-    was = _runtime.stream_gate()
-    _runtime.set_stream_gate(mode)
-    try:
+    with _Switches(gate=mode, park=False):
         before = _stats()["gates"]
         for i in range(12):
             time.sleep(0.002)
             _check(method, *xs[i % len(xs)])
         gated = _stats()["gates"] - before
-    finally:
-        _runtime.set_stream_gate(was)
     if mode == 0:
         assert gated == 0
     elif _on_cpu_stream():
         assert gated >= 12
 
 
-def test_gated_calls_from_two_threads_while_mlx_evaluates_elsewhere(small):
-    """Two threads calling with gaps (each call gated: own methods and a shared one) while a
-    third evaluates MLX Python work: no deadlock, every result exact."""
+@pytest.mark.parametrize("park", [True, False])
+def test_gated_calls_from_two_threads_while_mlx_evaluates_elsewhere(small, park):
+    """Two threads calling with gaps (each call parked or gated: own methods and a shared one, whose
+    compiled graph runs on the stream of the thread that traced it) while a third evaluates MLX
+    Python work: no deadlock, every result exact."""
     import mlx.core as mx
 
     own = [small.method(), small.method()]
@@ -165,13 +208,14 @@ def test_gated_calls_from_two_threads_while_mlx_evaluates_elsewhere(small):
 
     threads = [threading.Thread(target=call, args=(t,)) for t in range(2)]
     other = threading.Thread(target=mlx_work)
-    other.start()
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=120)
-    stop.set()
-    other.join(timeout=120)
+    with _Switches(park=park):
+        other.start()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=120)
+        stop.set()
+        other.join(timeout=120)
     assert not any(th.is_alive() for th in [*threads, other]), "a gated call or MLX's evaluation hung"
     assert not errors, errors[0]
 
