@@ -305,6 +305,24 @@ mx::array linear_axis(const mx::array& x, int axis, int out, float scale, bool a
   return mx::add(a, mx::multiply(mx::subtract(b, a), l1));
 }
 
+// What follows MLX's convolution (channels-first y) off the CPU kernel: bias, residual, clamp, the
+// cast back to the input's dtype, then the activation.
+mx::array conv_epilogue(mx::array y, mx::Dtype dtype, const mx::array* bias, const mx::array* residual,
+                        std::optional<std::pair<float, float>> clamp, std::optional<mlxd::UnaryOp> act) {
+  if (bias) {
+    mx::Shape bshape(y.ndim() - 1, 1);
+    bshape[0] = -1;
+    y = mx::add(y, mx::reshape(*bias, bshape));
+  }
+  if (residual) {
+    if (residual->shape() != y.shape()) throw NodeError("conv residual does not have the output's shape");
+    y = mx::add(y, *residual);
+  }
+  if (clamp) y = mx::clip(y, mx::array(clamp->first, y.dtype()), mx::array(clamp->second, y.dtype()));
+  y = mx::astype(y, dtype);
+  return act ? unary_op(*act, y) : y;
+}
+
 // A non-transposed convolution as ConvNode runs it: the channels-first CPU
 // kernel where it applies, else MLX's channels-last convolution, then bias,
 // residual, clamp and the activation as MLX ops (in_scale, a squeeze-excite gate,
@@ -316,31 +334,20 @@ mx::array conv_forward(const mx::array& x, const mx::array& w, const mx::array* 
                        std::optional<mlxd::UnaryOp> act = std::nullopt) {
   // The activation inside the CPU kernel's epilogue when it has one, else after the convolution.
   const std::optional<UnaryKernel> act_kernel = act ? cpu_kernel_for(*act) : std::nullopt;
-  auto activate = [&](mx::array y) { return act ? unary_op(*act, y) : y; };
   if (conv_cpu_applies(x, w, bias, groups, residual, in_scale)) {  // channels-first, no transposes
     std::optional<mx::array> b, r, s;
     if (bias) b = *bias;
     if (residual) r = *residual;
     if (in_scale) s = *in_scale;
     auto y = conv_cpu(x, w, b, stride, padding, dilation, groups, clamp, padding_hi, r, act_kernel, s);
-    return act_kernel ? y : activate(y);
+    return act && !act_kernel ? unary_op(*act, y) : y;
   }
   mx::Shape scale_shape(x.ndim(), 1);
   scale_shape[0] = x.shape(0);
   scale_shape[1] = x.shape(1);
   auto xl = channels_last(in_scale ? mx::multiply(x, mx::reshape(*in_scale, scale_shape)) : x);
   auto y = channels_first(grouped_conv(xl, channels_last(w), {stride, padding, padding_hi, dilation, {}, groups, false}));
-  if (bias) {
-    mx::Shape bshape(y.ndim() - 1, 1);
-    bshape[0] = -1;
-    y = mx::add(y, mx::reshape(*bias, bshape));
-  }
-  if (residual) {
-    if (residual->shape() != y.shape()) throw NodeError("conv residual does not have the output's shape");
-    y = mx::add(y, *residual);
-  }
-  if (clamp) y = mx::clip(y, mx::array(clamp->first, y.dtype()), mx::array(clamp->second, y.dtype()));
-  return activate(mx::astype(y, x.dtype()));
+  return conv_epilogue(y, x.dtype(), bias, residual, clamp, act);
 }
 
 // A block stage's activation as ConvNode's clamp (none when both bounds are infinite).
@@ -381,18 +388,7 @@ void exec_ConvNode(const mlxd::ConvNode& n, ExecContext& ctx) {
   }
   mx::array y = channels_first(conv_transpose(channels_last(x), w, stride, padding, dilation,
                                               per_axis(n.output_padding(), nd, 0, "output_padding"), groups));
-  if (bias) {
-    mx::Shape bshape(y.ndim() - 1, 1);
-    bshape[0] = -1;
-    y = mx::add(y, mx::reshape(*bias, bshape));
-  }
-  if (residual) {
-    if (residual->shape() != y.shape()) throw NodeError("conv residual does not have the output's shape");
-    y = mx::add(y, *residual);
-  }
-  if (clamp) y = mx::clip(y, mx::array(clamp->first, y.dtype()), mx::array(clamp->second, y.dtype()));
-  y = mx::astype(y, x.dtype());
-  ctx.set(n.out(), act ? unary_op(*act, y) : y);
+  ctx.set(n.out(), conv_epilogue(y, x.dtype(), bias, residual, clamp, act));
 }
 
 // On the CPU, one kernel per block (kernels/block_cpu.h); elsewhere (GPUs,
