@@ -35,9 +35,13 @@ def install() -> str:
     if not sys.platform.startswith("linux") or os.environ.get("MLX_DELEGATE_BLAS", "torch") == "reference":
         _state["mode"] = "reference"
         return _state["mode"]
+    mlx_spec = importlib.util.find_spec("mlx")
+    libs = Path(next(iter(mlx_spec.submodule_search_locations))).parent / "mlx_cpu.libs" if mlx_spec else None
+    reference = next(iter(sorted(libs.glob("libblas*.so*"))), None) if libs and libs.exists() else None
     if _libmlx_loaded():
-        warnings.warn("mlx_delegate: mlx was imported before mlx_delegate, so MLX keeps its slow reference "
-                      "BLAS; import mlx_delegate first for fast CPU matmul", stacklevel=3)
+        if reference is not None:  # only the mlx-cpu wheel links the slow BLAS (not mlx-cuda's)
+            warnings.warn("mlx_delegate: mlx was imported before mlx_delegate, so MLX keeps its slow reference "
+                          "BLAS; import mlx_delegate first for fast CPU matmul", stacklevel=3)
         _state["mode"] = "late"
         return _state["mode"]
     import torch
@@ -45,9 +49,6 @@ def install() -> str:
     spec = importlib.util.find_spec("mlx_delegate._runtime")
     shim = Path(spec.origin).with_name("libmlxd_blas.so") if spec and spec.origin else None
     fast = Path(torch.__file__).with_name("lib") / "libtorch_cpu.so"
-    mlx_spec = importlib.util.find_spec("mlx")
-    libs = Path(next(iter(mlx_spec.submodule_search_locations))).parent / "mlx_cpu.libs" if mlx_spec else None
-    reference = next(iter(sorted(libs.glob("libblas*.so*"))), None) if libs and libs.exists() else None
     if shim is None or not shim.exists() or not fast.exists():
         _state["mode"] = "reference"
         return _state["mode"]

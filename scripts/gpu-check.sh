@@ -112,8 +112,8 @@ export PYTHONSAFEPATH=1
 
 # 3. The delegate must run on the GPU.
 "$VPY" - <<'EOF' >"$OUT/device.txt" 2>&1 || { cat "$OUT/device.txt" >&2; die "MLX's CUDA backend is not usable (see device.txt)"; }
+import mlx_delegate  # first, as users do (it sets up MLX's CPU BLAS before libmlx loads)
 import mlx.core as mx
-import mlx_delegate
 from mlx_delegate import _runtime
 from mlx_delegate.testing import cpu_kernels_active
 print("mlx_delegate:", mlx_delegate.__file__)

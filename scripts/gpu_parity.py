@@ -2,6 +2,7 @@
 
     python scripts/gpu_parity.py prepare cases.pkl   # here: lower with the pinned CPU stack, save
     python scripts/gpu_parity.py check cases.pkl     # there: run on MLX's default device, compare
+    python scripts/gpu_parity.py check cases.pkl NAME...   # only these cases (one process each after a crash)
 
 For a GPU machine whose torch is not the pinned one: the executorch wheel's Python bindings need the
 torch they were built against (with another, `execute` fails with "tensor does not have a device"), so
@@ -9,6 +10,8 @@ torch they were built against (with another, `execute` fails with "tensor does n
 (`_runtime.run_payload`), which needs no torch ABI. Each case saves its .pte, its delegate payload and
 named data, its inputs and eager's outputs (computed where it was lowered).
 """
+import copy
+import operator
 import pickle
 import sys
 import time
@@ -67,9 +70,26 @@ def int4_mlp() -> torch.nn.Module:
     return m
 
 
+def pattern_cases() -> list:
+    """The fused nodes' modules from the pattern tests (imported from the checkout: `prepare` runs there):
+    the inverted-residual block, the convolution epilogue (hard-swish, squeeze-excite scale) and RoPE
+    plus KV-cache writes. On a GPU they run as MLX's own ops."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.patterns.test_conv_fusions import ActScale
+    from tests.patterns.test_inverted_residual import _net
+    from tests.patterns.test_rope_kv import AttentionStep, step_inputs
+    return [
+        ("mobilenet_blocks", _net, (torch.randn(2, 5, 13, 11),)),
+        ("conv_act_scale", lambda: ActScale().eval(), (torch.randn(2, 3, 12, 10),)),
+        ("rope_kv_write", lambda: AttentionStep(seq_first=True).eval(), step_inputs(3, 5, seq_first=True)),
+        ("rope_kv_write_bf16", lambda: AttentionStep().to(torch.bfloat16).eval(),
+         tuple(x.to(torch.bfloat16) if x.is_floating_point() else x for x in step_inputs(1, 7))),
+    ]
+
+
 def cases() -> list:
     n = torch.nn
-    return [
+    return pattern_cases() + [
         ("transformer_encoder_layer", lambda: n.TransformerEncoderLayer(64, 4, 128, batch_first=True).eval(),
          (torch.randn(2, 10, 64),)),
         ("cnn", cnn, (torch.randn(2, 3, 17, 17),)),
@@ -81,6 +101,22 @@ def cases() -> list:
     ]
 
 
+def delegate_io(edge) -> tuple[list[int], list[int | None]]:
+    """Where the delegate's inputs come from (user input indices) and where its outputs go (user output
+    indices, None for one that is not a user output): the payload's order is the delegate call's, which
+    need not be the program's."""
+    ep = edge.exported_program()
+    nodes = list(ep.graph.nodes)
+    (call,) = [n for n in nodes if n.op == "call_function" and "call_delegate" in str(n.target)]
+    user_in = [n for n in nodes if n.op == "placeholder" and n.name in ep.graph_signature.user_inputs]
+    flat = list(next(n for n in nodes if n.op == "output").args[0])
+    user_out = flat[len(flat) - len(ep.graph_signature.user_outputs):]
+    items = {u.args[1]: u for u in call.users if u.target is operator.getitem} or {0: call}
+    outs = [user_out.index(items[i]) if i in items and items[i] in user_out else None
+            for i in range(max(items) + 1)]
+    return [user_in.index(a) for a in call.args[1:]], outs
+
+
 def prepare(path: Path) -> None:
     from mlx_delegate.testing import delegate_payload, lower
     torch.manual_seed(0)
@@ -88,16 +124,18 @@ def prepare(path: Path) -> None:
     for name, make, inputs in cases():
         m = make()
         with torch.no_grad():
-            want = m(*inputs)
+            want = copy.deepcopy(m)(*inputs)  # a stateful module's buffers stay as exported
+        want = list(want) if isinstance(want, (list, tuple)) else [want]
         lowered = lower(m, inputs)
         payload, named = delegate_payload(lowered.edge)
+        p_in, p_out = delegate_io(lowered.edge)
         out.append(dict(name=name, pte=lowered.buffer, payload=payload, named=named, inputs=[to_arg(x) for x in inputs],
-                        expected=[to_arg(want.float())]))
+                        expected=[to_arg(w.float()) for w in want], payload_inputs=p_in, payload_outputs=p_out))
         print(f"{name}: {lowered.summary[0]} segment(s), {len(lowered.buffer)} bytes")
     path.write_bytes(pickle.dumps(out))
 
 
-def check(path: Path) -> int:
+def check(path: Path, names: list[str]) -> int:
     from mlx_delegate import _runtime  # before mlx: it sets up MLX's BLAS
     import mlx.core as mx
     print("mlx", mx.__version__, "default device", mx.default_device(), "torch", torch.__version__)
@@ -109,6 +147,8 @@ def check(path: Path) -> int:
         print("executorch.runtime unavailable:", type(e).__name__, str(e)[:300])
     fails = 0
     for c in pickle.loads(path.read_bytes()):
+        if names and c["name"] not in names:
+            continue
         want = [from_arg(w) for w in c["expected"]]
         ins = [from_arg(x) for x in c["inputs"]]
 
@@ -119,10 +159,13 @@ def check(path: Path) -> int:
             return method.execute(ins), time.perf_counter() - t
 
         def own(c=c):
-            _runtime.run_payload(c["payload"], c["named"], list(c["inputs"]))
+            args = [c["inputs"][i] for i in c["payload_inputs"]]
+            _runtime.run_payload(c["payload"], c["named"], args)
             t = time.perf_counter()
-            outs = _runtime.run_payload(c["payload"], c["named"], list(c["inputs"]))
-            return [from_arg(o) for o in outs], time.perf_counter() - t
+            outs = _runtime.run_payload(c["payload"], c["named"], args)
+            dt = time.perf_counter() - t
+            got = {j: from_arg(o) for j, o in zip(c["payload_outputs"], outs) if j is not None}
+            return [got[j] for j in range(len(want))], dt
 
         for pname, fn in [("executorch.runtime", stock)] * (rt is not None) + [("run_payload", own)]:
             try:
@@ -141,9 +184,9 @@ def check(path: Path) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] not in ("prepare", "check"):
+    if len(sys.argv) < 3 or sys.argv[1] not in ("prepare", "check") or (sys.argv[1] == "prepare" and len(sys.argv) > 3):
         sys.exit(__doc__)
     if sys.argv[1] == "prepare":
         prepare(Path(sys.argv[2]))
     else:
-        sys.exit(1 if check(Path(sys.argv[2])) else 0)
+        sys.exit(1 if check(Path(sys.argv[2]), sys.argv[3:]) else 0)
