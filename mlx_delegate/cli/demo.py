@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -80,7 +81,9 @@ def lower_to_file(model: nn.Module, inputs: tuple, path: Path) -> Path:
     ep = torch.export.export(model, inputs, strict=False)
     progress("lowering with MLXPartitioner")
     program = to_edge_transform_and_lower(ep, partitioner=[MLXPartitioner()]).to_executorch()
-    path.write_bytes(program.buffer)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(program.buffer)
+    tmp.replace(path)  # atomic: a concurrent run never loads half a file
     progress(f"saved {path}")
     return path
 
