@@ -10,6 +10,13 @@
 // columns with zero borders, so the depthwise loop needs no bounds checks. The
 // depthwise output [E, T * OW] feeds the project sgemm, which adds onto the
 // output rows already holding bias + residual.
+//
+// Activations other than a clamp (hard-swish, ...) run as the unary kernels'
+// maps over each channel's contiguous run while it is in cache. With
+// squeeze-excite the block runs whole (run_channels): each part sums its
+// channels' depthwise outputs as it writes them, the calling thread computes
+// the gate (two small products), and each project part folds the gate into its
+// rows of the project weight.
 #include "kernels/block_cpu.h"
 
 #include <algorithm>
@@ -25,6 +32,7 @@
 #include <mlx/primitives.h>
 
 #include "kernels/cpu_parallel.h"
+#include "kernels/unary_cpu.h"
 #include "kernels/vec_math_cpu.h"
 
 namespace mlxd::rt {
@@ -34,9 +42,9 @@ namespace {
 constexpr int kMaxTaps = 49;  // 7x7 windows at most (MobileNet / EfficientNet use 3x3 and 5x5)
 
 struct Geometry {
-  int N, C, H, W, E, O, KH, KW, OH, OW, sh, sw, ph, pw;
+  int N, C, H, W, E, O, KH, KW, OH, OW, sh, sw, ph, pw, S;  // S: squeeze-excite channels (0: none)
   bool expand;
-  BlockActivation ea, da;
+  BlockActivation ea, da, ra, xa;  // expand, depthwise, squeeze-excite reduce and expand
   int64_t P() const { return int64_t{OH} * OW; }
 };
 
@@ -60,19 +68,23 @@ std::atomic<int64_t>& channels_kb() {
 int64_t tile_budget() { return std::max<int64_t>(1, tile_kb().load(std::memory_order_relaxed)) * 1024; }
 int64_t channel_split_limit() { return channels_kb().load(std::memory_order_relaxed) * 1024; }
 
-float activate(const BlockActivation& a, float v) {
-  // kind 0 (the only one so far): a clamp; std::max / min keep a NaN as torch's clamp does.
-  return std::min(std::max(v, a.lo), a.hi);
+// The clamp part of an activation (the function after it runs as a map over whole runs);
+// std::max / min keep a NaN as torch's clamp does.
+float activate(const BlockActivation& a, float v) { return std::min(std::max(v, a.lo), a.hi); }
+
+// The function after the clamp over n values in place (none: nothing).
+void act_map(const BlockActivation& a, float* v, int64_t n) {
+  if (a.act >= 0) unary_cpu_map(static_cast<UnaryKernel>(a.act))(v, v, n);
 }
 
 struct Call {
-  const float *x, *we, *be, *wd, *bd, *wp, *bp, *res;
+  const float *x, *we, *be, *wd, *bd, *wp, *bp, *res, *wr, *br, *wx, *bx;
   float* y;
 };
 
 // Buffers a thread reuses from call to call (no page faults per call).
 struct Scratch {
-  std::vector<float> rows, gemm, dw, shared;
+  std::vector<float> rows, gemm, dw, shared, gate, weights;
 };
 Scratch& scratch() {
   thread_local Scratch s;
@@ -117,8 +129,8 @@ MLXD_AVX2 void act_row_avx2(const float* src, float b, const BlockActivation& a,
 }
 
 // The same row eight outputs at a time, four groups interleaved so the FMA chains overlap;
-// the last partial group stored under a mask. Clamp activations only (the others take the
-// scalar row). KH_ / KW_: the window when known at compile time (3x3, 5x5: the taps unrolled),
+// the last partial group stored under a mask. The clamp only (dw_channel maps the rest over the
+// channel's rows). KH_ / KW_: the window when known at compile time (3x3, 5x5: the taps unrolled),
 // else 0 (the geometry's).
 template <int S, int KH_, int KW_>
 MLXD_AVX2 void dw_row_avx2(const Geometry& g, const float* const* rows, const __m256* wv, float bias, float* out) {
@@ -179,8 +191,9 @@ DwChannelFn dw_channel_for(const Geometry& g) {
 
 void dw_channel(const Geometry& g, const float* buf, int64_t Wp, const float* k, float bias, int count, float* out) {
 #ifdef MLXD_CPU_X86
-  if (cpu_use_avx2() && g.da.kind == 0 && (g.sw == 1 || g.sw == 2)) {
+  if (cpu_use_avx2() && (g.sw == 1 || g.sw == 2)) {
     (g.sw == 1 ? dw_channel_for<1>(g) : dw_channel_for<2>(g))(g, buf, Wp, k, bias, count, out);
+    act_map(g.da, out, int64_t{count} * g.OW);
     return;
   }
 #endif
@@ -189,6 +202,34 @@ void dw_channel(const Geometry& g, const float* buf, int64_t Wp, const float* k,
     for (int ki = 0; ki < g.KH; ++ki) rows[ki] = buf + (int64_t{i} * g.sh + ki) * Wp;
     dw_row_scalar(g, rows, k, bias, out + int64_t{i} * g.OW);
   }
+  act_map(g.da, out, int64_t{count} * g.OW);
+}
+
+#ifdef MLXD_CPU_X86
+MLXD_AVX2 float sum_avx2(const float* v, int64_t n) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    a0 = _mm256_add_ps(a0, _mm256_loadu_ps(v + i));
+    a1 = _mm256_add_ps(a1, _mm256_loadu_ps(v + i + 8));
+  }
+  float s = vmath::hsum8(_mm256_add_ps(a0, a1));
+  for (; i < n; ++i) s += v[i];
+  return s;
+}
+#endif
+
+// The sum of n values (a squeeze-excite channel mean's numerator), in float32 as eager's mean.
+float sum_of(const float* v, int64_t n) {
+#ifdef MLXD_CPU_X86
+  if (cpu_use_avx2()) return sum_avx2(v, n);
+#endif
+  float s[4] = {0.f, 0.f, 0.f, 0.f};
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4)
+    for (int j = 0; j < 4; ++j) s[j] += v[i + j];
+  for (; i < n; ++i) s[0] += v[i];
+  return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
 // The output rows [0, span) at column offset `at` of the O planes of yn: bias + residual.
@@ -209,12 +250,23 @@ bool init_rows(const Geometry& g, const Call& c, const float* rn, float* yn, int
   return true;
 }
 
-// dst[i] = act(src[i] + b), i < n: the expand's bias and activation on the way into the padded rows.
+// dst[i] = clamp(src[i] + b), i < n: the expand's bias and clamp on the way into the padded rows.
 void act_row(const float* src, float b, const BlockActivation& a, int n, float* dst) {
 #ifdef MLXD_CPU_X86
-  if (cpu_use_avx2() && a.kind == 0) return act_row_avx2(src, b, a, n, dst);
+  if (cpu_use_avx2()) return act_row_avx2(src, b, a, n, dst);
 #endif
   for (int i = 0; i < n; ++i) dst[i] = activate(a, src[i] + b);
+}
+
+// The expand's bias and whole activation over one channel's contiguous sgemm output, in place,
+// when the activation has a function after its clamp (its map runs over the whole run, not per
+// row of a few columns); the rows are then copied into the padded buffer. False: nothing done
+// (a clamp alone is applied on the way into the padded rows).
+bool expand_in_place(const BlockActivation& a, float b, float* v, int64_t n) {
+  if (a.act < 0) return false;
+  act_row(v, b, a, static_cast<int>(n), v);
+  act_map(a, v, n);
+  return true;
 }
 
 // Output rows [R0, R1) of image n.
@@ -265,12 +317,15 @@ void run_band(const Geometry& g, const Call& c, int n, int R0, int R1) {
              0.f, s.gemm.data(), static_cast<int>(cols));
       for (int e = 0; e < g.E; ++e) {
         const float b = c.be ? c.be[e] : 0.f;
+        const bool done = g.expand && expand_in_place(g.ea, b, s.gemm.data() + e * cols, cols);
         for (int ih = ih0; ih < ih1; ++ih) {
           float* dst = buf + e * cap * Wp + int64_t{ih + g.ph - need_lo} * Wp;
           std::fill_n(dst, g.pw, 0.f);
           std::fill(dst + g.pw + g.W, dst + Wp, 0.f);
           float* row = dst + g.pw;
-          if (g.expand) {
+          if (done) {
+            std::memcpy(row, s.gemm.data() + e * cols + int64_t{ih - ih0} * g.W, g.W * sizeof(float));
+          } else if (g.expand) {
             act_row(s.gemm.data() + e * cols + int64_t{ih - ih0} * g.W, b, g.ea, g.W, row);
           } else {
             std::memcpy(row, xn + e * HW + int64_t{ih} * g.W, g.W * sizeof(float));
@@ -292,17 +347,36 @@ void run_band(const Geometry& g, const Call& c, int n, int R0, int R1) {
   }
 }
 
-// A small map (the 14x14 and 7x7 stages) whole, in two passes over the pool: channel blocks of
-// the expand and depthwise (each block's sgemm over the whole map, so the weights are read once
-// and the products are wide enough), into one [E, OH * OW] buffer; then blocks of output
-// channels of the project sgemm. Row bands there would be a few rows each, recomputing their
-// borders and re-reading every weight per band.
+// The squeeze-excite gate of one image from its depthwise channel sums (in place: sums -> gate[E]):
+// act(W_expand act(W_reduce mean + b) + b), two matrix-vector products on the calling thread.
+void se_gate(const Geometry& g, const Call& c, float* sums) {
+  const SerialSgemmFn gemm = serial_sgemm();
+  std::vector<float>& t = scratch().gate;
+  t.resize(g.S);
+  const float inv = 1.f / static_cast<float>(g.P());
+  for (int e = 0; e < g.E; ++e) sums[e] *= inv;
+  gemm(0, 0, g.S, 1, g.E, 1.f, c.wr, g.E, sums, 1, 0.f, t.data(), 1);
+  for (int i = 0; i < g.S; ++i) t[i] = activate(g.ra, t[i] + (c.br ? c.br[i] : 0.f));
+  act_map(g.ra, t.data(), g.S);
+  gemm(0, 0, g.E, 1, g.S, 1.f, c.wx, g.S, t.data(), 1, 0.f, sums, 1);
+  for (int e = 0; e < g.E; ++e) sums[e] = activate(g.xa, sums[e] + (c.bx ? c.bx[e] : 0.f));
+  act_map(g.xa, sums, g.E);
+}
+
+// A small map (the 14x14 and 7x7 stages), or any block with squeeze-excite, whole, in two passes
+// over the pool: channel blocks of the expand and depthwise (each block's sgemm over the whole map,
+// so the weights are read once and the products are wide enough), into one [E, OH * OW] buffer;
+// then blocks of output channels of the project sgemm. Row bands there would be a few rows each,
+// recomputing their borders and re-reading every weight per band. With squeeze-excite, the first
+// pass also sums each channel's output while it is in cache, and between the passes the calling
+// thread computes the gate, which each project part folds into its rows of the weight.
 void run_channels(const Geometry& g, const Call& c) {
   const SerialSgemmFn gemm = serial_sgemm();
   const int64_t Wp = padded_width(g), HW = int64_t{g.H} * g.W, P = g.P();
   const int64_t Hp = int64_t{g.OH - 1} * g.sh + g.KH;  // padded rows the depthwise reads
   std::vector<float>& dw = scratch().shared;  // the calling thread's: read by every part
   dw.resize(int64_t{g.E} * P);
+  std::vector<float> gate(g.S ? g.E : 0);  // channel sums, then the gate
   const int threads = cpu_pool_threads();
   for (int n = 0; n < g.N; ++n) {
     const float* xn = c.x + int64_t{n} * g.C * HW;
@@ -321,25 +395,40 @@ void run_channels(const Geometry& g, const Call& c) {
       const int rows = static_cast<int>(std::min<int64_t>(g.H, Hp - g.ph));
       for (int e = e0; e < e1; ++e) {
         const float b = c.be ? c.be[e] : 0.f;
-        const float* src = g.expand ? s.gemm.data() + int64_t{e - e0} * HW : xn + e * HW;
+        float* src = g.expand ? s.gemm.data() + int64_t{e - e0} * HW : nullptr;
+        const bool done = g.expand && expand_in_place(g.ea, b, src, HW);
+        const float* from = g.expand ? src : xn + e * HW;
         for (int ih = 0; ih < rows; ++ih) {
           float* row = s.rows.data() + int64_t{ih + g.ph} * Wp + g.pw;
-          const float* in = src + int64_t{ih} * g.W;
-          if (g.expand) {
+          const float* in = from + int64_t{ih} * g.W;
+          if (g.expand && !done) {
             act_row(in, b, g.ea, g.W, row);
           } else {
             std::memcpy(row, in, g.W * sizeof(float));
           }
         }
-        dw_channel(g, s.rows.data(), Wp, c.wd + int64_t{e} * g.KH * g.KW, c.bd ? c.bd[e] : 0.f, g.OH,
-                   dw.data() + e * P);
+        float* out = dw.data() + e * P;
+        dw_channel(g, s.rows.data(), Wp, c.wd + int64_t{e} * g.KH * g.KW, c.bd ? c.bd[e] : 0.f, g.OH, out);
+        if (g.S) gate[e] = sum_of(out, P);
       }
     });
+    if (g.S) se_gate(g, c, gate.data());
     const int oparts = std::max(1, std::min(threads, g.O / 8));
     cpu_parallel_parts(oparts, [&](int part) {
       const int o0 = static_cast<int>(int64_t{g.O} * part / oparts), o1 = static_cast<int>(int64_t{g.O} * (part + 1) / oparts);
       const bool init = init_rows(g, c, rn, yn, o0, o1, 0, P);
-      gemm(0, 0, o1 - o0, static_cast<int>(P), g.E, 1.f, c.wp + int64_t{o0} * g.E, g.E, dw.data(), static_cast<int>(P),
+      const float* w = c.wp + int64_t{o0} * g.E;
+      if (g.S) {  // the gate folded into this part's rows of the project weight
+        std::vector<float>& ws = scratch().weights;
+        ws.resize(int64_t{o1 - o0} * g.E);
+        for (int o = o0; o < o1; ++o) {
+          const float* src = c.wp + int64_t{o} * g.E;
+          float* dst = ws.data() + int64_t{o - o0} * g.E;
+          for (int e = 0; e < g.E; ++e) dst[e] = src[e] * gate[e];
+        }
+        w = ws.data();
+      }
+      gemm(0, 0, o1 - o0, static_cast<int>(P), g.E, 1.f, w, g.E, dw.data(), static_cast<int>(P),
            init ? 1.f : 0.f, yn + o0 * P, static_cast<int>(P));
     });
   }
@@ -359,8 +448,8 @@ void run_block(const Geometry& g, const std::vector<mx::array>& in, const std::v
     ys.resize(int64_t{g.N} * g.O * g.P());
     y = ys.data();
   }
-  const Call c{at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7), y};
-  if (int64_t{g.E} * g.H * g.W * 4 <= channel_split_limit()) {
+  const Call c{at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7), at(8), at(9), at(10), at(11), y};
+  if (g.S > 0 || int64_t{g.E} * g.H * g.W * 4 <= channel_split_limit()) {
     cpu_kernel_note_call("inverted_residual_channels");
     run_channels(g, c);
   } else {
@@ -381,7 +470,8 @@ void run_bands(const Geometry& g, const Call& c) {
 
 class BlockCpu : public mx::UnaryPrimitive {
  public:
-  // slot: the input index of x, expand w / b, dw w / b, project w / b, residual (-1: absent).
+  // slot: the input index of x, expand w / b, dw w / b, project w / b, residual, squeeze-excite
+  // reduce w / b and expand w / b (-1: absent).
   BlockCpu(mx::Stream s, Geometry g, std::vector<int> slot) : mx::UnaryPrimitive(s), g_(g), slot_(std::move(slot)) {}
 
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
@@ -401,10 +491,11 @@ class BlockCpu : public mx::UnaryPrimitive {
     const auto& o = static_cast<const BlockCpu&>(other);
     // The ints compared as one block (no padding among them), then the activations.
     auto same_act = [](const BlockActivation& a, const BlockActivation& b) {
-      return a.kind == b.kind && a.lo == b.lo && a.hi == b.hi;
+      return a.act == b.act && a.lo == b.lo && a.hi == b.hi;
     };
     return std::memcmp(&g_, &o.g_, offsetof(Geometry, expand)) == 0 && g_.expand == o.g_.expand &&
-           same_act(g_.ea, o.g_.ea) && same_act(g_.da, o.g_.da) && slot_ == o.slot_;
+           same_act(g_.ea, o.g_.ea) && same_act(g_.da, o.g_.da) && same_act(g_.ra, o.g_.ra) &&
+           same_act(g_.xa, o.g_.xa) && slot_ == o.slot_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     return {{in[0].shape(0), g_.O, g_.OH, g_.OW}};
@@ -437,10 +528,13 @@ std::pair<int64_t, int64_t> set_block_tiling(int64_t channels, int64_t tile) {
 bool block_cpu_applies(const BlockOperands& ops, const BlockParams& p) {
   if (!cpu_kernels_active() || serial_sgemm() == nullptr || !cpu_kernel_dtype_ok(ops.x)) return false;
   const auto t = ops.x.dtype();
-  for (const auto* a : {&ops.expand_w, &ops.expand_b, &ops.dw_b, &ops.project_b, &ops.residual})
+  for (const auto* a : {&ops.expand_w, &ops.expand_b, &ops.dw_b, &ops.project_b, &ops.residual, &ops.se_reduce_w,
+                        &ops.se_reduce_b, &ops.se_expand_w, &ops.se_expand_b})
     if (a->has_value() && (*a)->dtype() != t) return false;
   if (ops.dw_w.dtype() != t || ops.project_w.dtype() != t) return false;
-  if (p.expand_act.kind != 0 || p.dw_act.kind != 0) return false;
+  for (const auto* a : {&p.expand_act, &p.dw_act, &p.se_reduce_act, &p.se_expand_act})
+    if (a->act > static_cast<int>(UnaryKernel::hardsigmoid)) return false;  // not a UnaryKernel
+  if (ops.se_reduce_w && ops.se_reduce_w->size() == 0) return false;
   // Empty channel counts stay on the convolutions (an sgemm with K = 0 rejects its leading dimension).
   if (ops.dw_w.size() == 0 || ops.project_w.size() == 0 || (ops.expand_w && ops.expand_w->size() == 0)) return false;
   return ops.dw_w.ndim() == 4 && ops.dw_w.shape(2) * ops.dw_w.shape(3) <= kMaxTaps && ops.dw_w.shape(2) <= 7;
@@ -468,20 +562,35 @@ mx::array block_cpu(const BlockOperands& ops, const BlockParams& p) {
   need(ops.expand_w || !ops.expand_b, "an expand bias without an expand weight");
   vec_of(ops.dw_b, E, "depthwise");
   vec_of(ops.project_b, O, "project");
+  need(ops.se_reduce_w.has_value() == ops.se_expand_w.has_value(), "squeeze-excite needs both its weights");
+  int S = 0;
+  if (ops.se_reduce_w) {
+    const auto &wr = *ops.se_reduce_w, &wx = *ops.se_expand_w;
+    S = wr.ndim() == 4 ? wr.shape(0) : 0;
+    need(wr.ndim() == 4 && wr.shape(1) == E && wr.shape(2) == 1 && wr.shape(3) == 1,
+         "squeeze-excite reduce weight " + shape_str(wr) + " is not [S, " + std::to_string(E) + ", 1, 1]");
+    need(wx.ndim() == 4 && wx.shape(0) == E && wx.shape(1) == S && wx.shape(2) == 1 && wx.shape(3) == 1,
+         "squeeze-excite expand weight " + shape_str(wx) + " is not [" + std::to_string(E) + ", " +
+             std::to_string(S) + ", 1, 1]");
+    vec_of(ops.se_reduce_b, S, "squeeze-excite reduce");
+    vec_of(ops.se_expand_b, E, "squeeze-excite expand");
+  } else {
+    need(!ops.se_reduce_b && !ops.se_expand_b, "squeeze-excite biases without its weights");
+  }
   const int KH = ops.dw_w.shape(2), KW = ops.dw_w.shape(3);
   need(std::min(p.sh, p.sw) >= 1 && std::min({p.ph, p.pw, p.ph_hi, p.pw_hi}) >= 0,
        "stride must be positive, padding non-negative");
   need(x.shape(2) + p.ph + p.ph_hi >= KH && x.shape(3) + p.pw + p.pw_hi >= KW,
        "the depthwise window is larger than the padded input");
-  Geometry g{x.shape(0), C, x.shape(2), x.shape(3), E, O, KH, KW, 0, 0, p.sh, p.sw, p.ph, p.pw,
-             ops.expand_w.has_value(), p.expand_act, p.dw_act};
+  Geometry g{x.shape(0), C, x.shape(2), x.shape(3), E, O, KH, KW, 0, 0, p.sh, p.sw, p.ph, p.pw, S,
+             ops.expand_w.has_value(), p.expand_act, p.dw_act, p.se_reduce_act, p.se_expand_act};
   g.OH = (g.H + p.ph + p.ph_hi - KH) / p.sh + 1;
   g.OW = (g.W + p.pw + p.pw_hi - KW) / p.sw + 1;
   if (ops.residual)
     need(ops.residual->shape() == mx::Shape({g.N, O, g.OH, g.OW}),
          "residual " + shape_str(*ops.residual) + " does not have the output's shape");
   std::vector<mx::array> inputs{x};
-  std::vector<int> slot(8, -1);
+  std::vector<int> slot(12, -1);
   slot[0] = 0;
   auto add = [&](int i, const std::optional<mx::array>& a) {
     if (!a) return;
@@ -495,6 +604,10 @@ mx::array block_cpu(const BlockOperands& ops, const BlockParams& p) {
   add(5, ops.project_w);
   add(6, ops.project_b);
   add(7, ops.residual);
+  add(8, ops.se_reduce_w);
+  add(9, ops.se_reduce_b);
+  add(10, ops.se_expand_w);
+  add(11, ops.se_expand_b);
   auto prim = std::make_shared<BlockCpu>(mx::default_stream(mx::Device::cpu), g, slot);
   return mx::array({g.N, O, g.OH, g.OW}, x.dtype(), std::move(prim), std::move(inputs));
 }
