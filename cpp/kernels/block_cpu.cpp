@@ -40,6 +40,9 @@ namespace mx = mlx::core;
 namespace {
 
 constexpr int kMaxTaps = 49;  // 7x7 windows at most (MobileNet / EfficientNet use 3x3 and 5x5)
+// Output rows a depthwise block covers at most: the rows it reads past a tile's last (the slack after
+// each buffer of padded rows; computed, never stored).
+constexpr int kDwBlockRows = 4;
 
 struct Geometry {
   int N, C, H, W, E, O, KH, KW, OH, OW, sh, sw, ph, pw, S;  // S: squeeze-excite channels (0: none)
@@ -84,7 +87,7 @@ struct Call {
 
 // Buffers a thread reuses from call to call (no page faults per call).
 struct Scratch {
-  std::vector<float> rows, gemm, dw, shared, gate, weights;
+  std::vector<float> rows, gemm, dw, shared, weights;
 };
 Scratch& scratch() {
   thread_local Scratch s;
@@ -128,72 +131,83 @@ MLXD_AVX2 void act_row_avx2(const float* src, float b, const BlockActivation& a,
   }
 }
 
-// The same row eight outputs at a time, four groups interleaved so the FMA chains overlap;
-// the last partial group stored under a mask. The clamp only (dw_channel maps the rest over the
-// channel's rows). KH_ / KW_: the window when known at compile time (3x3, 5x5: the taps unrolled),
-// else 0 (the geometry's).
-template <int S, int KH_, int KW_>
-MLXD_AVX2 void dw_row_avx2(const Geometry& g, const float* const* rows, const __m256* wv, float bias, float* out) {
+// R output rows from row i of the tile by V vectors of eight columns from ow: R x V accumulators
+// in registers (independent FMA chains, each weight broadcast once per block), clamped as stored
+// (dw_channel maps the rest of the activation over the channel's rows); the last vector stored
+// under `tail`, rows from `rows` on computed from the buffer's slack rows but not stored.
+// KH_ / KW_: the window when known at compile time (3x3, 5x5: the taps unrolled), else 0 (the
+// geometry's).
+template <int S, int KH_, int KW_, int R, int V>
+MLXD_AVX2 void dw_block_avx2(const Geometry& g, const float* buf, int64_t Wp, const __m256* wv, __m256 vb, int i,
+                             int ow, int rows, __m256i tail, float* out) {
   const int kh = KH_ ? KH_ : g.KH, kw = KW_ ? KW_ : g.KW;
-  const __m256 vb = _mm256_set1_ps(bias), lo = _mm256_set1_ps(g.da.lo), hi = _mm256_set1_ps(g.da.hi);
-  int ow = 0;
-  for (; ow + 32 <= g.OW; ow += 32) {
-    __m256 a0 = vb, a1 = vb, a2 = vb, a3 = vb;
-    for (int ki = 0; ki < kh; ++ki)
-      for (int kj = 0; kj < kw; ++kj) {
-        const __m256 w = wv[ki * kw + kj];
-        const float* p = rows[ki] + int64_t{ow} * S + kj;
-        a0 = _mm256_fmadd_ps(w, vmath::load_strided<S>(p), a0);
-        a1 = _mm256_fmadd_ps(w, vmath::load_strided<S>(p + 8 * S), a1);
-        a2 = _mm256_fmadd_ps(w, vmath::load_strided<S>(p + 16 * S), a2);
-        a3 = _mm256_fmadd_ps(w, vmath::load_strided<S>(p + 24 * S), a3);
-      }
-    _mm256_storeu_ps(out + ow, clamp8(a0, lo, hi));
-    _mm256_storeu_ps(out + ow + 8, clamp8(a1, lo, hi));
-    _mm256_storeu_ps(out + ow + 16, clamp8(a2, lo, hi));
-    _mm256_storeu_ps(out + ow + 24, clamp8(a3, lo, hi));
-  }
-  for (; ow < g.OW; ow += 8) {
-    __m256 a = vb;
-    for (int ki = 0; ki < kh; ++ki)
-      for (int kj = 0; kj < kw; ++kj)
-        a = _mm256_fmadd_ps(wv[ki * kw + kj], vmath::load_strided<S>(rows[ki] + int64_t{ow} * S + kj), a);
-    if (ow + 8 <= g.OW)
-      _mm256_storeu_ps(out + ow, clamp8(a, lo, hi));
-    else
-      _mm256_maskstore_ps(out + ow, tail_mask(g.OW - ow), clamp8(a, lo, hi));
+  const __m256 lo = _mm256_set1_ps(g.da.lo), hi = _mm256_set1_ps(g.da.hi);
+  const int64_t step = int64_t{g.sh} * Wp;
+  __m256 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = vb;
+  const float* top = buf + int64_t{i} * step + int64_t{ow} * S;
+  for (int ki = 0; ki < kh; ++ki)
+    for (int kj = 0; kj < kw; ++kj) {
+      const __m256 w = wv[ki * kw + kj];
+      const float* p = top + ki * Wp + kj;
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < V; ++v)
+          acc[r][v] = _mm256_fmadd_ps(w, vmath::load_strided<S>(p + r * step + 8 * v * S), acc[r][v]);
+    }
+  for (int r = 0; r < R && r < rows; ++r) {
+    float* o = out + int64_t{i + r} * g.OW + ow;
+    for (int v = 0; v < V - 1; ++v) _mm256_storeu_ps(o + 8 * v, clamp8(acc[r][v], lo, hi));
+    _mm256_maskstore_ps(o + 8 * (V - 1), tail, clamp8(acc[r][V - 1], lo, hi));
   }
 }
 
-// The depthwise rows of one channel for output rows [0, count) of the tile.
-template <int S, int KH_, int KW_>
+// The depthwise rows of one channel for output rows [0, count) of the tile, in blocks of R rows by
+// up to four vectors (narrow maps: four rows of one or two vectors, so 7- and 14-column maps still
+// run four or more independent accumulators).
+template <int S, int KH_, int KW_, int R>
 MLXD_AVX2 void dw_channel_avx2(const Geometry& g, const float* buf, int64_t Wp, const float* k, float bias, int count,
                                float* out) {
   __m256 wv[kMaxTaps];
   for (int t = 0; t < g.KH * g.KW; ++t) wv[t] = _mm256_set1_ps(k[t]);
-  const float* rows[7];
-  for (int i = 0; i < count; ++i) {
-    for (int ki = 0; ki < g.KH; ++ki) rows[ki] = buf + (int64_t{i} * g.sh + ki) * Wp;
-    dw_row_avx2<S, KH_, KW_>(g, rows, wv, bias, out + int64_t{i} * g.OW);
+  const __m256 vb = _mm256_set1_ps(bias);
+  for (int i = 0; i < count; i += R) {
+    const int rows = std::min(R, count - i);
+    for (int ow = 0; ow < g.OW; ow += 32) {
+      const int left = g.OW - ow, V = std::min(4, (left + 7) / 8);
+      const __m256i tail = tail_mask(left - 8 * (V - 1));  // eight: every lane
+      switch (V) {
+        case 1: dw_block_avx2<S, KH_, KW_, R, 1>(g, buf, Wp, wv, vb, i, ow, rows, tail, out); break;
+        case 2: dw_block_avx2<S, KH_, KW_, R, 2>(g, buf, Wp, wv, vb, i, ow, rows, tail, out); break;
+        case 3: dw_block_avx2<S, KH_, KW_, R, 3>(g, buf, Wp, wv, vb, i, ow, rows, tail, out); break;
+        default: dw_block_avx2<S, KH_, KW_, R, 4>(g, buf, Wp, wv, vb, i, ow, rows, tail, out); break;
+      }
+    }
   }
 }
 
 using DwChannelFn = void (*)(const Geometry&, const float*, int64_t, const float*, float, int, float*);
 
 // The instance for the width stride (1 or 2) and window (3x3, 5x5 or any).
+template <int S, int R>
+DwChannelFn dw_channel_rows(const Geometry& g) {
+  if (g.KH == 3 && g.KW == 3) return dw_channel_avx2<S, 3, 3, R>;
+  if (g.KH == 5 && g.KW == 5) return dw_channel_avx2<S, 5, 5, R>;
+  return dw_channel_avx2<S, 0, 0, R>;
+}
+// Four rows per block up to two vectors wide, two rows beyond (at most eight accumulators).
 template <int S>
 DwChannelFn dw_channel_for(const Geometry& g) {
-  if (g.KH == 3 && g.KW == 3) return dw_channel_avx2<S, 3, 3>;
-  if (g.KH == 5 && g.KW == 5) return dw_channel_avx2<S, 5, 5>;
-  return dw_channel_avx2<S, 0, 0>;
+  return g.OW <= 16 ? dw_channel_rows<S, kDwBlockRows>(g) : dw_channel_rows<S, 2>(g);
 }
 #endif
 
+// The depthwise rows of one channel with the clamp of its activation (the caller maps the rest over
+// whole runs of channels).
 void dw_channel(const Geometry& g, const float* buf, int64_t Wp, const float* k, float bias, int count, float* out) {
 #ifdef MLXD_CPU_X86
   if (cpu_use_avx2() && (g.sw == 1 || g.sw == 2)) {
     (g.sw == 1 ? dw_channel_for<1>(g) : dw_channel_for<2>(g))(g, buf, Wp, k, bias, count, out);
-    act_map(g.da, out, int64_t{count} * g.OW);
     return;
   }
 #endif
@@ -202,7 +216,6 @@ void dw_channel(const Geometry& g, const float* buf, int64_t Wp, const float* k,
     for (int ki = 0; ki < g.KH; ++ki) rows[ki] = buf + (int64_t{i} * g.sh + ki) * Wp;
     dw_row_scalar(g, rows, k, bias, out + int64_t{i} * g.OW);
   }
-  act_map(g.da, out, int64_t{count} * g.OW);
 }
 
 #ifdef MLXD_CPU_X86
@@ -258,14 +271,14 @@ void act_row(const float* src, float b, const BlockActivation& a, int n, float* 
   for (int i = 0; i < n; ++i) dst[i] = activate(a, src[i] + b);
 }
 
-// The expand's bias and whole activation over one channel's contiguous sgemm output, in place,
-// when the activation has a function after its clamp (its map runs over the whole run, not per
-// row of a few columns); the rows are then copied into the padded buffer. False: nothing done
-// (a clamp alone is applied on the way into the padded rows).
-bool expand_in_place(const BlockActivation& a, float b, float* v, int64_t n) {
+// The expand's bias and whole activation over `channels` channels of n contiguous sgemm outputs
+// each, in place, when the activation has a function after its clamp (its map then runs over the
+// whole run, not per row of a few columns); the rows are then copied into the padded buffer.
+// False: nothing done (a clamp alone is applied on the way into the padded rows).
+bool expand_in_place(const BlockActivation& a, const float* bias, int channels, float* v, int64_t n) {
   if (a.act < 0) return false;
-  act_row(v, b, a, static_cast<int>(n), v);
-  act_map(a, v, n);
+  for (int e = 0; e < channels; ++e) act_row(v + e * n, bias ? bias[e] : 0.f, a, static_cast<int>(n), v + e * n);
+  act_map(a, v, channels * n);
   return true;
 }
 
@@ -282,7 +295,7 @@ void run_band(const Geometry& g, const Call& c, int n, int R0, int R1) {
   while (T > 1 && bytes(T) > tile_budget()) T = std::max(1, T * 3 / 4);
   const int64_t cap = int64_t{T - 1} * g.sh + g.KH;  // padded input rows a tile holds
   Scratch& s = scratch();
-  s.rows.resize(g.E * cap * Wp);
+  s.rows.resize((g.E * cap + int64_t{kDwBlockRows} * g.sh) * Wp);  // slack: the last channel's blocks read on
   s.gemm.resize(g.expand ? g.E * cap * g.W : 0);
   s.dw.resize(int64_t{g.E} * T * g.OW);
   float* buf = s.rows.data();
@@ -315,9 +328,9 @@ void run_band(const Geometry& g, const Call& c, int n, int R0, int R1) {
       if (g.expand)
         gemm(0, 0, g.E, static_cast<int>(cols), g.C, 1.f, c.we, g.C, xn + int64_t{ih0} * g.W, static_cast<int>(HW),
              0.f, s.gemm.data(), static_cast<int>(cols));
+      const bool done = g.expand && expand_in_place(g.ea, c.be, g.E, s.gemm.data(), cols);
       for (int e = 0; e < g.E; ++e) {
         const float b = c.be ? c.be[e] : 0.f;
-        const bool done = g.expand && expand_in_place(g.ea, b, s.gemm.data() + e * cols, cols);
         for (int ih = ih0; ih < ih1; ++ih) {
           float* dst = buf + e * cap * Wp + int64_t{ih + g.ph - need_lo} * Wp;
           std::fill_n(dst, g.pw, 0.f);
@@ -336,9 +349,11 @@ void run_band(const Geometry& g, const Call& c, int n, int R0, int R1) {
     held_lo = need_lo;
     held_hi = need_hi;
     const int64_t ldd = int64_t{T} * g.OW;
-    for (int e = 0; e < g.E; ++e)
+    for (int e = 0; e < g.E; ++e) {
       dw_channel(g, buf + e * cap * Wp, Wp, c.wd + int64_t{e} * g.KH * g.KW, c.bd ? c.bd[e] : 0.f, count,
                  s.dw.data() + e * ldd);
+      act_map(g.da, s.dw.data() + e * ldd, int64_t{count} * g.OW);
+    }
     // Output rows: bias + residual, then the project product added on.
     const int64_t span = int64_t{count} * g.OW, at = int64_t{r0} * g.OW;
     const bool init = init_rows(g, c, rn, yn, 0, g.O, at, span);
@@ -347,78 +362,94 @@ void run_band(const Geometry& g, const Call& c, int n, int R0, int R1) {
   }
 }
 
-// The squeeze-excite gate of one image from its depthwise channel sums (in place: sums -> gate[E]):
-// act(W_expand act(W_reduce mean + b) + b), two matrix-vector products on the calling thread.
-void se_gate(const Geometry& g, const Call& c, float* sums) {
-  const SerialSgemmFn gemm = serial_sgemm();
-  std::vector<float>& t = scratch().gate;
-  t.resize(g.S);
-  const float inv = 1.f / static_cast<float>(g.P());
-  for (int e = 0; e < g.E; ++e) sums[e] *= inv;
-  gemm(0, 0, g.S, 1, g.E, 1.f, c.wr, g.E, sums, 1, 0.f, t.data(), 1);
-  for (int i = 0; i < g.S; ++i) t[i] = activate(g.ra, t[i] + (c.br ? c.br[i] : 0.f));
-  act_map(g.ra, t.data(), g.S);
-  gemm(0, 0, g.E, 1, g.S, 1.f, c.wx, g.S, t.data(), 1, 0.f, sums, 1);
-  for (int e = 0; e < g.E; ++e) sums[e] = activate(g.xa, sums[e] + (c.bx ? c.bx[e] : 0.f));
-  act_map(g.xa, sums, g.E);
-}
-
-// A small map (the 14x14 and 7x7 stages), or any block with squeeze-excite, whole, in two passes
-// over the pool: channel blocks of the expand and depthwise (each block's sgemm over the whole map,
-// so the weights are read once and the products are wide enough), into one [E, OH * OW] buffer;
-// then blocks of output channels of the project sgemm. Row bands there would be a few rows each,
-// recomputing their borders and re-reading every weight per band. With squeeze-excite, the first
-// pass also sums each channel's output while it is in cache, and between the passes the calling
-// thread computes the gate, which each project part folds into its rows of the weight.
+// A small map (the 14x14 and 7x7 stages), or any block with squeeze-excite, whole, over the pool:
+// channel blocks of the expand and depthwise (each block's sgemm over the whole map, so the
+// weights are read once and the products are wide enough), into one [E, OH * OW] buffer; then
+// blocks of output channels of the project sgemm. Row bands there would be a few rows each,
+// recomputing their borders and re-reading every weight per band. With squeeze-excite, each
+// channel block also takes its channel means and its share of the reduce product (its columns
+// of the weight), the calling thread adds the shares and applies the reduce activation, a second
+// pass over channel blocks computes their gates (rows of the expand weight) and, when the map is
+// smaller than the output channels, scales their depthwise rows; otherwise each project block
+// folds the gate into its rows of the project weight (the smaller pass either way).
 void run_channels(const Geometry& g, const Call& c) {
   const SerialSgemmFn gemm = serial_sgemm();
   const int64_t Wp = padded_width(g), HW = int64_t{g.H} * g.W, P = g.P();
   const int64_t Hp = int64_t{g.OH - 1} * g.sh + g.KH;  // padded rows the depthwise reads
   std::vector<float>& dw = scratch().shared;  // the calling thread's: read by every part
   dw.resize(int64_t{g.E} * P);
-  std::vector<float> gate(g.S ? g.E : 0);  // channel sums, then the gate
   const int threads = cpu_pool_threads();
+  const int eparts = std::max(1, std::min(threads, g.E / 8)), oparts = std::max(1, std::min(threads, g.O / 8));
+  // Squeeze-excite: channel means, then the gate; each channel block's share of the reduce product.
+  std::vector<float> gate(g.S ? g.E : 0), shares(g.S ? int64_t{eparts} * g.S : 0), t(g.S);
+  const bool scale_dw = g.S && P < g.O;  // E x P multiplies instead of O x E
+  const float inv_p = 1.f / static_cast<float>(P);
+  auto range = [](int total, int parts, int part) {
+    return std::make_pair(static_cast<int>(int64_t{total} * part / parts),
+                          static_cast<int>(int64_t{total} * (part + 1) / parts));
+  };
   for (int n = 0; n < g.N; ++n) {
     const float* xn = c.x + int64_t{n} * g.C * HW;
     float* yn = c.y + int64_t{n} * g.O * P;
     const float* rn = c.res ? c.res + int64_t{n} * g.O * P : nullptr;
-    const int eparts = std::max(1, std::min(threads, g.E / 8));
     cpu_parallel_parts(eparts, [&](int part) {
-      const int e0 = static_cast<int>(int64_t{g.E} * part / eparts), e1 = static_cast<int>(int64_t{g.E} * (part + 1) / eparts);
+      const auto [e0, e1] = range(g.E, eparts, part);
       Scratch& s = scratch();
-      s.rows.assign(Hp * Wp, 0.f);  // borders stay zero; each channel overwrites the inside
+      s.rows.assign((Hp + int64_t{kDwBlockRows} * g.sh) * Wp, 0.f);  // borders and slack stay zero
+      bool done = false;  // the expand's activation applied in place
       if (g.expand) {
         s.gemm.resize(int64_t{e1 - e0} * HW);
         gemm(0, 0, e1 - e0, static_cast<int>(HW), g.C, 1.f, c.we + int64_t{e0} * g.C, g.C, xn, static_cast<int>(HW),
              0.f, s.gemm.data(), static_cast<int>(HW));
+        done = expand_in_place(g.ea, c.be ? c.be + e0 : nullptr, e1 - e0, s.gemm.data(), HW);
       }
       const int rows = static_cast<int>(std::min<int64_t>(g.H, Hp - g.ph));
       for (int e = e0; e < e1; ++e) {
         const float b = c.be ? c.be[e] : 0.f;
-        float* src = g.expand ? s.gemm.data() + int64_t{e - e0} * HW : nullptr;
-        const bool done = g.expand && expand_in_place(g.ea, b, src, HW);
-        const float* from = g.expand ? src : xn + e * HW;
+        const float* src = g.expand ? s.gemm.data() + int64_t{e - e0} * HW : xn + e * HW;
         for (int ih = 0; ih < rows; ++ih) {
           float* row = s.rows.data() + int64_t{ih + g.ph} * Wp + g.pw;
-          const float* in = from + int64_t{ih} * g.W;
+          const float* in = src + int64_t{ih} * g.W;
           if (g.expand && !done) {
             act_row(in, b, g.ea, g.W, row);
           } else {
             std::memcpy(row, in, g.W * sizeof(float));
           }
         }
-        float* out = dw.data() + e * P;
-        dw_channel(g, s.rows.data(), Wp, c.wd + int64_t{e} * g.KH * g.KW, c.bd ? c.bd[e] : 0.f, g.OH, out);
-        if (g.S) gate[e] = sum_of(out, P);
+        dw_channel(g, s.rows.data(), Wp, c.wd + int64_t{e} * g.KH * g.KW, c.bd ? c.bd[e] : 0.f, g.OH,
+                   dw.data() + e * P);
+      }
+      act_map(g.da, dw.data() + e0 * P, (e1 - e0) * P);
+      if (g.S) {
+        for (int e = e0; e < e1; ++e) gate[e] = sum_of(dw.data() + e * P, P) * inv_p;
+        gemm(0, 0, g.S, 1, e1 - e0, 1.f, c.wr + e0, g.E, gate.data() + e0, 1, 0.f, shares.data() + int64_t{part} * g.S, 1);
       }
     });
-    if (g.S) se_gate(g, c, gate.data());
-    const int oparts = std::max(1, std::min(threads, g.O / 8));
+    if (g.S) {
+      for (int i = 0; i < g.S; ++i) {
+        float v = c.br ? c.br[i] : 0.f;
+        for (int p = 0; p < eparts; ++p) v += shares[int64_t{p} * g.S + i];
+        t[i] = activate(g.ra, v);
+      }
+      act_map(g.ra, t.data(), g.S);
+      cpu_parallel_parts(eparts, [&](int part) {
+        const auto [e0, e1] = range(g.E, eparts, part);
+        gemm(0, 0, e1 - e0, 1, g.S, 1.f, c.wx + int64_t{e0} * g.S, g.S, t.data(), 1, 0.f, gate.data() + e0, 1);
+        for (int e = e0; e < e1; ++e) gate[e] = activate(g.xa, gate[e] + (c.bx ? c.bx[e] : 0.f));
+        act_map(g.xa, gate.data() + e0, e1 - e0);
+        if (scale_dw)
+          for (int e = e0; e < e1; ++e) {
+            float* row = dw.data() + e * P;
+            const float k = gate[e];
+            for (int64_t q = 0; q < P; ++q) row[q] *= k;
+          }
+      });
+    }
     cpu_parallel_parts(oparts, [&](int part) {
-      const int o0 = static_cast<int>(int64_t{g.O} * part / oparts), o1 = static_cast<int>(int64_t{g.O} * (part + 1) / oparts);
+      const auto [o0, o1] = range(g.O, oparts, part);
       const bool init = init_rows(g, c, rn, yn, o0, o1, 0, P);
       const float* w = c.wp + int64_t{o0} * g.E;
-      if (g.S) {  // the gate folded into this part's rows of the project weight
+      if (g.S && !scale_dw) {  // the gate folded into this block's rows of the project weight
         std::vector<float>& ws = scratch().weights;
         ws.resize(int64_t{o1 - o0} * g.E);
         for (int o = o0; o < o1; ++o) {
