@@ -4,7 +4,10 @@ kernel (kernels/block_cpu.cpp) and elsewhere as three convolutions; matched agai
 runtime path (node by node, compiled, CPU kernels off) in float32, bfloat16 and float16: stride 1 with
 the residual, stride 2 without, a block without the expand (MobileNetV2's first), a 5x5 ReLU block,
 odd H / W and channel counts that are not multiples of 8. A look-alike whose expanded activation is
-also read elsewhere keeps its expand convolution out of the block."""
+also read elsewhere keeps its expand convolution out of the block. MobileNetV3 / EfficientNet blocks
+(hard-swish and SiLU stages, squeeze-excite gates with hard-sigmoid or sigmoid, 3x3 and 5x5, strides 1
+and 2, with and without the residual and the expand) fuse whole, batch 2 (a gate per image); a gate
+that is also read elsewhere keeps the block as convolutions."""
 
 from __future__ import annotations
 
