@@ -135,10 +135,10 @@ def _stage_act(b: ProgramBuilder, args: dict[str, Any], stage: str) -> dict[str,
 
 @register(torch.ops.mlx_delegate.inverted_residual.default)
 def inverted_residual(b: ProgramBuilder, n: torch.fx.Node) -> None:
-    """A 1x1 expand, depthwise, optional squeeze-excite and 1x1 project convolution as one node
-    (patterns/inverted_residual.py).
+    """A 1x1 expand, depthwise, squeeze-excite and 1x1 project convolution block as one node.
 
-    On the CPU one kernel runs the block; elsewhere the convolutions and the gate as MLX ops."""
+    From patterns/inverted_residual.py (the expand and squeeze-excite optional). On the CPU one kernel
+    runs the block; elsewhere the convolutions and the gate as MLX ops."""
     args = b.args(n)
     x = args["x"]
     dtype = float_dtype(b, n)
