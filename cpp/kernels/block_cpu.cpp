@@ -432,8 +432,11 @@ void run_channels(const Geometry& g, const Call& c) {
         t[i] = activate(g.ra, v);
       }
       act_map(g.ra, t.data(), g.S);
-      cpu_parallel_parts(eparts, [&](int part) {
-        const auto [e0, e1] = range(g.E, eparts, part);
+      // Small gates (E x S under 32 K weights: the 28x28 and 56x56 stages) on the calling thread: a
+      // hand-off to the pool would cost more than the product.
+      const int gparts = int64_t{g.E} * g.S >= (1 << 15) ? eparts : 1;
+      cpu_parallel_parts(gparts, [&](int part) {
+        const auto [e0, e1] = range(g.E, gparts, part);
         gemm(0, 0, e1 - e0, 1, g.S, 1.f, c.wx + int64_t{e0} * g.S, g.S, t.data(), 1, 0.f, gate.data() + e0, 1);
         for (int e = e0; e < e1; ++e) gate[e] = activate(g.xa, gate[e] + (c.bx ? c.bx[e] : 0.f));
         act_map(g.xa, gate.data() + e0, e1 - e0);
