@@ -12,11 +12,11 @@
 // output rows already holding bias + residual.
 //
 // Activations other than a clamp (hard-swish, ...) run as the unary kernels'
-// maps over each channel's contiguous run while it is in cache. With
-// squeeze-excite the block runs whole (run_channels): each part sums its
-// channels' depthwise outputs as it writes them, the calling thread computes
-// the gate (two small products), and each project part folds the gate into its
-// rows of the project weight.
+// maps over whole runs of channels while they are in cache. With
+// squeeze-excite the block runs whole (run_channels): each channel block sums
+// its channels' depthwise outputs and takes its share of the gate's reduce
+// product, the calling thread adds the shares, and the gate scales the
+// depthwise rows or is folded into the project weight's rows (the smaller).
 #include "kernels/block_cpu.h"
 
 #include <algorithm>
@@ -133,7 +133,7 @@ MLXD_AVX2 void act_row_avx2(const float* src, float b, const BlockActivation& a,
 
 // R output rows from row i of the tile by V vectors of eight columns from ow: R x V accumulators
 // in registers (independent FMA chains, each weight broadcast once per block), clamped as stored
-// (dw_channel maps the rest of the activation over the channel's rows); the last vector stored
+// (the caller maps the rest of the activation over whole channels); the last vector stored
 // under `tail`, rows from `rows` on computed from the buffer's slack rows but not stored.
 // KH_ / KW_: the window when known at compile time (3x3, 5x5: the taps unrolled), else 0 (the
 // geometry's).
