@@ -205,16 +205,39 @@ def _(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None, s
     return torch.empty_like(_conv_fused(x, weight, bias, stride, padding, padding_hi, dilation, groups))
 
 
+# The squeeze-excite arguments of inverted_residual (after the block's own), in order.
+SE_ARGS = ("se_reduce_weight", "se_reduce_bias", "se_reduce_lo", "se_reduce_hi", "se_reduce_act",
+           "se_expand_weight", "se_expand_bias", "se_expand_lo", "se_expand_hi", "se_expand_act")
+
+
+def _stage(y: Tensor, lo: float, hi: float, act: str) -> Tensor:
+    if act not in CONV_ACTIVATIONS:
+        raise ValueError(f"inverted_residual: unknown activation {act!r}; known: {sorted(CONV_ACTIVATIONS)}")
+    return CONV_ACTIVATIONS[act](y.clamp(lo, hi))
+
+
 def _inverted_residual(x: Tensor, expand_weight: Tensor | None, expand_bias: Tensor | None, dw_weight: Tensor,
                        dw_bias: Tensor | None, project_weight: Tensor, project_bias: Tensor | None,
                        residual: Tensor | None, stride: list[int], padding: list[int], padding_hi: list[int],
-                       expand_lo: float, expand_hi: float, dw_lo: float, dw_hi: float) -> Tensor:
+                       expand_lo: float, expand_hi: float, dw_lo: float, dw_hi: float, expand_act: str,
+                       dw_act: str, se_reduce_weight: Tensor | None, se_reduce_bias: Tensor | None,
+                       se_reduce_lo: float, se_reduce_hi: float, se_reduce_act: str,
+                       se_expand_weight: Tensor | None, se_expand_bias: Tensor | None, se_expand_lo: float,
+                       se_expand_hi: float, se_expand_act: str) -> Tensor:
     ones, zeros = [1, 1], [0, 0]
+    conv1x1 = lambda h, w, b: _conv_fused(h, w, b, ones, zeros, zeros, ones, 1)
     h = x
     if expand_weight is not None:
-        h = _conv_fused(h, expand_weight, expand_bias, ones, zeros, zeros, ones, 1).clamp(expand_lo, expand_hi)
-    h = _conv_fused(h, dw_weight, dw_bias, stride, padding, padding_hi, ones, h.shape[1]).clamp(dw_lo, dw_hi)
-    y = _conv_fused(h, project_weight, project_bias, ones, zeros, zeros, ones, 1)
+        h = _stage(conv1x1(h, expand_weight, expand_bias), expand_lo, expand_hi, expand_act)
+    h = _stage(_conv_fused(h, dw_weight, dw_bias, stride, padding, padding_hi, ones, h.shape[1]), dw_lo, dw_hi,
+               dw_act)
+    if (se_reduce_weight is None) != (se_expand_weight is None):
+        raise ValueError("inverted_residual: squeeze-excite needs both its reduce and its expand weight")
+    if se_reduce_weight is not None:
+        s = _stage(conv1x1(h.mean([2, 3], keepdim=True), se_reduce_weight, se_reduce_bias), se_reduce_lo,
+                   se_reduce_hi, se_reduce_act)
+        h = h * _stage(conv1x1(s, se_expand_weight, se_expand_bias), se_expand_lo, se_expand_hi, se_expand_act)
+    y = conv1x1(h, project_weight, project_bias)
     return y if residual is None else y + residual
 
 
@@ -222,23 +245,37 @@ def _inverted_residual(x: Tensor, expand_weight: Tensor | None, expand_bias: Ten
 def inverted_residual(x: Tensor, expand_weight: Tensor | None, expand_bias: Tensor | None, dw_weight: Tensor,
                       dw_bias: Tensor | None, project_weight: Tensor, project_bias: Tensor | None,
                       residual: Tensor | None, stride: list[int], padding: list[int], padding_hi: list[int],
-                      expand_lo: float, expand_hi: float, dw_lo: float, dw_hi: float) -> Tensor:
+                      expand_lo: float, expand_hi: float, dw_lo: float, dw_hi: float, expand_act: str,
+                      dw_act: str, se_reduce_weight: Tensor | None, se_reduce_bias: Tensor | None,
+                      se_reduce_lo: float, se_reduce_hi: float, se_reduce_act: str,
+                      se_expand_weight: Tensor | None, se_expand_bias: Tensor | None, se_expand_lo: float,
+                      se_expand_hi: float, se_expand_act: str) -> Tensor:
     """A MobileNet-style inverted-residual block (patterns/inverted_residual.py): an optional 1x1
-    expand convolution clamped to [expand_lo, expand_hi] (ReLU6: [0, 6]; -inf / inf: none), a depthwise
-    convolution (`stride`, `padding` low / `padding_hi` high side per spatial axis) clamped to [dw_lo,
-    dw_hi], a 1x1 project convolution, then `residual` added. Weights as torch's Conv2d holds them."""
+    expand convolution, a depthwise convolution (`stride`, `padding` low / `padding_hi` high side per
+    spatial axis), optionally a squeeze-excite gate on its output (the per-channel mean, 1x1 reduce and
+    1x1 expand convolutions; absent weights: none), a 1x1 project convolution, then `residual` added.
+    Each stage's activation clamps to [lo, hi] (ReLU6: [0, 6]; -inf / inf: none), then applies `act`
+    (one of CONV_ACTIVATIONS). Weights as torch's Conv2d holds them."""
     return _inverted_residual(x, expand_weight, expand_bias, dw_weight, dw_bias, project_weight, project_bias,
-                              residual, stride, padding, padding_hi, expand_lo, expand_hi, dw_lo, dw_hi)
+                              residual, stride, padding, padding_hi, expand_lo, expand_hi, dw_lo, dw_hi, expand_act,
+                              dw_act, se_reduce_weight, se_reduce_bias, se_reduce_lo, se_reduce_hi, se_reduce_act,
+                              se_expand_weight, se_expand_bias, se_expand_lo, se_expand_hi, se_expand_act)
 
 
 @inverted_residual.register_fake
 def _(x: Tensor, expand_weight: Tensor | None, expand_bias: Tensor | None, dw_weight: Tensor,
       dw_bias: Tensor | None, project_weight: Tensor, project_bias: Tensor | None, residual: Tensor | None,
       stride: list[int], padding: list[int], padding_hi: list[int], expand_lo: float, expand_hi: float,
-      dw_lo: float, dw_hi: float) -> Tensor:
+      dw_lo: float, dw_hi: float, expand_act: str, dw_act: str, se_reduce_weight: Tensor | None,
+      se_reduce_bias: Tensor | None, se_reduce_lo: float, se_reduce_hi: float, se_reduce_act: str,
+      se_expand_weight: Tensor | None, se_expand_bias: Tensor | None, se_expand_lo: float, se_expand_hi: float,
+      se_expand_act: str) -> Tensor:
     return torch.empty_like(_inverted_residual(x, expand_weight, expand_bias, dw_weight, dw_bias, project_weight,
                                                project_bias, None, stride, padding, padding_hi, expand_lo,
-                                               expand_hi, dw_lo, dw_hi))
+                                               expand_hi, dw_lo, dw_hi, expand_act, dw_act, se_reduce_weight,
+                                               se_reduce_bias, se_reduce_lo, se_reduce_hi, se_reduce_act,
+                                               se_expand_weight, se_expand_bias, se_expand_lo, se_expand_hi,
+                                               se_expand_act))
 
 
 @torch.library.custom_op("mlx_delegate::grouped_mm", mutates_args=())

@@ -72,14 +72,16 @@ def int4_mlp() -> torch.nn.Module:
 
 def pattern_cases() -> list:
     """The fused nodes' modules from the pattern tests (imported from the checkout: `prepare` runs there):
-    the inverted-residual block, the convolution epilogue (hard-swish, squeeze-excite scale) and RoPE
-    plus KV-cache writes. On a GPU they run as MLX's own ops."""
+    the inverted-residual block (also with hard-swish / SiLU stages and squeeze-excite gates), the
+    convolution epilogue (hard-swish, squeeze-excite scale) and RoPE plus KV-cache writes. On a GPU they
+    run as MLX's own ops."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.patterns.test_conv_fusions import ActScale
-    from tests.patterns.test_inverted_residual import _net
+    from tests.patterns.test_inverted_residual import _net, _v3_net
     from tests.patterns.test_rope_kv import AttentionStep, step_inputs
     return [
         ("mobilenet_blocks", _net, (torch.randn(2, 5, 13, 11),)),
+        ("mobilenet_v3_blocks", _v3_net, (torch.randn(2, 5, 13, 11),)),
         ("conv_act_scale", lambda: ActScale().eval(), (torch.randn(2, 3, 12, 10),)),
         ("rope_kv_write", lambda: AttentionStep(seq_first=True).eval(), step_inputs(3, 5, seq_first=True)),
         ("rope_kv_write_bf16", lambda: AttentionStep().to(torch.bfloat16).eval(),

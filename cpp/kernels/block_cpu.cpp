@@ -10,6 +10,13 @@
 // columns with zero borders, so the depthwise loop needs no bounds checks. The
 // depthwise output [E, T * OW] feeds the project sgemm, which adds onto the
 // output rows already holding bias + residual.
+//
+// Activations other than a clamp (hard-swish, ...) run as the unary kernels'
+// maps over whole runs of channels while they are in cache. With
+// squeeze-excite the block runs whole (run_channels): each channel block sums
+// its channels' depthwise outputs and takes its share of the gate's reduce
+// product, the calling thread adds the shares, and the gate scales the
+// depthwise rows or is folded into the project weight's rows (the smaller).
 #include "kernels/block_cpu.h"
 
 #include <algorithm>
@@ -25,6 +32,7 @@
 #include <mlx/primitives.h>
 
 #include "kernels/cpu_parallel.h"
+#include "kernels/unary_cpu.h"
 #include "kernels/vec_math_cpu.h"
 
 namespace mlxd::rt {
@@ -32,11 +40,14 @@ namespace mx = mlx::core;
 namespace {
 
 constexpr int kMaxTaps = 49;  // 7x7 windows at most (MobileNet / EfficientNet use 3x3 and 5x5)
+// Output rows a depthwise block covers at most: the rows it reads past a tile's last (the slack after
+// each buffer of padded rows; computed, never stored).
+constexpr int kDwBlockRows = 4;
 
 struct Geometry {
-  int N, C, H, W, E, O, KH, KW, OH, OW, sh, sw, ph, pw;
+  int N, C, H, W, E, O, KH, KW, OH, OW, sh, sw, ph, pw, S;  // S: squeeze-excite channels (0: none)
   bool expand;
-  BlockActivation ea, da;
+  BlockActivation ea, da, ra, xa;  // expand, depthwise, squeeze-excite reduce and expand
   int64_t P() const { return int64_t{OH} * OW; }
 };
 
@@ -60,19 +71,23 @@ std::atomic<int64_t>& channels_kb() {
 int64_t tile_budget() { return std::max<int64_t>(1, tile_kb().load(std::memory_order_relaxed)) * 1024; }
 int64_t channel_split_limit() { return channels_kb().load(std::memory_order_relaxed) * 1024; }
 
-float activate(const BlockActivation& a, float v) {
-  // kind 0 (the only one so far): a clamp; std::max / min keep a NaN as torch's clamp does.
-  return std::min(std::max(v, a.lo), a.hi);
+// The clamp part of an activation (the function after it runs as a map over whole runs);
+// std::max / min keep a NaN as torch's clamp does.
+float activate(const BlockActivation& a, float v) { return std::min(std::max(v, a.lo), a.hi); }
+
+// The function after the clamp over n values in place (none: nothing).
+void act_map(const BlockActivation& a, float* v, int64_t n) {
+  if (a.act >= 0) unary_cpu_map(static_cast<UnaryKernel>(a.act))(v, v, n);
 }
 
 struct Call {
-  const float *x, *we, *be, *wd, *bd, *wp, *bp, *res;
+  const float *x, *we, *be, *wd, *bd, *wp, *bp, *res, *wr, *br, *wx, *bx;
   float* y;
 };
 
 // Buffers a thread reuses from call to call (no page faults per call).
 struct Scratch {
-  std::vector<float> rows, gemm, dw, shared;
+  std::vector<float> rows, gemm, dw, shared, weights;
 };
 Scratch& scratch() {
   thread_local Scratch s;
@@ -116,70 +131,122 @@ MLXD_AVX2 void act_row_avx2(const float* src, float b, const BlockActivation& a,
   }
 }
 
-// The same row eight outputs at a time, four groups interleaved so the FMA chains overlap;
-// the last partial group stored under a mask. Clamp activations only (the others take the
-// scalar row). KH_ / KW_: the window when known at compile time (3x3, 5x5: the taps unrolled),
-// else 0 (the geometry's).
-template <int S, int KH_, int KW_>
-MLXD_AVX2 void dw_row_avx2(const Geometry& g, const float* const* rows, const __m256* wv, float bias, float* out) {
+// R output rows from row i of the tile by V vectors of eight columns from ow: R x V accumulators
+// in registers (independent FMA chains, each weight broadcast once per block), clamped as stored
+// (the caller maps the rest of the activation over whole channels); the last vector stored
+// under `tail`, rows from `rows` on computed from the buffer's slack rows but not stored.
+// KH_ / KW_: the window when known at compile time (3x3, 5x5: the taps unrolled), else 0 (the
+// geometry's).
+template <int S, int KH_, int KW_, int R, int V>
+MLXD_AVX2 void dw_block_avx2(const Geometry& g, const float* buf, int64_t Wp, const __m256* wv, __m256 vb, int i,
+                             int ow, int rows, __m256i tail, float* out) {
   const int kh = KH_ ? KH_ : g.KH, kw = KW_ ? KW_ : g.KW;
-  const __m256 vb = _mm256_set1_ps(bias), lo = _mm256_set1_ps(g.da.lo), hi = _mm256_set1_ps(g.da.hi);
-  int ow = 0;
-  for (; ow + 32 <= g.OW; ow += 32) {
-    __m256 a0 = vb, a1 = vb, a2 = vb, a3 = vb;
-    for (int ki = 0; ki < kh; ++ki)
-      for (int kj = 0; kj < kw; ++kj) {
-        const __m256 w = wv[ki * kw + kj];
-        const float* p = rows[ki] + int64_t{ow} * S + kj;
-        a0 = _mm256_fmadd_ps(w, vmath::load_strided<S>(p), a0);
-        a1 = _mm256_fmadd_ps(w, vmath::load_strided<S>(p + 8 * S), a1);
-        a2 = _mm256_fmadd_ps(w, vmath::load_strided<S>(p + 16 * S), a2);
-        a3 = _mm256_fmadd_ps(w, vmath::load_strided<S>(p + 24 * S), a3);
-      }
-    _mm256_storeu_ps(out + ow, clamp8(a0, lo, hi));
-    _mm256_storeu_ps(out + ow + 8, clamp8(a1, lo, hi));
-    _mm256_storeu_ps(out + ow + 16, clamp8(a2, lo, hi));
-    _mm256_storeu_ps(out + ow + 24, clamp8(a3, lo, hi));
-  }
-  for (; ow < g.OW; ow += 8) {
-    __m256 a = vb;
-    for (int ki = 0; ki < kh; ++ki)
-      for (int kj = 0; kj < kw; ++kj)
-        a = _mm256_fmadd_ps(wv[ki * kw + kj], vmath::load_strided<S>(rows[ki] + int64_t{ow} * S + kj), a);
-    if (ow + 8 <= g.OW)
-      _mm256_storeu_ps(out + ow, clamp8(a, lo, hi));
-    else
-      _mm256_maskstore_ps(out + ow, tail_mask(g.OW - ow), clamp8(a, lo, hi));
+  const __m256 lo = _mm256_set1_ps(g.da.lo), hi = _mm256_set1_ps(g.da.hi);
+  const int64_t step = int64_t{g.sh} * Wp;
+  __m256 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = vb;
+  const float* top = buf + int64_t{i} * step + int64_t{ow} * S;
+  for (int ki = 0; ki < kh; ++ki)
+    for (int kj = 0; kj < kw; ++kj) {
+      const __m256 w = wv[ki * kw + kj];
+      const float* p = top + ki * Wp + kj;
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < V; ++v)
+          acc[r][v] = _mm256_fmadd_ps(w, vmath::load_strided<S>(p + r * step + 8 * v * S), acc[r][v]);
+    }
+  for (int r = 0; r < R && r < rows; ++r) {
+    float* o = out + int64_t{i + r} * g.OW + ow;
+    for (int v = 0; v < V - 1; ++v) _mm256_storeu_ps(o + 8 * v, clamp8(acc[r][v], lo, hi));
+    _mm256_maskstore_ps(o + 8 * (V - 1), tail, clamp8(acc[r][V - 1], lo, hi));
   }
 }
 
-// The depthwise rows of one channel for output rows [0, count) of the tile.
-template <int S, int KH_, int KW_>
+// The depthwise rows of one channel for output rows [0, count) of the tile, in blocks of R rows by
+// up to four vectors (narrow maps: four rows of one or two vectors, so 7- and 14-column maps still
+// run four or more independent accumulators).
+template <int S, int KH_, int KW_, int R>
 MLXD_AVX2 void dw_channel_avx2(const Geometry& g, const float* buf, int64_t Wp, const float* k, float bias, int count,
                                float* out) {
   __m256 wv[kMaxTaps];
   for (int t = 0; t < g.KH * g.KW; ++t) wv[t] = _mm256_set1_ps(k[t]);
-  const float* rows[7];
-  for (int i = 0; i < count; ++i) {
-    for (int ki = 0; ki < g.KH; ++ki) rows[ki] = buf + (int64_t{i} * g.sh + ki) * Wp;
-    dw_row_avx2<S, KH_, KW_>(g, rows, wv, bias, out + int64_t{i} * g.OW);
+  const __m256 vb = _mm256_set1_ps(bias);
+  for (int i = 0; i < count; i += R) {
+    const int rows = std::min(R, count - i);
+    for (int ow = 0; ow < g.OW; ow += 32) {
+      const int left = g.OW - ow, V = std::min(4, (left + 7) / 8);
+      const __m256i tail = tail_mask(left - 8 * (V - 1));  // eight: every lane
+      switch (V) {
+        case 1: dw_block_avx2<S, KH_, KW_, R, 1>(g, buf, Wp, wv, vb, i, ow, rows, tail, out); break;
+        case 2: dw_block_avx2<S, KH_, KW_, R, 2>(g, buf, Wp, wv, vb, i, ow, rows, tail, out); break;
+        case 3: dw_block_avx2<S, KH_, KW_, R, 3>(g, buf, Wp, wv, vb, i, ow, rows, tail, out); break;
+        default: dw_block_avx2<S, KH_, KW_, R, 4>(g, buf, Wp, wv, vb, i, ow, rows, tail, out); break;
+      }
+    }
+  }
+}
+
+// The same on sixteen lanes (AVX-512F), width stride 1: four rows by V vectors of sixteen columns,
+// for maps of 9-16 and 25-32 columns (the 14x14 and 28x28 stages), where eight-lane blocks load
+// twice as often for the same outputs. Reads stay inside the padded rows (padded_width rounds the
+// columns up to eight, which is a multiple of sixteen at these widths) and the slack rows.
+template <int KH_, int KW_, int V>
+MLXD_AVX512 void dw_channel16(const Geometry& g, const float* buf, int64_t Wp, const float* k, float bias, int count,
+                              float* out) {
+  constexpr int R = kDwBlockRows;
+  const int kh = KH_ ? KH_ : g.KH, kw = KW_ ? KW_ : g.KW;
+  const __m512 lo = _mm512_set1_ps(g.da.lo), hi = _mm512_set1_ps(g.da.hi), vb = _mm512_set1_ps(bias);
+  const int last = g.OW - 16 * (V - 1);
+  const __mmask16 tail = static_cast<__mmask16>(last >= 16 ? 0xFFFF : (1u << last) - 1u);
+  const int64_t step = int64_t{g.sh} * Wp;
+  for (int i = 0; i < count; i += R) {
+    __m512 acc[R][V];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) acc[r][v] = vb;
+    const float* top = buf + int64_t{i} * step;
+    for (int ki = 0; ki < kh; ++ki)
+      for (int kj = 0; kj < kw; ++kj) {
+        const __m512 w = _mm512_set1_ps(k[ki * kw + kj]);
+        const float* p = top + ki * Wp + kj;
+        for (int r = 0; r < R; ++r)
+          for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(w, _mm512_loadu_ps(p + r * step + 16 * v), acc[r][v]);
+      }
+    for (int r = 0; r < R && i + r < count; ++r) {
+      float* o = out + int64_t{i + r} * g.OW;
+      for (int v = 0; v < V; ++v)
+        _mm512_mask_storeu_ps(o + 16 * v, v == V - 1 ? tail : __mmask16(0xFFFF),
+                              _mm512_min_ps(hi, _mm512_max_ps(lo, acc[r][v])));
+    }
   }
 }
 
 using DwChannelFn = void (*)(const Geometry&, const float*, int64_t, const float*, float, int, float*);
 
 // The instance for the width stride (1 or 2) and window (3x3, 5x5 or any).
+template <int S, int R>
+DwChannelFn dw_channel_rows(const Geometry& g) {
+  if (g.KH == 3 && g.KW == 3) return dw_channel_avx2<S, 3, 3, R>;
+  if (g.KH == 5 && g.KW == 5) return dw_channel_avx2<S, 5, 5, R>;
+  return dw_channel_avx2<S, 0, 0, R>;
+}
+// Four rows per block up to two vectors wide, two rows beyond (at most eight accumulators).
 template <int S>
 DwChannelFn dw_channel_for(const Geometry& g) {
-  if (g.KH == 3 && g.KW == 3) return dw_channel_avx2<S, 3, 3>;
-  if (g.KH == 5 && g.KW == 5) return dw_channel_avx2<S, 5, 5>;
-  return dw_channel_avx2<S, 0, 0>;
+  if (S == 1 && cpu_use_avx512() && ((g.OW > 8 && g.OW <= 16) || (g.OW > 24 && g.OW <= 32))) {
+    const bool one = g.OW <= 16;
+    if (g.KH == 3 && g.KW == 3) return one ? dw_channel16<3, 3, 1> : dw_channel16<3, 3, 2>;
+    if (g.KH == 5 && g.KW == 5) return one ? dw_channel16<5, 5, 1> : dw_channel16<5, 5, 2>;
+    return one ? dw_channel16<0, 0, 1> : dw_channel16<0, 0, 2>;
+  }
+  return g.OW <= 16 ? dw_channel_rows<S, kDwBlockRows>(g) : dw_channel_rows<S, 2>(g);
 }
 #endif
 
+// The depthwise rows of one channel with the clamp of its activation (the caller maps the rest over
+// whole runs of channels).
 void dw_channel(const Geometry& g, const float* buf, int64_t Wp, const float* k, float bias, int count, float* out) {
 #ifdef MLXD_CPU_X86
-  if (cpu_use_avx2() && g.da.kind == 0 && (g.sw == 1 || g.sw == 2)) {
+  if (cpu_use_avx2() && (g.sw == 1 || g.sw == 2)) {
     (g.sw == 1 ? dw_channel_for<1>(g) : dw_channel_for<2>(g))(g, buf, Wp, k, bias, count, out);
     return;
   }
@@ -189,6 +256,33 @@ void dw_channel(const Geometry& g, const float* buf, int64_t Wp, const float* k,
     for (int ki = 0; ki < g.KH; ++ki) rows[ki] = buf + (int64_t{i} * g.sh + ki) * Wp;
     dw_row_scalar(g, rows, k, bias, out + int64_t{i} * g.OW);
   }
+}
+
+#ifdef MLXD_CPU_X86
+MLXD_AVX2 float sum_avx2(const float* v, int64_t n) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    a0 = _mm256_add_ps(a0, _mm256_loadu_ps(v + i));
+    a1 = _mm256_add_ps(a1, _mm256_loadu_ps(v + i + 8));
+  }
+  float s = vmath::hsum8(_mm256_add_ps(a0, a1));
+  for (; i < n; ++i) s += v[i];
+  return s;
+}
+#endif
+
+// The sum of n values (a squeeze-excite channel mean's numerator), in float32 as eager's mean.
+float sum_of(const float* v, int64_t n) {
+#ifdef MLXD_CPU_X86
+  if (cpu_use_avx2()) return sum_avx2(v, n);
+#endif
+  float s[4] = {0.f, 0.f, 0.f, 0.f};
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4)
+    for (int j = 0; j < 4; ++j) s[j] += v[i + j];
+  for (; i < n; ++i) s[0] += v[i];
+  return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
 // The output rows [0, span) at column offset `at` of the O planes of yn: bias + residual.
@@ -209,12 +303,23 @@ bool init_rows(const Geometry& g, const Call& c, const float* rn, float* yn, int
   return true;
 }
 
-// dst[i] = act(src[i] + b), i < n: the expand's bias and activation on the way into the padded rows.
+// dst[i] = clamp(src[i] + b), i < n: the expand's bias and clamp on the way into the padded rows.
 void act_row(const float* src, float b, const BlockActivation& a, int n, float* dst) {
 #ifdef MLXD_CPU_X86
-  if (cpu_use_avx2() && a.kind == 0) return act_row_avx2(src, b, a, n, dst);
+  if (cpu_use_avx2()) return act_row_avx2(src, b, a, n, dst);
 #endif
   for (int i = 0; i < n; ++i) dst[i] = activate(a, src[i] + b);
+}
+
+// The expand's bias and whole activation over `channels` channels of n contiguous sgemm outputs
+// each, in place, when the activation has a function after its clamp (its map then runs over the
+// whole run, not per row of a few columns); the rows are then copied into the padded buffer.
+// False: nothing done (a clamp alone is applied on the way into the padded rows).
+bool expand_in_place(const BlockActivation& a, const float* bias, int channels, float* v, int64_t n) {
+  if (a.act < 0) return false;
+  for (int e = 0; e < channels; ++e) act_row(v + e * n, bias ? bias[e] : 0.f, a, static_cast<int>(n), v + e * n);
+  act_map(a, v, channels * n);
+  return true;
 }
 
 // Output rows [R0, R1) of image n.
@@ -230,7 +335,7 @@ void run_band(const Geometry& g, const Call& c, int n, int R0, int R1) {
   while (T > 1 && bytes(T) > tile_budget()) T = std::max(1, T * 3 / 4);
   const int64_t cap = int64_t{T - 1} * g.sh + g.KH;  // padded input rows a tile holds
   Scratch& s = scratch();
-  s.rows.resize(g.E * cap * Wp);
+  s.rows.resize((g.E * cap + int64_t{kDwBlockRows} * g.sh) * Wp);  // slack: the last channel's blocks read on
   s.gemm.resize(g.expand ? g.E * cap * g.W : 0);
   s.dw.resize(int64_t{g.E} * T * g.OW);
   float* buf = s.rows.data();
@@ -263,6 +368,7 @@ void run_band(const Geometry& g, const Call& c, int n, int R0, int R1) {
       if (g.expand)
         gemm(0, 0, g.E, static_cast<int>(cols), g.C, 1.f, c.we, g.C, xn + int64_t{ih0} * g.W, static_cast<int>(HW),
              0.f, s.gemm.data(), static_cast<int>(cols));
+      const bool done = g.expand && expand_in_place(g.ea, c.be, g.E, s.gemm.data(), cols);
       for (int e = 0; e < g.E; ++e) {
         const float b = c.be ? c.be[e] : 0.f;
         for (int ih = ih0; ih < ih1; ++ih) {
@@ -270,7 +376,9 @@ void run_band(const Geometry& g, const Call& c, int n, int R0, int R1) {
           std::fill_n(dst, g.pw, 0.f);
           std::fill(dst + g.pw + g.W, dst + Wp, 0.f);
           float* row = dst + g.pw;
-          if (g.expand) {
+          if (done) {
+            std::memcpy(row, s.gemm.data() + e * cols + int64_t{ih - ih0} * g.W, g.W * sizeof(float));
+          } else if (g.expand) {
             act_row(s.gemm.data() + e * cols + int64_t{ih - ih0} * g.W, b, g.ea, g.W, row);
           } else {
             std::memcpy(row, xn + e * HW + int64_t{ih} * g.W, g.W * sizeof(float));
@@ -281,9 +389,11 @@ void run_band(const Geometry& g, const Call& c, int n, int R0, int R1) {
     held_lo = need_lo;
     held_hi = need_hi;
     const int64_t ldd = int64_t{T} * g.OW;
-    for (int e = 0; e < g.E; ++e)
+    for (int e = 0; e < g.E; ++e) {
       dw_channel(g, buf + e * cap * Wp, Wp, c.wd + int64_t{e} * g.KH * g.KW, c.bd ? c.bd[e] : 0.f, count,
                  s.dw.data() + e * ldd);
+      act_map(g.da, s.dw.data() + e * ldd, int64_t{count} * g.OW);
+    }
     // Output rows: bias + residual, then the project product added on.
     const int64_t span = int64_t{count} * g.OW, at = int64_t{r0} * g.OW;
     const bool init = init_rows(g, c, rn, yn, 0, g.O, at, span);
@@ -292,11 +402,16 @@ void run_band(const Geometry& g, const Call& c, int n, int R0, int R1) {
   }
 }
 
-// A small map (the 14x14 and 7x7 stages) whole, in two passes over the pool: channel blocks of
-// the expand and depthwise (each block's sgemm over the whole map, so the weights are read once
-// and the products are wide enough), into one [E, OH * OW] buffer; then blocks of output
-// channels of the project sgemm. Row bands there would be a few rows each, recomputing their
-// borders and re-reading every weight per band.
+// A small map (the 14x14 and 7x7 stages), or any block with squeeze-excite, whole, over the pool:
+// channel blocks of the expand and depthwise (each block's sgemm over the whole map, so the
+// weights are read once and the products are wide enough), into one [E, OH * OW] buffer; then
+// blocks of output channels of the project sgemm. Row bands there would be a few rows each,
+// recomputing their borders and re-reading every weight per band. With squeeze-excite, each
+// channel block also takes its channel means and its share of the reduce product (its columns
+// of the weight), the calling thread adds the shares and applies the reduce activation, a second
+// pass over channel blocks computes their gates (rows of the expand weight) and, when the map is
+// smaller than the output channels, scales their depthwise rows; otherwise each project block
+// folds the gate into its rows of the project weight (the smaller pass either way).
 void run_channels(const Geometry& g, const Call& c) {
   const SerialSgemmFn gemm = serial_sgemm();
   const int64_t Wp = padded_width(g), HW = int64_t{g.H} * g.W, P = g.P();
@@ -304,19 +419,29 @@ void run_channels(const Geometry& g, const Call& c) {
   std::vector<float>& dw = scratch().shared;  // the calling thread's: read by every part
   dw.resize(int64_t{g.E} * P);
   const int threads = cpu_pool_threads();
+  const int eparts = std::max(1, std::min(threads, g.E / 8)), oparts = std::max(1, std::min(threads, g.O / 8));
+  // Squeeze-excite: channel means, then the gate; each channel block's share of the reduce product.
+  std::vector<float> gate(g.S ? g.E : 0), shares(g.S ? int64_t{eparts} * g.S : 0), t(g.S);
+  const bool scale_dw = g.S && P < g.O;  // E x P multiplies instead of O x E
+  const float inv_p = 1.f / static_cast<float>(P);
+  auto range = [](int total, int parts, int part) {
+    return std::make_pair(static_cast<int>(int64_t{total} * part / parts),
+                          static_cast<int>(int64_t{total} * (part + 1) / parts));
+  };
   for (int n = 0; n < g.N; ++n) {
     const float* xn = c.x + int64_t{n} * g.C * HW;
     float* yn = c.y + int64_t{n} * g.O * P;
     const float* rn = c.res ? c.res + int64_t{n} * g.O * P : nullptr;
-    const int eparts = std::max(1, std::min(threads, g.E / 8));
     cpu_parallel_parts(eparts, [&](int part) {
-      const int e0 = static_cast<int>(int64_t{g.E} * part / eparts), e1 = static_cast<int>(int64_t{g.E} * (part + 1) / eparts);
+      const auto [e0, e1] = range(g.E, eparts, part);
       Scratch& s = scratch();
-      s.rows.assign(Hp * Wp, 0.f);  // borders stay zero; each channel overwrites the inside
+      s.rows.assign((Hp + int64_t{kDwBlockRows} * g.sh) * Wp, 0.f);  // borders and slack stay zero
+      bool done = false;  // the expand's activation applied in place
       if (g.expand) {
         s.gemm.resize(int64_t{e1 - e0} * HW);
         gemm(0, 0, e1 - e0, static_cast<int>(HW), g.C, 1.f, c.we + int64_t{e0} * g.C, g.C, xn, static_cast<int>(HW),
              0.f, s.gemm.data(), static_cast<int>(HW));
+        done = expand_in_place(g.ea, c.be ? c.be + e0 : nullptr, e1 - e0, s.gemm.data(), HW);
       }
       const int rows = static_cast<int>(std::min<int64_t>(g.H, Hp - g.ph));
       for (int e = e0; e < e1; ++e) {
@@ -325,7 +450,7 @@ void run_channels(const Geometry& g, const Call& c) {
         for (int ih = 0; ih < rows; ++ih) {
           float* row = s.rows.data() + int64_t{ih + g.ph} * Wp + g.pw;
           const float* in = src + int64_t{ih} * g.W;
-          if (g.expand) {
+          if (g.expand && !done) {
             act_row(in, b, g.ea, g.W, row);
           } else {
             std::memcpy(row, in, g.W * sizeof(float));
@@ -334,12 +459,50 @@ void run_channels(const Geometry& g, const Call& c) {
         dw_channel(g, s.rows.data(), Wp, c.wd + int64_t{e} * g.KH * g.KW, c.bd ? c.bd[e] : 0.f, g.OH,
                    dw.data() + e * P);
       }
+      act_map(g.da, dw.data() + e0 * P, (e1 - e0) * P);
+      if (g.S) {
+        for (int e = e0; e < e1; ++e) gate[e] = sum_of(dw.data() + e * P, P) * inv_p;
+        gemm(0, 0, g.S, 1, e1 - e0, 1.f, c.wr + e0, g.E, gate.data() + e0, 1, 0.f, shares.data() + int64_t{part} * g.S, 1);
+      }
     });
-    const int oparts = std::max(1, std::min(threads, g.O / 8));
+    if (g.S) {
+      for (int i = 0; i < g.S; ++i) {
+        float v = c.br ? c.br[i] : 0.f;
+        for (int p = 0; p < eparts; ++p) v += shares[int64_t{p} * g.S + i];
+        t[i] = activate(g.ra, v);
+      }
+      act_map(g.ra, t.data(), g.S);
+      // Small gates (E x S under 32 K weights: the 28x28 and 56x56 stages) on the calling thread: a
+      // hand-off to the pool would cost more than the product.
+      const int gparts = int64_t{g.E} * g.S >= (1 << 15) ? eparts : 1;
+      cpu_parallel_parts(gparts, [&](int part) {
+        const auto [e0, e1] = range(g.E, gparts, part);
+        gemm(0, 0, e1 - e0, 1, g.S, 1.f, c.wx + int64_t{e0} * g.S, g.S, t.data(), 1, 0.f, gate.data() + e0, 1);
+        for (int e = e0; e < e1; ++e) gate[e] = activate(g.xa, gate[e] + (c.bx ? c.bx[e] : 0.f));
+        act_map(g.xa, gate.data() + e0, e1 - e0);
+        if (scale_dw)
+          for (int e = e0; e < e1; ++e) {
+            float* row = dw.data() + e * P;
+            const float k = gate[e];
+            for (int64_t q = 0; q < P; ++q) row[q] *= k;
+          }
+      });
+    }
     cpu_parallel_parts(oparts, [&](int part) {
-      const int o0 = static_cast<int>(int64_t{g.O} * part / oparts), o1 = static_cast<int>(int64_t{g.O} * (part + 1) / oparts);
+      const auto [o0, o1] = range(g.O, oparts, part);
       const bool init = init_rows(g, c, rn, yn, o0, o1, 0, P);
-      gemm(0, 0, o1 - o0, static_cast<int>(P), g.E, 1.f, c.wp + int64_t{o0} * g.E, g.E, dw.data(), static_cast<int>(P),
+      const float* w = c.wp + int64_t{o0} * g.E;
+      if (g.S && !scale_dw) {  // the gate folded into this block's rows of the project weight
+        std::vector<float>& ws = scratch().weights;
+        ws.resize(int64_t{o1 - o0} * g.E);
+        for (int o = o0; o < o1; ++o) {
+          const float* src = c.wp + int64_t{o} * g.E;
+          float* dst = ws.data() + int64_t{o - o0} * g.E;
+          for (int e = 0; e < g.E; ++e) dst[e] = src[e] * gate[e];
+        }
+        w = ws.data();
+      }
+      gemm(0, 0, o1 - o0, static_cast<int>(P), g.E, 1.f, w, g.E, dw.data(), static_cast<int>(P),
            init ? 1.f : 0.f, yn + o0 * P, static_cast<int>(P));
     });
   }
@@ -359,8 +522,8 @@ void run_block(const Geometry& g, const std::vector<mx::array>& in, const std::v
     ys.resize(int64_t{g.N} * g.O * g.P());
     y = ys.data();
   }
-  const Call c{at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7), y};
-  if (int64_t{g.E} * g.H * g.W * 4 <= channel_split_limit()) {
+  const Call c{at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7), at(8), at(9), at(10), at(11), y};
+  if (g.S > 0 || int64_t{g.E} * g.H * g.W * 4 <= channel_split_limit()) {
     cpu_kernel_note_call("inverted_residual_channels");
     run_channels(g, c);
   } else {
@@ -381,7 +544,8 @@ void run_bands(const Geometry& g, const Call& c) {
 
 class BlockCpu : public mx::UnaryPrimitive {
  public:
-  // slot: the input index of x, expand w / b, dw w / b, project w / b, residual (-1: absent).
+  // slot: the input index of x, expand w / b, dw w / b, project w / b, residual, squeeze-excite
+  // reduce w / b and expand w / b (-1: absent).
   BlockCpu(mx::Stream s, Geometry g, std::vector<int> slot) : mx::UnaryPrimitive(s), g_(g), slot_(std::move(slot)) {}
 
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
@@ -401,10 +565,11 @@ class BlockCpu : public mx::UnaryPrimitive {
     const auto& o = static_cast<const BlockCpu&>(other);
     // The ints compared as one block (no padding among them), then the activations.
     auto same_act = [](const BlockActivation& a, const BlockActivation& b) {
-      return a.kind == b.kind && a.lo == b.lo && a.hi == b.hi;
+      return a.act == b.act && a.lo == b.lo && a.hi == b.hi;
     };
     return std::memcmp(&g_, &o.g_, offsetof(Geometry, expand)) == 0 && g_.expand == o.g_.expand &&
-           same_act(g_.ea, o.g_.ea) && same_act(g_.da, o.g_.da) && slot_ == o.slot_;
+           same_act(g_.ea, o.g_.ea) && same_act(g_.da, o.g_.da) && same_act(g_.ra, o.g_.ra) &&
+           same_act(g_.xa, o.g_.xa) && slot_ == o.slot_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     return {{in[0].shape(0), g_.O, g_.OH, g_.OW}};
@@ -437,10 +602,13 @@ std::pair<int64_t, int64_t> set_block_tiling(int64_t channels, int64_t tile) {
 bool block_cpu_applies(const BlockOperands& ops, const BlockParams& p) {
   if (!cpu_kernels_active() || serial_sgemm() == nullptr || !cpu_kernel_dtype_ok(ops.x)) return false;
   const auto t = ops.x.dtype();
-  for (const auto* a : {&ops.expand_w, &ops.expand_b, &ops.dw_b, &ops.project_b, &ops.residual})
+  for (const auto* a : {&ops.expand_w, &ops.expand_b, &ops.dw_b, &ops.project_b, &ops.residual, &ops.se_reduce_w,
+                        &ops.se_reduce_b, &ops.se_expand_w, &ops.se_expand_b})
     if (a->has_value() && (*a)->dtype() != t) return false;
   if (ops.dw_w.dtype() != t || ops.project_w.dtype() != t) return false;
-  if (p.expand_act.kind != 0 || p.dw_act.kind != 0) return false;
+  for (const auto* a : {&p.expand_act, &p.dw_act, &p.se_reduce_act, &p.se_expand_act})
+    if (a->act > static_cast<int>(UnaryKernel::hardsigmoid)) return false;  // not a UnaryKernel
+  if (ops.se_reduce_w && ops.se_reduce_w->size() == 0) return false;
   // Empty channel counts stay on the convolutions (an sgemm with K = 0 rejects its leading dimension).
   if (ops.dw_w.size() == 0 || ops.project_w.size() == 0 || (ops.expand_w && ops.expand_w->size() == 0)) return false;
   return ops.dw_w.ndim() == 4 && ops.dw_w.shape(2) * ops.dw_w.shape(3) <= kMaxTaps && ops.dw_w.shape(2) <= 7;
@@ -468,20 +636,35 @@ mx::array block_cpu(const BlockOperands& ops, const BlockParams& p) {
   need(ops.expand_w || !ops.expand_b, "an expand bias without an expand weight");
   vec_of(ops.dw_b, E, "depthwise");
   vec_of(ops.project_b, O, "project");
+  need(ops.se_reduce_w.has_value() == ops.se_expand_w.has_value(), "squeeze-excite needs both its weights");
+  int S = 0;
+  if (ops.se_reduce_w) {
+    const auto &wr = *ops.se_reduce_w, &wx = *ops.se_expand_w;
+    S = wr.ndim() == 4 ? wr.shape(0) : 0;
+    need(wr.ndim() == 4 && wr.shape(1) == E && wr.shape(2) == 1 && wr.shape(3) == 1,
+         "squeeze-excite reduce weight " + shape_str(wr) + " is not [S, " + std::to_string(E) + ", 1, 1]");
+    need(wx.ndim() == 4 && wx.shape(0) == E && wx.shape(1) == S && wx.shape(2) == 1 && wx.shape(3) == 1,
+         "squeeze-excite expand weight " + shape_str(wx) + " is not [" + std::to_string(E) + ", " +
+             std::to_string(S) + ", 1, 1]");
+    vec_of(ops.se_reduce_b, S, "squeeze-excite reduce");
+    vec_of(ops.se_expand_b, E, "squeeze-excite expand");
+  } else {
+    need(!ops.se_reduce_b && !ops.se_expand_b, "squeeze-excite biases without its weights");
+  }
   const int KH = ops.dw_w.shape(2), KW = ops.dw_w.shape(3);
   need(std::min(p.sh, p.sw) >= 1 && std::min({p.ph, p.pw, p.ph_hi, p.pw_hi}) >= 0,
        "stride must be positive, padding non-negative");
   need(x.shape(2) + p.ph + p.ph_hi >= KH && x.shape(3) + p.pw + p.pw_hi >= KW,
        "the depthwise window is larger than the padded input");
-  Geometry g{x.shape(0), C, x.shape(2), x.shape(3), E, O, KH, KW, 0, 0, p.sh, p.sw, p.ph, p.pw,
-             ops.expand_w.has_value(), p.expand_act, p.dw_act};
+  Geometry g{x.shape(0), C, x.shape(2), x.shape(3), E, O, KH, KW, 0, 0, p.sh, p.sw, p.ph, p.pw, S,
+             ops.expand_w.has_value(), p.expand_act, p.dw_act, p.se_reduce_act, p.se_expand_act};
   g.OH = (g.H + p.ph + p.ph_hi - KH) / p.sh + 1;
   g.OW = (g.W + p.pw + p.pw_hi - KW) / p.sw + 1;
   if (ops.residual)
     need(ops.residual->shape() == mx::Shape({g.N, O, g.OH, g.OW}),
          "residual " + shape_str(*ops.residual) + " does not have the output's shape");
   std::vector<mx::array> inputs{x};
-  std::vector<int> slot(8, -1);
+  std::vector<int> slot(12, -1);
   slot[0] = 0;
   auto add = [&](int i, const std::optional<mx::array>& a) {
     if (!a) return;
@@ -495,6 +678,10 @@ mx::array block_cpu(const BlockOperands& ops, const BlockParams& p) {
   add(5, ops.project_w);
   add(6, ops.project_b);
   add(7, ops.residual);
+  add(8, ops.se_reduce_w);
+  add(9, ops.se_reduce_b);
+  add(10, ops.se_expand_w);
+  add(11, ops.se_expand_b);
   auto prim = std::make_shared<BlockCpu>(mx::default_stream(mx::Device::cpu), g, slot);
   return mx::array({g.N, O, g.OH, g.OW}, x.dtype(), std::move(prim), std::move(inputs));
 }

@@ -8,10 +8,14 @@
 // tiles small enough to stay in its core's cache: the expand sgemm
 // fills the tile's input rows (rows shared with the previous tile are kept, not
 // recomputed), the depthwise loop reads them from a zero-bordered buffer, and
-// the project sgemm writes the tile's output rows in place.
+// the project sgemm writes the tile's output rows in place. A block with
+// squeeze-excite always runs whole (the gate needs every depthwise output
+// before the project): the channel means are summed as the depthwise writes
+// each channel, and the gate is folded into the project's weights.
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -20,12 +24,11 @@
 
 namespace mlxd::rt {
 
-// A stage's activation: kind 0 clamps to [lo, hi] (ReLU, ReLU6; -inf / inf:
-// none). Kinds follow the schema's BlockActivation; later ones (hard-swish,
-// SiLU) are added there and in block_cpu.cpp's `activate`.
+// A stage's activation: the clamp to [lo, hi] (ReLU, ReLU6; -inf / inf: none),
+// then `act` (a UnaryKernel: hard-swish, hard-sigmoid, SiLU, ...; -1: none).
 struct BlockActivation {
-  int kind = 0;
-  float lo = 0.f, hi = 0.f;
+  float lo = -std::numeric_limits<float>::infinity(), hi = std::numeric_limits<float>::infinity();
+  int act = -1;
 };
 
 struct BlockOperands {
@@ -36,16 +39,20 @@ struct BlockOperands {
   mlx::core::array project_w;                          // [O, E, 1, 1]
   std::optional<mlx::core::array> project_b;           // [O]
   std::optional<mlx::core::array> residual;            // [N, O, OH, OW]
+  // Squeeze-excite (both weights or neither): the depthwise output's channel means -> reduce [S, E, 1, 1]
+  // + bias + act -> expand [E, S, 1, 1] + bias + act: the gate multiplying the project's input.
+  std::optional<mlx::core::array> se_reduce_w = std::nullopt, se_reduce_b = std::nullopt;
+  std::optional<mlx::core::array> se_expand_w = std::nullopt, se_expand_b = std::nullopt;
 };
 
 struct BlockParams {
   int sh = 1, sw = 1, ph = 0, pw = 0, ph_hi = 0, pw_hi = 0;  // the depthwise's stride and padding
-  BlockActivation expand_act, dw_act;
+  BlockActivation expand_act, dw_act, se_reduce_act, se_expand_act;
 };
 
 // Whether block_cpu takes these: kernels on (cpu_kernels_active), the serial
-// sgemm found, every operand of x's dtype (float32 / bfloat16 / float16),
-// known activation kinds and a depthwise window of at most 7x7. Shapes are
+// sgemm found, every operand of x's dtype (float32 / bfloat16 / float16)
+// and a depthwise window of at most 7x7. Shapes are
 // the caller's to check (block_cpu throws std::invalid_argument on a mismatch).
 bool block_cpu_applies(const BlockOperands& ops, const BlockParams& p);
 

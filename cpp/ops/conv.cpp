@@ -350,12 +350,34 @@ mx::array conv_forward(const mx::array& x, const mx::array& w, const mx::array* 
   return conv_epilogue(y, x.dtype(), bias, residual, clamp, act);
 }
 
-// A block stage's activation as ConvNode's clamp (none when both bounds are infinite).
-std::optional<std::pair<float, float>> stage_clamp(mlxd::BlockActivation kind, float lo, float hi, const char* what) {
-  if (kind != mlxd::BlockActivation::Clamp) throw NodeError(std::string("unknown ") + what + " activation");
+// BlockActivation's function after the clamp, one row per kind in the schema's order (Clamp: none).
+constexpr std::array<std::optional<mlxd::UnaryOp>, 7> kBlockActs{
+    std::nullopt, mlxd::UnaryOp::Hardswish, mlxd::UnaryOp::Hardsigmoid, mlxd::UnaryOp::Sigmoid,
+    mlxd::UnaryOp::Silu, mlxd::UnaryOp::GeluErf, mlxd::UnaryOp::GeluTanh};
+
+// A block stage's activation: ConvNode's clamp (none when both bounds are infinite) and act, and the
+// CPU kernel's form of both.
+struct StageAct {
+  std::optional<std::pair<float, float>> clamp;
+  std::optional<mlxd::UnaryOp> act;
+  BlockActivation cpu;
+  bool cpu_ok = true;  // the function has a CPU map (every row of kBlockActs has)
+};
+
+StageAct stage_act(mlxd::BlockActivation kind, float lo, float hi, const char* what) {
+  const auto k = static_cast<size_t>(kind);
+  if (k >= kBlockActs.size()) throw NodeError(std::string("unknown ") + what + " activation");
   if (!(lo <= hi)) throw NodeError(std::string(what) + " activation bounds need lo <= hi");
-  if (std::isinf(lo) && lo < 0 && std::isinf(hi) && hi > 0) return std::nullopt;
-  return std::make_pair(lo, hi);
+  StageAct s;
+  if (!(std::isinf(lo) && lo < 0 && std::isinf(hi) && hi > 0)) s.clamp = std::make_pair(lo, hi);
+  s.act = kBlockActs[k];
+  s.cpu = {lo, hi, -1};
+  if (s.act) {
+    auto kernel = cpu_kernel_for(*s.act);
+    s.cpu_ok = kernel.has_value();
+    if (kernel) s.cpu.act = static_cast<int>(*kernel);
+  }
+  return s;
 }
 
 }  // namespace
@@ -392,7 +414,8 @@ void exec_ConvNode(const mlxd::ConvNode& n, ExecContext& ctx) {
 }
 
 // On the CPU, one kernel per block (kernels/block_cpu.h); elsewhere (GPUs,
-// kernels off) the three convolutions as ConvNodes run them.
+// kernels off) the convolutions as ConvNodes run them, the squeeze-excite gate
+// (mean, two 1x1 convolutions) as the project's in_scale.
 void exec_InvertedResidualNode(const mlxd::InvertedResidualNode& n, ExecContext& ctx) {
   const auto& x = ctx.in(n.x());
   const auto* we = ctx.maybe_in(n.expand_weight());
@@ -402,17 +425,30 @@ void exec_InvertedResidualNode(const mlxd::InvertedResidualNode& n, ExecContext&
   const auto& wp = ctx.in(n.project_weight());
   const auto* bp = ctx.maybe_in(n.project_bias());
   const auto* residual = ctx.maybe_in(n.residual());
+  const auto* wr = ctx.maybe_in(n.se_reduce_weight());
+  const auto* br = ctx.maybe_in(n.se_reduce_bias());
+  const auto* wx = ctx.maybe_in(n.se_expand_weight());
+  const auto* bx = ctx.maybe_in(n.se_expand_bias());
   if (x.ndim() != 4 || wd.ndim() != 4 || wp.ndim() != 4 || (we && we->ndim() != 4))
     throw NodeError("inverted_residual needs an (N, C, H, W) input and 4-D weights");
   if (be && !we) throw NodeError("inverted_residual has an expand bias without an expand weight");
+  if (!wr != !wx || (br && !wr) || (bx && !wx))
+    throw NodeError("inverted_residual's squeeze-excite needs both weights (and biases only with them)");
   auto stride = per_axis(n.stride(), 2, 1, "stride");
   auto padding = per_axis(n.padding(), 2, 0, "padding");
   auto padding_hi = n.padding_hi() ? per_axis(n.padding_hi(), 2, 0, "padding_hi") : padding;
-  auto expand_clamp = stage_clamp(n.expand_act(), n.expand_lo(), n.expand_hi(), "expand");
-  auto dw_clamp = stage_clamp(n.dw_act(), n.dw_lo(), n.dw_hi(), "depthwise");
+  const auto ea = stage_act(n.expand_act(), n.expand_lo(), n.expand_hi(), "expand");
+  const auto da = stage_act(n.dw_act(), n.dw_lo(), n.dw_hi(), "depthwise");
+  const StageAct none{};
+  const auto ra = wr ? stage_act(n.se_reduce_act(), n.se_reduce_lo(), n.se_reduce_hi(), "squeeze-excite reduce") : none;
+  const auto xa = wx ? stage_act(n.se_expand_act(), n.se_expand_lo(), n.se_expand_hi(), "squeeze-excite expand") : none;
   const int E = we ? we->shape(0) : x.shape(1);
   if (wd.shape(0) != E || wd.shape(1) != 1)
     throw NodeError("inverted_residual's depthwise weight is not [" + std::to_string(E) + ", 1, kh, kw]");
+  if (wr && (wr->ndim() != 4 || wx->ndim() != 4 || wr->shape(1) != E || wx->shape(0) != E ||
+             wx->shape(1) != wr->shape(0) || wr->shape(2) * wr->shape(3) != 1 || wx->shape(2) * wx->shape(3) != 1))
+    throw NodeError("inverted_residual's squeeze-excite weights are not [S, " + std::to_string(E) + ", 1, 1] and [" +
+                    std::to_string(E) + ", S, 1, 1]");
   BlockOperands ops{x, std::nullopt, std::nullopt, wd, std::nullopt, wp, std::nullopt, std::nullopt};
   auto opt = [](const mx::array* a) { return a ? std::optional<mx::array>(*a) : std::nullopt; };
   ops.expand_w = opt(we);
@@ -420,9 +456,13 @@ void exec_InvertedResidualNode(const mlxd::InvertedResidualNode& n, ExecContext&
   ops.dw_b = opt(bd);
   ops.project_b = opt(bp);
   ops.residual = opt(residual);
+  ops.se_reduce_w = opt(wr);
+  ops.se_reduce_b = opt(br);
+  ops.se_expand_w = opt(wx);
+  ops.se_expand_b = opt(bx);
   BlockParams p{stride[0], stride[1], padding[0], padding[1], padding_hi[0], padding_hi[1],
-                {0, n.expand_lo(), n.expand_hi()}, {0, n.dw_lo(), n.dw_hi()}};
-  if (block_cpu_applies(ops, p)) {
+                ea.cpu, da.cpu, ra.cpu, xa.cpu};
+  if (ea.cpu_ok && da.cpu_ok && ra.cpu_ok && xa.cpu_ok && block_cpu_applies(ops, p)) {
     try {
       ctx.set(n.out(), block_cpu(ops, p));
     } catch (const std::invalid_argument& e) {
@@ -431,9 +471,19 @@ void exec_InvertedResidualNode(const mlxd::InvertedResidualNode& n, ExecContext&
     return;
   }
   const std::vector<int> one{1, 1}, zero{0, 0};
-  mx::array h = we ? conv_forward(x, *we, be, one, zero, zero, one, 1, expand_clamp, nullptr) : x;
-  h = conv_forward(h, wd, bd, stride, padding, padding_hi, one, E, dw_clamp, nullptr);
-  ctx.set(n.out(), conv_forward(h, wp, bp, one, zero, zero, one, 1, std::nullopt, residual));
+  auto conv1x1 = [&](const mx::array& h, const mx::array& w, const mx::array* b, const StageAct& a,
+                     const mx::array* res = nullptr, const mx::array* scale = nullptr) {
+    return conv_forward(h, w, b, one, zero, zero, one, 1, a.clamp, res, scale, a.act);
+  };
+  mx::array h = we ? conv1x1(x, *we, be, ea) : x;
+  h = conv_forward(h, wd, bd, stride, padding, padding_hi, one, E, da.clamp, nullptr, nullptr, da.act);
+  std::optional<mx::array> gate;
+  if (wr) {
+    // The mean in float32 (eager's reduction accumulates in float32 for half types too).
+    auto m = mx::astype(mx::mean(mx::astype(h, mx::float32), std::vector<int>{2, 3}, true), h.dtype());
+    gate = conv1x1(conv1x1(m, *wr, br, ra), *wx, bx, xa);
+  }
+  ctx.set(n.out(), conv1x1(h, wp, bp, none, residual, gate ? &*gate : nullptr));
 }
 
 void exec_PoolNode(const mlxd::PoolNode& n, ExecContext& ctx) {

@@ -115,11 +115,30 @@ def _bound(b: ProgramBuilder, v: Any, name: str) -> float:
     return float(v)
 
 
+# conv_fused's activation names (custom_ops.CONV_ACTIVATIONS) as a block stage's BlockActivation.
+BLOCK_ACTS = {"none": N.BlockActivation.Clamp, "hardswish": N.BlockActivation.Hardswish,
+              "hardsigmoid": N.BlockActivation.Hardsigmoid, "sigmoid": N.BlockActivation.Sigmoid,
+              "silu": N.BlockActivation.Silu, "gelu": N.BlockActivation.GeluErf,
+              "gelu_tanh": N.BlockActivation.GeluTanh}
+
+
+def _stage_act(b: ProgramBuilder, args: dict[str, Any], stage: str) -> dict[str, Any]:
+    """A stage's clamp bounds and activation kind as the node's `<stage>_lo / _hi / _act` fields."""
+    lo, hi, act = _bound(b, args[f"{stage}_lo"], f"{stage}_lo"), _bound(b, args[f"{stage}_hi"], f"{stage}_hi"), \
+        args[f"{stage}_act"]
+    if not lo <= hi:
+        raise b.unsupported(f"inverted_residual {stage} bounds need lo <= hi, got {lo}, {hi}")
+    if act not in BLOCK_ACTS:
+        raise b.unsupported(f"inverted_residual {stage} activation {act!r}; known: {sorted(BLOCK_ACTS)}")
+    return {f"{stage}_lo": lo, f"{stage}_hi": hi, f"{stage}_act": BLOCK_ACTS[act]}
+
+
 @register(torch.ops.mlx_delegate.inverted_residual.default)
 def inverted_residual(b: ProgramBuilder, n: torch.fx.Node) -> None:
-    """A 1x1 expand, depthwise and 1x1 project convolution as one node (patterns/inverted_residual.py).
+    """A 1x1 expand, depthwise, squeeze-excite and 1x1 project convolution block as one node.
 
-    On the CPU one kernel runs the block per tile of output rows; elsewhere the three convolutions."""
+    From patterns/inverted_residual.py (the expand and squeeze-excite optional). On the CPU one kernel
+    runs the block; elsewhere the convolutions and the gate as MLX ops."""
     args = b.args(n)
     x = args["x"]
     dtype = float_dtype(b, n)
@@ -127,9 +146,14 @@ def inverted_residual(b: ProgramBuilder, n: torch.fx.Node) -> None:
     if len(shape(x)) != 4:
         raise b.unsupported(f"inverted_residual of a rank-{len(shape(x))} input (expected [N, C, H, W])")
     we, wd, wp = args["expand_weight"], args["dw_weight"], args["project_weight"]
+    wr, wx = args["se_reduce_weight"], args["se_expand_weight"]
+    if (wr is None) != (wx is None):
+        raise b.unsupported("inverted_residual squeeze-excite needs both its reduce and its expand weight")
     channels = b.shape_of(x)[1]
     hidden = b.shape_of(we)[0] if we is not None else channels
-    for w, want in ((we, [None, channels, 1, 1]), (wd, [hidden, 1, None, None]), (wp, [None, hidden, 1, 1])):
+    squeezed = b.shape_of(wr)[0] if wr is not None else None
+    for w, want in ((we, [None, channels, 1, 1]), (wd, [hidden, 1, None, None]), (wp, [None, hidden, 1, 1]),
+                    (wr, [None, hidden, 1, 1]), (wx, [hidden, squeezed, 1, 1])):
         if w is None:
             continue
         got = b.shape_of(w)
@@ -137,11 +161,11 @@ def inverted_residual(b: ProgramBuilder, n: torch.fx.Node) -> None:
             raise b.unsupported(f"inverted_residual weight {list(got)} does not fit the block")
         if b.dtype_of(w) != dtype:
             raise b.unsupported(f"inverted_residual weight of {b.dtype_of(w)} in a {dtype} block")
-    if we is None and args["expand_bias"] is not None:
-        raise b.unsupported("inverted_residual expand bias without an expand weight")
-    bounds = {k: _bound(b, args[k], k) for k in ("expand_lo", "expand_hi", "dw_lo", "dw_hi")}
-    if not (bounds["expand_lo"] <= bounds["expand_hi"] and bounds["dw_lo"] <= bounds["dw_hi"]):
-        raise b.unsupported(f"inverted_residual bounds need lo <= hi, got {bounds}")
+    for w, bias, what in ((we, "expand_bias", "expand"), (wr, "se_reduce_bias", "squeeze-excite reduce"),
+                          (wx, "se_expand_bias", "squeeze-excite expand")):
+        if w is None and args[bias] is not None:
+            raise b.unsupported(f"inverted_residual {what} bias without its weight")
+    stages = {k: v for stage in ("expand", "dw", "se_reduce", "se_expand") for k, v in _stage_act(b, args, stage).items()}
     lists = {k: int_list(b, args[k], 2, k) for k in ("stride", "padding", "padding_hi")}
     if min(lists["stride"]) < 1 or min(lists["padding"] + lists["padding_hi"]) < 0:
         raise b.unsupported(f"inverted_residual stride / padding out of range: {lists}")
@@ -154,7 +178,8 @@ def inverted_residual(b: ProgramBuilder, n: torch.fx.Node) -> None:
         x=b.operand(x, dtype), expand_weight=optional(we), expand_bias=optional(args["expand_bias"]),
         dw_weight=b.operand(wd, dtype), dw_bias=optional(args["dw_bias"]), project_weight=b.operand(wp, dtype),
         project_bias=optional(args["project_bias"]), residual=None if residual is None else b.tensor(residual),
-        **lists, expand_act=N.BlockActivation.Clamp, dw_act=N.BlockActivation.Clamp, **bounds, out=b.out(n)))
+        se_reduce_weight=optional(wr), se_reduce_bias=optional(args["se_reduce_bias"]), se_expand_weight=optional(wx),
+        se_expand_bias=optional(args["se_expand_bias"]), **lists, **stages, out=b.out(n)))
 
 
 # ----------------------------------------------------------------- resampling

@@ -4,7 +4,10 @@ kernel (kernels/block_cpu.cpp) and elsewhere as three convolutions; matched agai
 runtime path (node by node, compiled, CPU kernels off) in float32, bfloat16 and float16: stride 1 with
 the residual, stride 2 without, a block without the expand (MobileNetV2's first), a 5x5 ReLU block,
 odd H / W and channel counts that are not multiples of 8. A look-alike whose expanded activation is
-also read elsewhere keeps its expand convolution out of the block."""
+also read elsewhere keeps its expand convolution out of the block. MobileNetV3 / EfficientNet blocks
+(hard-swish and SiLU stages, squeeze-excite gates with hard-sigmoid or sigmoid, 3x3 and 5x5, strides 1
+and 2, with and without the residual and the expand) fuse whole, batch 2 (a gate per image); a gate
+that is also read elsewhere keeps the block as convolutions."""
 
 from __future__ import annotations
 
@@ -133,15 +136,98 @@ def test_inverted_residual_blocks(case, tiling: str) -> None:
         assert _runtime.cpu_kernel_call_counts().get(counter, 0) > before
 
 
-# MobileNetV3-style: hard-swish after the expand and the depthwise fuses into each convolution as its `act`,
-# which the block node does not carry, so those blocks stay convolutions (and still match eager).
-HARD_SWISH = cases("hardswish_blocks", lambda: nn.Sequential(Block(5, 5, 1, 3, act=nn.Hardswish),
-                                                             Block(5, 7, 2, 3, k=5, act=nn.Hardswish)).eval(),
-                   lambda: (torch.randn(1, 5, 9, 11),), (torch.float32,), is_module=True,
-                   tolerance={torch.float32: fp32_tolerance(64)})
+class SqueezeExcite(nn.Module):
+    def __init__(self, c: int, mid: int, act: type[nn.Module], gate: type[nn.Module]) -> None:
+        super().__init__()
+        self.gate = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(c, mid, 1), act(), nn.Conv2d(mid, c, 1), gate())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gate(x)
 
 
-@pytest.mark.parametrize("case", HARD_SWISH, ids=str)
-def test_blocks_with_other_activations_stay_convolutions(case) -> None:
+class SEBlock(Block):
+    """Block with squeeze-excite between the depthwise and the project (MobileNetV3, EfficientNet)."""
+
+    def __init__(self, cin: int, cout: int, stride: int, expand: int, k: int, act: type[nn.Module],
+                 se_act: type[nn.Module] = nn.ReLU, gate: type[nn.Module] = nn.Hardsigmoid) -> None:
+        super().__init__(cin, cout, stride, expand, k, act)
+        hidden = cin * expand
+        layers = list(self.body)
+        self.body = nn.Sequential(*layers[:-1], SqueezeExcite(hidden, max(2, hidden // 4), se_act, gate), layers[-1])
+
+
+def _v3_net() -> nn.Module:
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        Block(5, 5, 1, 3, act=nn.Hardswish),                 # hard-swish, residual, no squeeze-excite
+        SEBlock(5, 7, 2, 3, k=5, act=nn.Hardswish),          # 5x5 stride 2, hard-swish, squeeze-excite
+        SEBlock(7, 7, 1, 4, k=5, act=nn.ReLU),               # 5x5 stride 1, ReLU, squeeze-excite, residual
+        SEBlock(7, 6, 1, 1, k=3, act=nn.SiLU, se_act=nn.SiLU, gate=nn.Sigmoid),  # EfficientNet's: no expand
+    )
+    g = torch.Generator().manual_seed(1)
+    for bn in net.modules():
+        if isinstance(bn, nn.BatchNorm2d):
+            bn.running_mean.copy_(torch.randn(bn.num_features, generator=g) * 0.1)
+            bn.running_var.copy_(torch.rand(bn.num_features, generator=g) + 0.5)
+            bn.weight.data.copy_(torch.rand(bn.num_features, generator=g) + 0.5)
+            bn.bias.data.copy_(torch.randn(bn.num_features, generator=g) * 0.1)
+    return net.eval()
+
+
+# Batch 2: one gate per image. 27 columns, then 14 after the stride: the depthwise's sixteen-lane rows
+# (one and two vectors, 3x3 and 5x5) where the CPU has AVX-512, eight-lane ones elsewhere. bf16 / fp16 as
+# above (eager also rounds the gate's mean and products).
+V3_CASES = cases("mobilenet_v3_blocks", _v3_net, lambda: (torch.randn(2, 5, 13, 27),),
+                 (torch.float32, torch.bfloat16, torch.float16), is_module=True,
+                 tolerance={torch.float32: fp32_tolerance(64), torch.bfloat16: (8e-2, 1e-1),
+                            torch.float16: (2e-2, 2e-2)})
+V3_RUNS = [(case, "channels") for case in V3_CASES] + [(V3_CASES[0], "rows")]
+
+
+@pytest.mark.parametrize("case,tiling", V3_RUNS, ids=[f"{c}-{t}" for c, t in V3_RUNS])
+def test_hardswish_and_squeeze_excite_blocks(case, tiling: str) -> None:
+    """Hard-swish / SiLU stages and squeeze-excite gates fuse into the block (a squeeze-excite block runs
+    whole whatever the tiling; the hard-swish one in row bands under "rows")."""
+    before = _runtime.cpu_kernel_call_counts().get("inverted_residual", 0)
+    previous = _runtime.set_block_tiling(*TILINGS[tiling])
+    try:
+        lowered = lower_and_compare(case)
+    finally:
+        _runtime.set_block_tiling(*previous)
+    data, _ = delegate_payload(lowered.edge)
+    blocks = [i.node for i in N.deserialize(data).instructions if type(i.node).__name__ == "InvertedResidualNode"]
+    kinds = node_kinds(lowered)
+    assert len(blocks) == 4 and kinds["ConvNode"] == 0 and kinds["PoolNode"] == 0 and kinds["ReduceNode"] == 0
+    assert [b.se_reduce_weight is not None for b in blocks] == [False, True, True, True]
+    assert [b.expand_weight is not None for b in blocks] == [True, True, True, False]
+    acts = N.BlockActivation
+    assert [(b.expand_act, b.dw_act) for b in blocks] == [(acts.Hardswish,) * 2, (acts.Hardswish,) * 2,
+                                                         (acts.Clamp,) * 2, (acts.Clamp, acts.Silu)]
+    assert [(b.se_reduce_act, b.se_expand_act) for b in blocks[1:]] == [(acts.Clamp, acts.Hardsigmoid)] * 2 + [
+        (acts.Silu, acts.Sigmoid)]
+    if cpu_kernels_active():
+        assert _runtime.cpu_kernel_call_counts().get("inverted_residual", 0) > before
+
+
+class GateElsewhere(nn.Module):
+    """Squeeze-excite whose gate is also returned: the block keeps its gate and project outside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = SEBlock(5, 5, 1, 3, k=3, act=nn.Hardswish)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        body = self.block.body
+        h = body[1](body[0](x))
+        g = body[2].gate(h)
+        return [body[3](h * g), g]
+
+
+LOOKALIKE = cases("se_gate_read_elsewhere", lambda: GateElsewhere().eval(), lambda: (torch.randn(1, 5, 9, 11),),
+                  (torch.float32,), is_module=True, tolerance={torch.float32: fp32_tolerance(64)})
+
+
+@pytest.mark.parametrize("case", LOOKALIKE, ids=str)
+def test_gate_read_elsewhere_stays_outside(case) -> None:
     kinds = node_kinds(lower_and_compare(case))
-    assert kinds["InvertedResidualNode"] == 0 and kinds["ConvNode"] == 6
+    assert kinds["InvertedResidualNode"] == 0 and kinds["ConvNode"] == 5
