@@ -8,6 +8,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -263,14 +264,83 @@ struct Problem {
   mx::Dtype out_type;
 };
 
+// A row's key and value loops where k and v are float32 rows with a contiguous last axis and D, Dv
+// are multiples of 16 up to 128 (64 and 128 in Llama-like models): q and the output stay in AVX-512
+// registers across the keys, where the VecOps loops make a call per key and load and store the
+// output row for each. Null where they do not apply.
+struct RowLoops {
+  // scores[j] += q . k_j for the keys not hidden (-inf); returns their max.
+  float (*scores)(const float* q, const float* k, int64_t k_stride, float* scores, int64_t n);
+  // out = inv_sum * sum_j w[j] v_j over the keys with w[j] != 0.
+  void (*wsum)(const float* w, float inv_sum, const float* v, int64_t v_stride, int64_t n, float* out);
+};
+
+#ifdef MLXD_CPU_X86
+template <int ND>
+MLXD_AVX512 float scores_avx512(const float* q, const float* k, int64_t k_stride, float* scores, int64_t n) {
+  __m512 qv[ND];
+  for (int d = 0; d < ND; ++d) qv[d] = _mm512_loadu_ps(q + 16 * d);
+  float top = kNegInf;
+  for (int64_t j = 0; j < n; ++j) {
+    if (scores[j] == kNegInf) continue;  // hidden: its key is never read
+    const float* kj = k + j * k_stride;
+    __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kj));
+    for (int d = 1; d < ND; ++d) acc = _mm512_fmadd_ps(qv[d], _mm512_loadu_ps(kj + 16 * d), acc);
+    scores[j] += _mm512_reduce_add_ps(acc);
+    top = std::max(top, scores[j]);
+  }
+  return top;
+}
+
+// Two sets of accumulators (even and odd keys) so consecutive FMAs do not wait on each other.
+template <int ND>
+MLXD_AVX512 void wsum_avx512(const float* w, float inv_sum, const float* v, int64_t v_stride, int64_t n, float* out) {
+  __m512 a0[ND], a1[ND];
+  for (int d = 0; d < ND; ++d) a0[d] = a1[d] = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    if (w[j] != 0.f) {
+      const __m512 wj = _mm512_set1_ps(w[j]);
+      for (int d = 0; d < ND; ++d) a0[d] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(v + j * v_stride + 16 * d), a0[d]);
+    }
+    if (w[j + 1] != 0.f) {
+      const __m512 wj = _mm512_set1_ps(w[j + 1]);
+      for (int d = 0; d < ND; ++d)
+        a1[d] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(v + (j + 1) * v_stride + 16 * d), a1[d]);
+    }
+  }
+  if (j < n && w[j] != 0.f) {
+    const __m512 wj = _mm512_set1_ps(w[j]);
+    for (int d = 0; d < ND; ++d) a0[d] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(v + j * v_stride + 16 * d), a0[d]);
+  }
+  const __m512 inv = _mm512_set1_ps(inv_sum);
+  for (int d = 0; d < ND; ++d) _mm512_storeu_ps(out + 16 * d, _mm512_mul_ps(_mm512_add_ps(a0[d], a1[d]), inv));
+}
+
+template <int... NDs>
+constexpr std::array<RowLoops, sizeof...(NDs)> row_loops_table(std::integer_sequence<int, NDs...>) {
+  return {RowLoops{scores_avx512<NDs + 1>, wsum_avx512<NDs + 1>}...};
+}
+#endif
+
+const RowLoops* pick_row_loops(const View4& k, const View4& v, int64_t D, int64_t Dv) {
+#ifdef MLXD_CPU_X86
+  static constexpr auto table = row_loops_table(std::make_integer_sequence<int, 8>{});
+  const bool rows_ok = k.dtype == mx::float32 && v.dtype == mx::float32 && k.stride[3] == 1 && v.stride[3] == 1;
+  if (cpu_use_avx512() && rows_ok && D == Dv && D % 16 == 0 && D >= 16 && D <= 128) return &table[D / 16 - 1];
+#endif
+  return nullptr;
+}
+
 // Per-thread float32 rows: the scaled query, a widened key / value row, the scores, the output.
 struct Scratch {
-  explicit Scratch(const Problem& p) : buf(2 * p.D + 2 * p.Dv + p.S) {}
+  explicit Scratch(const Problem& p) : buf(2 * p.D + 2 * p.Dv + p.S), rows(pick_row_loops(p.k, p.v, p.D, p.Dv)) {}
   float* q() { return buf.data(); }
   float* kv(const Problem& p) { return buf.data() + p.D; }  // max(D, Dv) floats
   float* scores(const Problem& p) { return buf.data() + 2 * p.D + p.Dv; }
   float* acc(const Problem& p) { return buf.data() + 2 * p.D + p.Dv + p.S; }
   std::vector<float> buf;
+  const RowLoops* rows;
 };
 
 // scores[j] = q . k_j * scale + bias_j for the keys query row (b, h, l) may
@@ -282,12 +352,16 @@ std::pair<int64_t, float> score_row(const Problem& p, const VecOps& ops, int64_t
   for (int64_t i = 0; i < p.D; ++i) q[i] *= p.scale;
   const int64_t keys = p.causal ? std::min(p.S, l + 1) : p.S;
   float* scores = s.scores(p);
-  if (p.has_mask) {
+  if (p.has_mask && p.mask.dtype == mx::bool_ && p.mask.stride[3] == 1) {  // a decode step's position mask
+    std::fill(scores, scores + keys, 0.f);
+    ops.keep(scores, static_cast<const bool*>(p.mask.data) + p.mask.at(b, h, l), keys);
+  } else if (p.has_mask) {
     load_bias(p.mask, p.mask.at(b, h, l), keys, scores);
   } else {
     std::fill(scores, scores + keys, 0.f);
   }
   const int64_t k0 = p.k.at(b, h / p.group, 0);
+  if (s.rows) return {keys, s.rows->scores(q, static_cast<const float*>(p.k.data) + k0, p.k.stride[2], scores, keys)};
   float top = kNegInf;
   for (int64_t j = 0; j < keys; ++j) {
     if (scores[j] == kNegInf) continue;  // hidden: its key is never read
@@ -306,8 +380,11 @@ void attend_row(const Problem& p, const VecOps& ops, int64_t row, Scratch& s) {
     float* w = s.scores(p);
     const float inv_sum = 1.f / ops.exp_sum(w, keys, top);
     const int64_t v0 = p.v.at(b, h / p.group, 0);
-    for (int64_t j = 0; j < keys; ++j)
-      if (w[j] != 0.f) ops.axpy(acc, w[j] * inv_sum, row_f32(p.v, v0 + j * p.v.stride[2], p.Dv, s.kv(p)), p.Dv);
+    if (s.rows)
+      s.rows->wsum(w, inv_sum, static_cast<const float*>(p.v.data) + v0, p.v.stride[2], keys, acc);
+    else
+      for (int64_t j = 0; j < keys; ++j)
+        if (w[j] != 0.f) ops.axpy(acc, w[j] * inv_sum, row_f32(p.v, v0 + j * p.v.stride[2], p.Dv, s.kv(p)), p.Dv);
   }
   cpu_store_f32(acc, p.out_type, row * p.Dv, p.Dv, p.out);
 }

@@ -166,6 +166,10 @@ FUSED = [
     *cases("fused_heads_last", heads_last,
            lambda: (torch.randn(1, 3, 6, 64), torch.randn(1, 9, 2, 64), torch.randn(1, 9, 2, 64),
                     position_mask(3, 9, 4)()), (torch.float32,)),
+    # D 128 and 16: the AVX-512 row loops' largest and smallest register tiles (fp32 k / v only).
+    *cases("fused_l1_s33_gqa_d128", sdpa(enable_gqa=True),
+           with_mask(qkv(hq=4, hk=2, lq=1, lk=33, e=128), position_mask(1, 33, 20)), (torch.float32,)),
+    *cases("fused_l2_s9_d16", sdpa(), qkv(hq=2, hk=2, lq=2, lk=9, e=16), (torch.float32,)),
     *cases("fused_l16", sdpa(enable_gqa=True),
            with_mask(qkv(hq=9, hk=3, lq=16, lk=64, e=64), position_mask(16, 64, 20)), (torch.float32,)),
 ]
