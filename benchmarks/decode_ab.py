@@ -9,10 +9,11 @@ A step is the compiled decode graph (warmed up: prefill of 8 tokens, then steps 
 position rewound before the cache fills). `cpu ms/token` is the process's CPU time per step (all threads),
 less sensitive to the machine's load than the wall time. Medians over rounds; `best` is the fastest block.
 
-    python benchmarks/decode_ab.py A.pte B.pte ... [--rounds 12] [--block 16] [--switch group32|avx512|spin_yield]
+    python benchmarks/decode_ab.py A.pte B.pte ... [--rounds 12] [--block 16] [--switch group32|avx512|spin_yield|sdpa_rows]
 
 `--switch avx512` toggles the quantized GEMV's AVX-512 kernels; `--switch spin_yield` how the kernel
-pool's helpers wait between jobs (`_runtime.set_pool_spin_yield`: yield the core, or pause on it).
+pool's helpers wait between jobs (`_runtime.set_pool_spin_yield`: yield the core, or pause on it);
+`--switch sdpa_rows` the decode attention's AVX-512 row loops (`_runtime.set_sdpa_row_loops`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from mlx_delegate.pipelines.llm.generate import Generator
 # name: (the table's column, the runtime switch; each on by default)
 SWITCHES = {"group32": ("group-32 path", _runtime.set_qgemv_group32_path),
             "avx512": ("AVX-512 kernels", _runtime.set_qgemv_avx512_path),
-            "spin_yield": ("helper yields", _runtime.set_pool_spin_yield)}
+            "spin_yield": ("helper yields", _runtime.set_pool_spin_yield),
+            "sdpa_rows": ("attention row loops", _runtime.set_sdpa_row_loops)}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,6 +19,7 @@
 
 #include "backend.h"
 #include "interpreter.h"
+#include "kernels/attention_cpu.h"
 #include "kernels/block_cpu.h"
 #include "kernels/conv_cpu.h"
 #include "kernels/cpu_parallel.h"
@@ -267,6 +268,9 @@ NB_MODULE(_runtime, m) {
         "the product ends (on; opt-in: MLX_DELEGATE_QGEMV_GUIDED=1 at start-up) or four equal parts per thread "
         "(off, the default).");
   m.def("qgemv_guided_split", &mlxd::rt::qgemv_cpu_guided_split);
+  m.def("set_sdpa_row_loops", &mlxd::rt::fused_sdpa_cpu_set_row_loops, nb::arg("on"),
+        "Turn the decode attention's AVX-512 row loops (fp32 k / v, D a multiple of 16 up to 128) on (default) "
+        "or off (the per-key loops run), from the next call on (parity tests, A/B timings).");
   m.def("set_qgemv_avx512_path", &mlxd::rt::qgemv_cpu_set_avx512_path, nb::arg("on"),
         "Turn the quantized GEMV's AVX-512 VNNI kernels on (default, where the CPU has them) or off (the AVX2 "
         "kernels run), from the next call on (parity tests, A/B timings).");

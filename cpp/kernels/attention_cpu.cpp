@@ -8,6 +8,8 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -263,14 +265,125 @@ struct Problem {
   mx::Dtype out_type;
 };
 
+// A row's key and value loops where k and v are float32 rows with a contiguous last axis and D, Dv
+// are multiples of 16 up to 128 (64 and 128 in Llama-like models): q and the output stay in AVX-512
+// registers across the keys, where the VecOps loops make a call per key and load and store the
+// output row for each. Null where they do not apply.
+struct RowLoops {
+  // scores[j] += q . k_j for the keys not hidden (-inf); returns their max.
+  float (*scores)(const float* q, const float* k, int64_t k_stride, float* scores, int64_t n);
+  // out = inv_sum * sum_j w[j] v_j over the keys with w[j] != 0.
+  void (*wsum)(const float* w, float inv_sum, const float* v, int64_t v_stride, int64_t n, float* out);
+};
+
+#ifdef MLXD_CPU_X86
+// Lane i of the result: the sum of v[i]'s sixteen lanes (a transpose-and-add tree: 45 vector ops for
+// sixteen sums, where a horizontal sum each takes about 8).
+MLXD_AVX512 inline __m512 sums_of_16(const __m512 v[16]) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit block: [v2i, v2i+1, v2i, v2i+1] partials
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per block: [v4i, v4i+1, v4i+2, v4i+3]
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
+}
+
+// q . k as sixteen partial sums.
+template <int ND>
+MLXD_AVX512 inline __m512 dot_lanes(const __m512 qv[ND], const float* k) {
+  __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+  for (int d = 1; d < ND; ++d) acc = _mm512_fmadd_ps(qv[d], _mm512_loadu_ps(k + 16 * d), acc);
+  return acc;
+}
+
+// Sixteen keys at a time where none is hidden (a decode step's visible keys are a prefix), one at a
+// time elsewhere.
+template <int ND>
+MLXD_AVX512 float scores_avx512(const float* q, const float* k, int64_t k_stride, float* scores, int64_t n) {
+  __m512 qv[ND];
+  for (int d = 0; d < ND; ++d) qv[d] = _mm512_loadu_ps(q + 16 * d);
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  __m512 top16 = neg_inf;
+  float top = kNegInf;
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 sv = _mm512_loadu_ps(scores + j);
+    if (_mm512_cmpeq_ps_mask(sv, neg_inf) == 0) {
+      __m512 parts[16];
+      for (int t = 0; t < 16; ++t) parts[t] = dot_lanes<ND>(qv, k + (j + t) * k_stride);
+      const __m512 out = _mm512_add_ps(sv, sums_of_16(parts));
+      _mm512_storeu_ps(scores + j, out);
+      top16 = _mm512_max_ps(top16, out);
+      continue;
+    }
+    for (int64_t t = j; t < j + 16; ++t) {
+      if (scores[t] == kNegInf) continue;  // hidden: its key is never read
+      scores[t] += _mm512_reduce_add_ps(dot_lanes<ND>(qv, k + t * k_stride));
+      top = std::max(top, scores[t]);
+    }
+  }
+  for (; j < n; ++j) {
+    if (scores[j] == kNegInf) continue;
+    scores[j] += _mm512_reduce_add_ps(dot_lanes<ND>(qv, k + j * k_stride));
+    top = std::max(top, scores[j]);
+  }
+  return std::max(top, _mm512_reduce_max_ps(top16));
+}
+
+// Two sets of accumulators (even and odd keys) so consecutive FMAs do not wait on each other.
+template <int ND>
+MLXD_AVX512 void wsum_avx512(const float* w, float inv_sum, const float* v, int64_t v_stride, int64_t n, float* out) {
+  __m512 a0[ND], a1[ND];
+  for (int d = 0; d < ND; ++d) a0[d] = a1[d] = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    if (w[j] != 0.f) {
+      const __m512 wj = _mm512_set1_ps(w[j]);
+      for (int d = 0; d < ND; ++d) a0[d] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(v + j * v_stride + 16 * d), a0[d]);
+    }
+    if (w[j + 1] != 0.f) {
+      const __m512 wj = _mm512_set1_ps(w[j + 1]);
+      for (int d = 0; d < ND; ++d)
+        a1[d] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(v + (j + 1) * v_stride + 16 * d), a1[d]);
+    }
+  }
+  if (j < n && w[j] != 0.f) {
+    const __m512 wj = _mm512_set1_ps(w[j]);
+    for (int d = 0; d < ND; ++d) a0[d] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(v + j * v_stride + 16 * d), a0[d]);
+  }
+  const __m512 inv = _mm512_set1_ps(inv_sum);
+  for (int d = 0; d < ND; ++d) _mm512_storeu_ps(out + 16 * d, _mm512_mul_ps(_mm512_add_ps(a0[d], a1[d]), inv));
+}
+
+template <int... NDs>
+constexpr std::array<RowLoops, sizeof...(NDs)> row_loops_table(std::integer_sequence<int, NDs...>) {
+  return {RowLoops{scores_avx512<NDs + 1>, wsum_avx512<NDs + 1>}...};
+}
+#endif
+
+std::atomic<bool> g_row_loops{true};
+
+const RowLoops* pick_row_loops(const View4& k, const View4& v, int64_t D, int64_t Dv) {
+  if (!g_row_loops.load(std::memory_order_relaxed)) return nullptr;
+#ifdef MLXD_CPU_X86
+  static constexpr auto table = row_loops_table(std::make_integer_sequence<int, 8>{});
+  const bool rows_ok = k.dtype == mx::float32 && v.dtype == mx::float32 && k.stride[3] == 1 && v.stride[3] == 1;
+  if (cpu_use_avx512() && rows_ok && D == Dv && D % 16 == 0 && D >= 16 && D <= 128) return &table[D / 16 - 1];
+#endif
+  return nullptr;
+}
+
 // Per-thread float32 rows: the scaled query, a widened key / value row, the scores, the output.
 struct Scratch {
-  explicit Scratch(const Problem& p) : buf(2 * p.D + 2 * p.Dv + p.S) {}
+  explicit Scratch(const Problem& p) : buf(2 * p.D + 2 * p.Dv + p.S), rows(pick_row_loops(p.k, p.v, p.D, p.Dv)) {}
   float* q() { return buf.data(); }
   float* kv(const Problem& p) { return buf.data() + p.D; }  // max(D, Dv) floats
   float* scores(const Problem& p) { return buf.data() + 2 * p.D + p.Dv; }
   float* acc(const Problem& p) { return buf.data() + 2 * p.D + p.Dv + p.S; }
   std::vector<float> buf;
+  const RowLoops* rows;
 };
 
 // scores[j] = q . k_j * scale + bias_j for the keys query row (b, h, l) may
@@ -282,12 +395,16 @@ std::pair<int64_t, float> score_row(const Problem& p, const VecOps& ops, int64_t
   for (int64_t i = 0; i < p.D; ++i) q[i] *= p.scale;
   const int64_t keys = p.causal ? std::min(p.S, l + 1) : p.S;
   float* scores = s.scores(p);
-  if (p.has_mask) {
+  if (p.has_mask && p.mask.dtype == mx::bool_ && p.mask.stride[3] == 1) {  // a decode step's position mask
+    std::fill(scores, scores + keys, 0.f);
+    ops.keep(scores, static_cast<const bool*>(p.mask.data) + p.mask.at(b, h, l), keys);
+  } else if (p.has_mask) {
     load_bias(p.mask, p.mask.at(b, h, l), keys, scores);
   } else {
     std::fill(scores, scores + keys, 0.f);
   }
   const int64_t k0 = p.k.at(b, h / p.group, 0);
+  if (s.rows) return {keys, s.rows->scores(q, static_cast<const float*>(p.k.data) + k0, p.k.stride[2], scores, keys)};
   float top = kNegInf;
   for (int64_t j = 0; j < keys; ++j) {
     if (scores[j] == kNegInf) continue;  // hidden: its key is never read
@@ -306,8 +423,11 @@ void attend_row(const Problem& p, const VecOps& ops, int64_t row, Scratch& s) {
     float* w = s.scores(p);
     const float inv_sum = 1.f / ops.exp_sum(w, keys, top);
     const int64_t v0 = p.v.at(b, h / p.group, 0);
-    for (int64_t j = 0; j < keys; ++j)
-      if (w[j] != 0.f) ops.axpy(acc, w[j] * inv_sum, row_f32(p.v, v0 + j * p.v.stride[2], p.Dv, s.kv(p)), p.Dv);
+    if (s.rows)
+      s.rows->wsum(w, inv_sum, static_cast<const float*>(p.v.data) + v0, p.v.stride[2], keys, acc);
+    else
+      for (int64_t j = 0; j < keys; ++j)
+        if (w[j] != 0.f) ops.axpy(acc, w[j] * inv_sum, row_f32(p.v, v0 + j * p.v.stride[2], p.Dv, s.kv(p)), p.Dv);
   }
   cpu_store_f32(acc, p.out_type, row * p.Dv, p.Dv, p.out);
 }
@@ -322,6 +442,7 @@ constexpr int64_t kMacsPerCostUnit = 128;
 
 void run_attention(const Problem& p, int64_t rows) {
   const VecOps& ops = pick_ops();
+  if (pick_row_loops(p.k, p.v, p.D, p.Dv)) cpu_kernel_note_call("sdpa_row_loops");  // tests prove they ran
   const int64_t row_cost = std::max<int64_t>(1, p.S * (p.D + p.Dv) / kMacsPerCostUnit);
   cpu_parallel_for(rows, row_cost, 1, [&](int64_t begin, int64_t end) {
     Scratch s(p);
@@ -766,5 +887,7 @@ mx::array blocked_sdpa_cpu(const mx::array& q, const mx::array& k, const mx::arr
                            const std::optional<mx::array>& mask, bool causal) {
   return sdpa_primitive(q, k, v, scale, mask, causal, true);
 }
+
+void fused_sdpa_cpu_set_row_loops(bool on) { g_row_loops.store(on, std::memory_order_relaxed); }
 
 }  // namespace mlxd::rt

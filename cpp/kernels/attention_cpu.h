@@ -39,6 +39,10 @@ bool fused_sdpa_cpu_applies(const mlx::core::array& q, const mlx::core::array& k
 mlx::core::array fused_sdpa_cpu(const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v,
                           float scale, const std::optional<mlx::core::array>& mask, bool causal);
 
+// The decode rows' AVX-512 key and value loops (fp32 k / v, D = Dv a multiple of 16 up to 128):
+// on by default; off runs the per-key vector loops (parity tests, A/B timings), from the next call on.
+void fused_sdpa_cpu_set_row_loops(bool on);
+
 // Long queries: blocks of 128 query rows of one head per task (64 past 2048
 // keys), scores and P V each one single-threaded sgemm of torch's BLAS
 // (mlxd_sgemm_serial in libmlxd_blas.so), mask and softmax on the block while

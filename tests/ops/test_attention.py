@@ -166,6 +166,16 @@ FUSED = [
     *cases("fused_heads_last", heads_last,
            lambda: (torch.randn(1, 3, 6, 64), torch.randn(1, 9, 2, 64), torch.randn(1, 9, 2, 64),
                     position_mask(3, 9, 4)()), (torch.float32,)),
+    # D 128 and 16: the AVX-512 row loops' largest and smallest register tiles (fp32 k / v only).
+    *cases("fused_l1_s33_gqa_d128", sdpa(enable_gqa=True),
+           with_mask(qkv(hq=4, hk=2, lq=1, lk=33, e=128), position_mask(1, 33, 20)), (torch.float32,)),
+    *cases("fused_l2_s9_d16", sdpa(), qkv(hq=2, hk=2, lq=2, lk=9, e=16), (torch.float32,)),
+    # Keys 5 and 37 of 50 hidden: sixteen-key steps beside one-key ones; a float mask per head.
+    *cases("fused_l1_s50_d32_holes", sdpa(enable_gqa=True),
+           with_mask(qkv(hq=4, hk=2, lq=1, lk=50, e=32),
+                     lambda: ((torch.arange(50) != 5) & (torch.arange(50) != 37))[None, :]), (torch.float32,)),
+    *cases("fused_l2_s40_d32_float_mask_per_head", sdpa(enable_gqa=True),
+           with_mask(qkv(hq=4, hk=2, lq=2, lk=40, e=32), float_mask((1, 4, 2, 40))), (torch.float32,)),
     *cases("fused_l16", sdpa(enable_gqa=True),
            with_mask(qkv(hq=9, hk=3, lq=16, lk=64, e=64), position_mask(16, 64, 20)), (torch.float32,)),
 ]
@@ -220,6 +230,36 @@ def test_sdpa_fused_cpu_compiled(case, compile_on, monkeypatch):
     assert fused_calls() - before == (4 if cpu_kernels_active() else 0)
     assert mlx_delegate._runtime.compile_stats()["compiled_calls"] - compiled_before == 3
     assert_close(actual, expected, *TOLERANCE[case.dtype])
+
+
+@pytest.mark.parametrize("case", [c for c in FUSED if c.name in (
+    "fused_l1_s256_smollm2-float32", "fused_l1_s33_gqa_d128-float32", "fused_l2_s9_d16-float32",
+    "fused_cache_slices-float32", "fused_l1_s50_d32_holes-float32", "fused_l2_s40_d32_float_mask_per_head-float32")],
+    ids=str)
+def test_sdpa_fused_row_loops_match_per_key_loops(case, monkeypatch):
+    """The AVX-512 row loops (fp32 k / v, D a multiple of 16: sixteen keys per step where none is
+    hidden, a bool mask row widened in vectors) against the per-key loops they replace
+    (`set_sdpa_row_loops(False)`) and eager torch; hidden keys inside a step of sixteen take the
+    one-key step there."""
+    monkeypatch.setenv("MLX_DELEGATE_SDPA_FUSED_MAX_L", "16")
+    inputs = case.inputs()
+    with torch.no_grad():
+        expected = case.module().eval()(*inputs)
+    lowered = lower_and_compare(case)
+    runtime = mlx_delegate._runtime
+    try:
+        runtime.set_sdpa_row_loops(False)
+        per_key = run_fresh(lowered.buffer, inputs, kernels=True)
+    finally:
+        runtime.set_sdpa_row_loops(True)
+    before = runtime.cpu_kernel_call_counts().get("sdpa_row_loops", 0)
+    rows = run_fresh(lowered.buffer, inputs, kernels=True)
+    ran = runtime.cpu_kernel_call_counts().get("sdpa_row_loops", 0) - before
+    avx512 = (runtime.cpu_vector_kernels() and os.environ.get("MLX_DELEGATE_CPU_KERNELS") != "avx2"
+              and "avx512f" in open("/proc/cpuinfo").read())
+    assert (ran > 0) == (avx512 and cpu_kernels_active())
+    assert_close(rows, per_key, 1e-5, 1e-6)  # only the order of the float sums differs
+    assert_close(rows, expected, *TOLERANCE[case.dtype])
 
 
 @pytest.mark.parametrize("max_l", ["0", "4", None])
