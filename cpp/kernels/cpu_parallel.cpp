@@ -77,10 +77,21 @@ class Pool {
       for (int i = 0; i < parts; ++i) fn(i);
       return;
     }
-    fn_.store(&fn, std::memory_order_relaxed);
-    parts_.store(parts, std::memory_order_relaxed);
-    completed_.store(0, std::memory_order_relaxed);
     const uint64_t tag = ((state_.load(std::memory_order_relaxed) >> kTagShift) + 1) & kTagMask;
+    // Close the last job's word before this job's parts_ / fn_ / completed_
+    // are written: a helper still claiming from the last job (it just finished
+    // a part there) read the new parts_ against the old word's counts, took a
+    // part that did not exist in the old job, ran this job's fn on it and
+    // counted it in this job's completed_, so completed_ overshot `parts` and
+    // the caller waited forever (a demo-block loop hung after ~4000 jobs, a
+    // 2-part product followed by an 8-part row kernel), or reached it early
+    // and the caller returned while a part still ran. The closed word carries
+    // the new tag with every part taken: old-tag claims fail on the tag,
+    // new-tag ones on the count, until the job is published below.
+    state_.store(tag << kTagShift | kCountMask << kCountBits, std::memory_order_seq_cst);
+    fn_.store(&fn, std::memory_order_relaxed);
+    completed_.store(0, std::memory_order_relaxed);
+    parts_.store(parts, std::memory_order_release);  // after the close: see claim()
     caller_cpu_.store(sched_getcpu(), std::memory_order_relaxed);
     {
       std::lock_guard<std::mutex> lock(m_);
@@ -131,8 +142,10 @@ class Pool {
     for (;;) {
       if ((s >> kTagShift) != tag) return -1;
       // parts_ is this job's: it is written before the tag is published, and
-      // a later job would have changed the word (the swap below then fails).
-      const uint64_t parts = static_cast<uint64_t>(parts_.load(std::memory_order_relaxed));
+      // a later job closes the word before it writes parts_ (run()): a
+      // parts_ of the later job read here (acquire) makes the swap below see
+      // the closed word and fail.
+      const uint64_t parts = static_cast<uint64_t>(parts_.load(std::memory_order_acquire));
       const uint64_t front = (s >> kCountBits) & kCountMask, back = s & kCountMask;
       if (front + back >= parts) return -1;
       const uint64_t next = s + (caller ? uint64_t{1} << kCountBits : uint64_t{1});
