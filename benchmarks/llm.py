@@ -437,7 +437,7 @@ def gguf_jobs(path: Path, fp32: Model, engines: Sequence[str],
 
 
 def jobs_for(model: Model, dtypes: Sequence[str], quantized: Sequence[str], engines: Sequence[str]) -> Iterator[tuple[str, Callable[[], Model], list[Job]]]:
-    """(dtype label, model in that dtype, engine jobs) per dtype; quantized rows after fp32 (pass no
+    """(dtype label, model in that dtype, engine jobs) per dtype, then the quantized rows (pass no
     `quantized` when they run in the `gguf` group instead)."""
     for label in dtypes:
         def typed(label: str = label) -> Model:
@@ -456,13 +456,13 @@ def jobs_for(model: Model, dtypes: Sequence[str], quantized: Sequence[str], engi
             return [j for j in out if ENGINE_KEYS[j.engine] in engines]
 
         yield label, typed, jobs
-        if label == "fp32":
-            for q in (q for q in quantized if q != GGUF):
-                def quantized_jobs(m: Model, q: str = q) -> list[Job]:
-                    return [Job("mlx_delegate", q, lambda: MethodRunner(SharedPte(m, q).take()), "compiled graphs",
-                                warm_rounds=1)]
+    # Quantized from the fp32 weights, also when no fp32 rows were asked for (`--dtypes ""`).
+    for q in (q for q in quantized if q != GGUF):
+        def quantized_jobs(m: Model, q: str = q) -> list[Job]:
+            return [Job("mlx_delegate", q, lambda: MethodRunner(SharedPte(m, q).take()), "compiled graphs",
+                        warm_rounds=1)]
 
-                yield q, typed, quantized_jobs
+        yield q, lambda: model, quantized_jobs
 
 
 def workload(m: Model, args: argparse.Namespace) -> tuple[list[int], list[int]]:
