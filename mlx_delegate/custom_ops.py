@@ -224,6 +224,12 @@ def _inverted_residual(x: Tensor, expand_weight: Tensor | None, expand_bias: Ten
                        se_reduce_lo: float, se_reduce_hi: float, se_reduce_act: str,
                        se_expand_weight: Tensor | None, se_expand_bias: Tensor | None, se_expand_lo: float,
                        se_expand_hi: float, se_expand_act: str) -> Tensor:
+    """A MobileNet-style inverted-residual block (patterns/inverted_residual.py): an optional 1x1
+    expand convolution, a depthwise convolution (`stride`, `padding` low / `padding_hi` high side per
+    spatial axis), optionally a squeeze-excite gate on its output (the per-channel mean, 1x1 reduce and
+    1x1 expand convolutions; absent weights: none), a 1x1 project convolution, then `residual` added.
+    Each stage's activation clamps to [lo, hi] (ReLU6: [0, 6]; -inf / inf: none), then applies `act`
+    (one of CONV_ACTIVATIONS). Weights as torch's Conv2d holds them."""
     ones, zeros = [1, 1], [0, 0]
     conv1x1 = lambda h, w, b: _conv_fused(h, w, b, ones, zeros, zeros, ones, 1)
     h = x
@@ -241,41 +247,9 @@ def _inverted_residual(x: Tensor, expand_weight: Tensor | None, expand_bias: Ten
     return y if residual is None else y + residual
 
 
-@torch.library.custom_op("mlx_delegate::inverted_residual", mutates_args=())
-def inverted_residual(x: Tensor, expand_weight: Tensor | None, expand_bias: Tensor | None, dw_weight: Tensor,
-                      dw_bias: Tensor | None, project_weight: Tensor, project_bias: Tensor | None,
-                      residual: Tensor | None, stride: list[int], padding: list[int], padding_hi: list[int],
-                      expand_lo: float, expand_hi: float, dw_lo: float, dw_hi: float, expand_act: str,
-                      dw_act: str, se_reduce_weight: Tensor | None, se_reduce_bias: Tensor | None,
-                      se_reduce_lo: float, se_reduce_hi: float, se_reduce_act: str,
-                      se_expand_weight: Tensor | None, se_expand_bias: Tensor | None, se_expand_lo: float,
-                      se_expand_hi: float, se_expand_act: str) -> Tensor:
-    """A MobileNet-style inverted-residual block (patterns/inverted_residual.py): an optional 1x1
-    expand convolution, a depthwise convolution (`stride`, `padding` low / `padding_hi` high side per
-    spatial axis), optionally a squeeze-excite gate on its output (the per-channel mean, 1x1 reduce and
-    1x1 expand convolutions; absent weights: none), a 1x1 project convolution, then `residual` added.
-    Each stage's activation clamps to [lo, hi] (ReLU6: [0, 6]; -inf / inf: none), then applies `act`
-    (one of CONV_ACTIVATIONS). Weights as torch's Conv2d holds them."""
-    return _inverted_residual(x, expand_weight, expand_bias, dw_weight, dw_bias, project_weight, project_bias,
-                              residual, stride, padding, padding_hi, expand_lo, expand_hi, dw_lo, dw_hi, expand_act,
-                              dw_act, se_reduce_weight, se_reduce_bias, se_reduce_lo, se_reduce_hi, se_reduce_act,
-                              se_expand_weight, se_expand_bias, se_expand_lo, se_expand_hi, se_expand_act)
-
-
-@inverted_residual.register_fake
-def _(x: Tensor, expand_weight: Tensor | None, expand_bias: Tensor | None, dw_weight: Tensor,
-      dw_bias: Tensor | None, project_weight: Tensor, project_bias: Tensor | None, residual: Tensor | None,
-      stride: list[int], padding: list[int], padding_hi: list[int], expand_lo: float, expand_hi: float,
-      dw_lo: float, dw_hi: float, expand_act: str, dw_act: str, se_reduce_weight: Tensor | None,
-      se_reduce_bias: Tensor | None, se_reduce_lo: float, se_reduce_hi: float, se_reduce_act: str,
-      se_expand_weight: Tensor | None, se_expand_bias: Tensor | None, se_expand_lo: float, se_expand_hi: float,
-      se_expand_act: str) -> Tensor:
-    return torch.empty_like(_inverted_residual(x, expand_weight, expand_bias, dw_weight, dw_bias, project_weight,
-                                               project_bias, None, stride, padding, padding_hi, expand_lo,
-                                               expand_hi, dw_lo, dw_hi, expand_act, dw_act, se_reduce_weight,
-                                               se_reduce_bias, se_reduce_lo, se_reduce_hi, se_reduce_act,
-                                               se_expand_weight, se_expand_bias, se_expand_lo, se_expand_hi,
-                                               se_expand_act))
+# The op is the function above (its annotations give the schema); shapes come from running it on fake tensors.
+inverted_residual = torch.library.custom_op("mlx_delegate::inverted_residual", mutates_args=())(_inverted_residual)
+inverted_residual.register_fake(lambda *args: torch.empty_like(_inverted_residual(*args)))
 
 
 @torch.library.custom_op("mlx_delegate::grouped_mm", mutates_args=())
