@@ -83,3 +83,39 @@ def test_counters_add_up_and_hold_keeps_results(lowered):
         _runtime.set_pool_hold_in_call(was)
     assert torch.equal(outs[True][0], outs[False][0])
     assert_close(outs[True], [expected], *QUANTIZED_TOLERANCE[torch.float32])
+
+
+class Wide(torch.nn.Module):
+    """One 16384 x 512 int4 product: packed words of 4 MiB, a constant the loader puts in huge-page memory
+    (K stays small: x rounded to int16 is the kernel's error, summed over K)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = Q.QuantizedLinear(packed(16384, 512, torch.Generator().manual_seed(1)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x)
+
+
+def test_huge_page_constants_load_the_same_values():
+    """Programs loaded with the huge-page copy (the default) and without it give bitwise equal results,
+    node by node and compiled, and match eager torch."""
+    from executorch.runtime import Runtime
+
+    module = Wide().eval()
+    x = torch.randn(1, 1, 512)
+    with torch.no_grad():
+        expected = module(x)
+    buffer = lower(module, (x,)).buffer
+    was = _runtime.huge_page_constants()
+    outs = {}
+    try:
+        for on in (False, True):
+            _runtime.set_huge_page_constants(on)
+            method = Runtime.get().load_program(buffer).load_method("forward")
+            outs[on] = [method.execute([x])[0] for _ in range(3)]  # node by node, traced, replayed
+    finally:
+        _runtime.set_huge_page_constants(was)
+    for a, b in zip(outs[False], outs[True]):
+        assert torch.equal(a, b)
+    assert_close(outs[True][-1:], [expected], *QUANTIZED_TOLERANCE[torch.float32])
