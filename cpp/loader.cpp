@@ -52,6 +52,11 @@ std::atomic<bool> g_huge_pages{[] {
 }()};
 
 constexpr size_t kHugePage = size_t{2} << 20;
+#if defined(MADV_COLLAPSE)
+constexpr int kMadvCollapse = MADV_COLLAPSE;
+#else
+constexpr int kMadvCollapse = 25;  // Linux's value; older headers lack it
+#endif
 
 // `bytes` from `src` copied into MLX's own memory whose whole 2 MiB pages are first advised for
 // transparent huge pages, so the copy's page faults take huge pages where the kernel has them. On the
@@ -70,6 +75,9 @@ std::optional<mx::array> huge_page_copy(const void* src, size_t bytes, const mx:
   const uintptr_t first = (begin + kHugePage - 1) / kHugePage * kHugePage, last = end / kHugePage * kHugePage;
   if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);  // advice only
   std::memcpy(dst, src, bytes);
+  // Memory malloc reused (its heap, not a fresh mapping) was faulted in 4 KiB pages before the advice:
+  // collapse it now (Linux 6.1+; an older kernel refuses, and the copy stays in 4 KiB pages).
+  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, kMadvCollapse);
   return mx::array(std::move(data), shape, dtype);
 #else
   (void)src, (void)bytes, (void)shape, (void)dtype;
