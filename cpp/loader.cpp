@@ -1,8 +1,17 @@
 #include "loader.h"
 
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
+#include <optional>
 
 #include <executorch/runtime/core/freeable_buffer.h>
+#include <mlx/allocator.h>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 namespace mlxd::rt {
 namespace {
@@ -37,6 +46,45 @@ mx::Shape to_shape(const flatbuffers::Vector<int64_t>* shape) {
   return s;
 }
 
+std::atomic<bool> g_huge_pages{[] {
+  const char* v = std::getenv("MLX_DELEGATE_HUGE_PAGES");
+  return !(v && std::strcmp(v, "0") == 0);
+}()};
+
+constexpr size_t kHugePage = size_t{2} << 20;
+#if defined(MADV_COLLAPSE)
+constexpr int kMadvCollapse = MADV_COLLAPSE;
+#else
+constexpr int kMadvCollapse = 25;  // Linux's value; older headers lack it
+#endif
+
+// `bytes` from `src` copied into MLX's own memory whose whole 2 MiB pages are first advised for
+// transparent huge pages, so the copy's page faults take huge pages where the kernel has them. On the
+// CPU MLX's array(ptr, ..., deleter) constructor copies into its allocator anyway (it has no
+// no-copy path there), so this costs no second copy. nullopt where it does not apply (small, not the
+// CPU, not Linux, switched off): the caller then hands the data to MLX as before.
+std::optional<mx::array> huge_page_copy(const void* src, size_t bytes, const mx::Shape& shape, mx::Dtype dtype) {
+#if defined(__linux__)
+  if (!g_huge_pages.load(std::memory_order_relaxed) || bytes < 2 * kHugePage ||
+      mx::default_device() != mx::Device::cpu)
+    return std::nullopt;
+  auto data = mx::allocator::malloc(bytes);
+  void* dst = data.buffer().raw_ptr();
+  if (dst == nullptr) return std::nullopt;
+  const auto begin = reinterpret_cast<uintptr_t>(dst), end = begin + bytes;
+  const uintptr_t first = (begin + kHugePage - 1) / kHugePage * kHugePage, last = end / kHugePage * kHugePage;
+  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);  // advice only
+  std::memcpy(dst, src, bytes);
+  // Memory malloc reused (its heap, not a fresh mapping) was faulted in 4 KiB pages before the advice:
+  // collapse it now (Linux 6.1+; an older kernel refuses, and the copy stays in 4 KiB pages).
+  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, kMadvCollapse);
+  return mx::array(std::move(data), shape, dtype);
+#else
+  (void)src, (void)bytes, (void)shape, (void)dtype;
+  return std::nullopt;
+#endif
+}
+
 // Wraps named data in an MLX array without copying where the device allows;
 // the FreeableBuffer is released when MLX no longer needs the memory.
 mx::array load_named(const executorch::runtime::NamedDataMap* map, const flatbuffers::String* key,
@@ -51,6 +99,10 @@ mx::array load_named(const executorch::runtime::NamedDataMap* map, const flatbuf
   if (data->size() != expected)
     fail(what + ": named data '" + payload_name(key) + "' has " + std::to_string(data->size()) + " bytes, expected " +
          std::to_string(expected));
+  if (auto copy = huge_page_copy(data->data(), expected, to_shape(shape), to_mlx(dtype))) {
+    data->Free();  // the data map's buffer (a file mapping) is no longer needed
+    return *copy;
+  }
   auto* owned = new executorch::runtime::FreeableBuffer(std::move(data.get()));
   void* ptr = const_cast<void*>(owned->data());
   return mx::array(ptr, to_shape(shape), to_mlx(dtype), [owned](void*) {
@@ -227,6 +279,9 @@ const std::vector<NodeCheck>& node_checks() {
 }
 
 }  // namespace
+
+void set_huge_page_constants(bool on) { g_huge_pages.store(on, std::memory_order_relaxed); }
+bool huge_page_constants() { return g_huge_pages.load(std::memory_order_relaxed); }
 
 std::shared_ptr<const LoadedProgram> load_program(const void* data, size_t size,
                                                    const executorch::runtime::NamedDataMap* named_data) {

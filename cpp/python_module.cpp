@@ -337,5 +337,42 @@ NB_MODULE(_runtime, m) {
      "sent the kernels' helper threads to sleep at their end (parks), park tasks enqueued on a delegate stream "
      "(stream_parks), evaluations that released one after enqueueing (unparked), parks that timed out.");
   m.def("reset_stream_wait_stats", &reset_stream_wait_stats);
+  m.def("set_huge_page_constants", &mlxd::rt::set_huge_page_constants, nb::arg("on"),
+        "Constants of 2 MiB and more are copied at load into memory advised for transparent huge pages (on, the "
+        "default on Linux with the CPU as MLX's device; MLX_DELEGATE_HUGE_PAGES=0 starts with it off) or wrapped "
+        "where the program's data map holds them (off); read when a program loads.");
+  m.def("huge_page_constants", &mlxd::rt::huge_page_constants);
+  m.def("set_pool_hold_in_call", &mlxd::rt::set_pool_hold_in_call, nb::arg("on"),
+        "A large graph's evaluation (more than 32 nodes) keeps the kernel pool's helpers awake between its jobs, "
+        "yielding their core while they wait (on; opt-in, MLX_DELEGATE_POOL_HOLD=1 at start-up), or lets them "
+        "sleep after their spin (MLX_DELEGATE_SPIN_US) as between calls (off, the default).");
+  m.def("pool_hold_in_call", &mlxd::rt::pool_hold_in_call);
+  m.def("set_step_counters", &mlxd::rt::cpu_pool_set_stats, nb::arg("on"),
+        "Per-step counters of the kernel pool's jobs and the quantized GEMV's calls (off by default: a few clock "
+        "reads per product when on); read with step_counters().");
+  m.def("step_counters", [] {
+    const auto p = mlxd::rt::cpu_pool_stats();
+    const auto q = mlxd::rt::qgemv_cpu_stats();
+    return std::map<std::string, uint64_t>{
+        {"pool_jobs", p.jobs}, {"pool_caller_parts", p.caller_parts}, {"pool_helper_parts", p.helper_parts},
+        {"pool_caller_wait_ns", p.caller_wait_ns}, {"pool_helper_late_ns", p.helper_late_ns},
+        {"pool_helper_missed", p.helper_missed}, {"pool_helper_sleeps", p.helper_sleeps},
+        {"qgemv_calls", q.calls}, {"qgemv_wall_ns", q.wall_ns}, {"qgemv_cpu_ns", q.cpu_ns},
+        {"qgemv_parallel_ns", q.parallel_ns}, {"qgemv_bytes", q.bytes}, {"qgemv_gaps", q.gaps},
+        {"qgemv_gap_wall_ns", q.gap_wall_ns}, {"qgemv_gap_cpu_ns", q.gap_cpu_ns}, {"qgemv_lead_ns", q.lead_ns},
+        {"qgemv_tail_ns", q.tail_ns}};
+  }, "Sums since reset_step_counters(): the pool's jobs (parts run by the caller and by helpers, the caller's "
+     "wait for helpers' parts, helpers' lateness and wake-ups from sleep, jobs no helper joined) and the quantized "
+     "GEMV's calls (wall and thread CPU time, the parallel part, bytes of weights read, and the gaps between "
+     "consecutive calls on one thread within a step).");
+  m.def("reset_step_counters", [] {
+    mlxd::rt::cpu_pool_reset_stats();
+    mlxd::rt::qgemv_cpu_reset_stats();
+  });
+  m.def("step_counters_begin", &mlxd::rt::qgemv_cpu_step_begin,
+        "Marks the start of a step: the gap before its first quantized product is not counted; the time to it "
+        "is the step's lead-in.");
+  m.def("step_counters_end", &mlxd::rt::qgemv_cpu_step_end,
+        "Marks the end of a step (after its call returned): the time since its last quantized product is its tail.");
   if (!register_backend()) throw std::runtime_error("mlx_delegate: could not register the backend with ExecuTorch");
 }

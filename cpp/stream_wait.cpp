@@ -425,6 +425,10 @@ void eval_impl(std::vector<mx::array>& arrays, EvalPace* pace, bool small) {
   };
   auto done = std::make_shared<Done>();
   const uint64_t parks_before = P ? P->queued : 0;
+  // A large graph (a decode step: tens of products, other nodes between them) keeps the kernel pool's
+  // helpers awake until its result is in, so no product waits for a helper's futex wake-up; the hold
+  // ends with this call, so the idle time between calls costs nothing.
+  const CpuPoolHold hold(!small && pool_hold_in_call());
   auto open = [&] {
     L->release(token);
     if (gate) gate->open.store(true, std::memory_order_release);

@@ -51,6 +51,26 @@ bool pool_spin_yield() { return g_spin_yield.load(std::memory_order_relaxed); }
 
 namespace {
 
+// Open holds (cpu_pool_hold_open) and whether large calls open one: off by default. At load 3-4 a
+// held helper, yielding while it waits, got its core back later than one woken from sleep (the woken
+// thread is favoured by the scheduler): it joined 21 % of a 1.2B int4 decode step's product parts
+// against 47 %, and the step took 127 against 123 ms (benchmarks/decode_split.py, 2026-11-26 17:24).
+std::atomic<int> g_pool_holds{0};
+std::atomic<bool> g_hold_in_call{[] {
+  const char* v = std::getenv("MLX_DELEGATE_POOL_HOLD");
+  return v && std::strcmp(v, "1") == 0;
+}()};
+
+// The opt-in job counters (CpuPoolStats); relaxed: they are sums read between calls.
+std::atomic<bool> g_pool_stats{false};
+std::atomic<uint64_t> g_ps_jobs{0}, g_ps_caller_parts{0}, g_ps_helper_parts{0}, g_ps_caller_wait_ns{0},
+    g_ps_helper_late_ns{0}, g_ps_helper_missed{0}, g_ps_helper_sleeps{0};
+
+int64_t pool_now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 // Persistent helper threads, one per extra core (at most 7). A call cuts its
 // work into parts that every thread claims from a shared counter, the calling
 // thread included: on a loaded machine a helper that is not scheduled in time
@@ -93,6 +113,9 @@ class Pool {
     completed_.store(0, std::memory_order_relaxed);
     parts_.store(parts, std::memory_order_release);  // after the close: see claim()
     caller_cpu_.store(sched_getcpu(), std::memory_order_relaxed);
+    const bool stats = g_pool_stats.load(std::memory_order_relaxed);
+    job_helper_parts_.store(0, std::memory_order_relaxed);
+    published_ns_.store(stats ? pool_now_ns() : 0, std::memory_order_relaxed);
     {
       std::lock_guard<std::mutex> lock(m_);
       // Part 0 is the caller's before any helper can look: a sleeping helper
@@ -105,10 +128,26 @@ class Pool {
     // Helpers still spinning after their last job see the new generation
     // without a wake-up; only sleeping ones need the futex call.
     if (sleeping_.load(std::memory_order_acquire) > 0) wake_.notify_all();
+    int mine = 0;
     for (int i = 0; i >= 0; i = claim(tag, true)) {
       fn(i);
+      ++mine;
       completed_.fetch_add(1, std::memory_order_acq_rel);
     }
+    // Counts the job when the caller's wait below is over, however it ends.
+    struct JobStats {
+      bool on;
+      int mine;
+      int64_t start;
+      std::atomic<int>& helper_parts;
+      ~JobStats() {
+        if (!on) return;
+        g_ps_jobs.fetch_add(1, std::memory_order_relaxed);
+        g_ps_caller_parts.fetch_add(mine, std::memory_order_relaxed);
+        g_ps_caller_wait_ns.fetch_add(pool_now_ns() - start, std::memory_order_relaxed);
+        if (helper_parts.load(std::memory_order_relaxed) == 0) g_ps_helper_missed.fetch_add(1, std::memory_order_relaxed);
+      }
+    } job_stats{stats, mine, stats ? pool_now_ns() : 0, job_helper_parts_};
     // Wait for the parts that helpers took, and only those: a helper that woke
     // and found nothing left holds up nothing (it used to register as a user of
     // the job, and one preempted there, on a loaded machine or beside eager
@@ -187,9 +226,10 @@ class Pool {
     return us;
   }
 
-  // Polls `ready` for up to spin_time(); true as soon as it holds.
+  // Polls `ready` for up to spin_time(); true as soon as it holds. `holdable` (the helpers' wait for a
+  // job): past spin_time() it goes on, yielding, while a hold is open (cpu_pool_hold_open).
   template <class Ready>
-  static bool spin_until(Ready ready) {
+  static bool spin_until(Ready ready, bool holdable = false) {
     const auto start = std::chrono::steady_clock::now();
     const auto until = start + spin_time(), pause_until = start + pause_time();
     bool yielding = false;
@@ -197,8 +237,12 @@ class Pool {
       if (ready()) return true;
       if ((i & 63) == 0) {
         const auto now = std::chrono::steady_clock::now();
-        if (now > until) return false;
-        yielding = pool_spin_yield() && now > pause_until;
+        if (now > until) {
+          if (!holdable || g_pool_holds.load(std::memory_order_acquire) == 0) return false;
+          yielding = true;
+        } else {
+          yielding = pool_spin_yield() && now > pause_until;
+        }
       }
       cpu_relax(yielding);
     }
@@ -238,7 +282,7 @@ class Pool {
       // running both parts and then spinning 100 us, against 85 us as one call).
       bool spun = !on_callers_core && spin_until([&] {
         return generation_.load(std::memory_order_acquire) != seen || parks_.load(std::memory_order_relaxed) != parks;
-      }) && generation_.load(std::memory_order_acquire) != seen;
+      }, /*holdable=*/true) && generation_.load(std::memory_order_acquire) != seen;
       if (!spun) {
         std::unique_lock<std::mutex> lock(m_);
         ++sleeping_;
@@ -248,8 +292,19 @@ class Pool {
       seen = generation_.load(std::memory_order_acquire);
       const uint64_t tag = state_.load(std::memory_order_acquire) >> kTagShift;
       on_callers_core = false;
+      bool first = true;
       for (int i; (i = claim(tag, false)) >= 0;) {
         on_callers_core = sched_getcpu() == caller_cpu_.load(std::memory_order_relaxed);
+        if (const int64_t published = published_ns_.load(std::memory_order_relaxed); published != 0) {
+          // Stats on for this job (published_ns_ is the job's while this helper holds one of its parts).
+          g_ps_helper_parts.fetch_add(1, std::memory_order_relaxed);
+          job_helper_parts_.fetch_add(1, std::memory_order_relaxed);
+          if (first) {
+            g_ps_helper_late_ns.fetch_add(pool_now_ns() - published, std::memory_order_relaxed);
+            if (!spun) g_ps_helper_sleeps.fetch_add(1, std::memory_order_relaxed);
+          }
+        }
+        first = false;
         // Safe to read: the job cannot end while this helper holds one of its parts.
         const int parts = parts_.load(std::memory_order_relaxed);
         (*fn_.load(std::memory_order_relaxed))(i);
@@ -270,6 +325,8 @@ class Pool {
   std::atomic<int> completed_{0};  // parts of the current job finished, by anyone
   std::atomic<uint64_t> state_{0};  // tag | front | back (claim())
   std::atomic<int> caller_cpu_{-1};  // where the current job's caller published it
+  std::atomic<int64_t> published_ns_{0};  // when the current job was published; 0 with the stats off
+  std::atomic<int> job_helper_parts_{0};  // parts of the current job run by helpers (stats on)
   std::atomic<uint64_t> generation_{0};
   std::atomic<int> sleeping_{0};  // helpers waiting on wake_ (changed under m_)
   std::atomic<uint64_t> parks_{0};  // bumped by park()
@@ -393,6 +450,25 @@ void cpu_parallel_for(int64_t n, int64_t cost_per_item, int64_t align,
 }
 
 void cpu_pool_park() { Pool::get().park(); }
+
+void cpu_pool_hold_open() { g_pool_holds.fetch_add(1, std::memory_order_acq_rel); }
+void cpu_pool_hold_close() { g_pool_holds.fetch_sub(1, std::memory_order_acq_rel); }
+void set_pool_hold_in_call(bool on) { g_hold_in_call.store(on, std::memory_order_relaxed); }
+bool pool_hold_in_call() { return g_hold_in_call.load(std::memory_order_relaxed); }
+
+void cpu_pool_set_stats(bool on) { g_pool_stats.store(on, std::memory_order_relaxed); }
+bool cpu_pool_stats_enabled() { return g_pool_stats.load(std::memory_order_relaxed); }
+
+CpuPoolStats cpu_pool_stats() {
+  return {g_ps_jobs.load(), g_ps_caller_parts.load(), g_ps_helper_parts.load(), g_ps_caller_wait_ns.load(),
+          g_ps_helper_late_ns.load(), g_ps_helper_missed.load(), g_ps_helper_sleeps.load()};
+}
+
+void cpu_pool_reset_stats() {
+  for (auto* c : {&g_ps_jobs, &g_ps_caller_parts, &g_ps_helper_parts, &g_ps_caller_wait_ns, &g_ps_helper_late_ns,
+                  &g_ps_helper_missed, &g_ps_helper_sleeps})
+    c->store(0);
+}
 
 void cpu_parallel_parts(int parts, const std::function<void(int)>& fn) { Pool::get().run(parts, fn); }
 

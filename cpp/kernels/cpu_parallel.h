@@ -72,6 +72,47 @@ void cpu_parallel_parts(int parts, const std::function<void(int)>& fn);
 // Threads the pool computes with: the calling thread and its helpers.
 int cpu_pool_threads();
 
+// Holds the helpers awake between jobs: while at least one hold is open, a helper whose spin
+// (MLX_DELEGATE_SPIN_US) ran out keeps waiting for the next job, yielding its core at each step,
+// instead of going to sleep, so the next job needs no futex wake-up. For the span of one large
+// call's evaluation (stream_wait.cpp), whose products come at uneven gaps; holds nest, and the
+// caller must close each one (CpuPoolHold). Opt-in: set_pool_hold_in_call(true) (or
+// MLX_DELEGATE_POOL_HOLD=1 at start-up) makes large calls open one.
+void cpu_pool_hold_open();
+void cpu_pool_hold_close();
+void set_pool_hold_in_call(bool on);
+bool pool_hold_in_call();
+class CpuPoolHold {
+ public:
+  explicit CpuPoolHold(bool on) : on_(on) {
+    if (on_) cpu_pool_hold_open();
+  }
+  ~CpuPoolHold() {
+    if (on_) cpu_pool_hold_close();
+  }
+  CpuPoolHold(const CpuPoolHold&) = delete;
+  CpuPoolHold& operator=(const CpuPoolHold&) = delete;
+
+ private:
+  bool on_;
+};
+
+// Opt-in counters of the pool's jobs (off by default: two clock reads per job when on), for
+// benchmarks that split a decode step's time (benchmarks/decode_split.py). Jobs counted are those
+// that ran on the helpers (more than one part, helpers present, not a concurrent call's serial run).
+struct CpuPoolStats {
+  uint64_t jobs = 0;
+  uint64_t caller_parts = 0, helper_parts = 0;  // parts run by the calling thread / by helpers
+  uint64_t caller_wait_ns = 0;  // the caller's time from its last part to the job's end: waiting for helpers
+  uint64_t helper_late_ns = 0;  // from a job's publication to a helper's first part of it, summed
+  uint64_t helper_missed = 0;   // jobs in which no helper ran a part (all on the caller)
+  uint64_t helper_sleeps = 0;   // helper parts reached from sleep (a futex wake-up) rather than a spin
+};
+void cpu_pool_set_stats(bool on);
+bool cpu_pool_stats_enabled();
+CpuPoolStats cpu_pool_stats();
+void cpu_pool_reset_stats();
+
 // Sends the helper threads to sleep now instead of at the end of their spin
 // (MLX_DELEGATE_SPIN_US): for the end of a call when the next is not expected
 // soon, so the spin does not take a core from other work in the meantime.

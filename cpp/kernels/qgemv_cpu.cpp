@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -19,6 +20,9 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+#include <pthread.h>
+#include <time.h>
 
 #include <mlx/backend/cpu/encoder.h>
 #include <mlx/primitives.h>
@@ -43,6 +47,60 @@ std::atomic<bool> g_guided_split{[] {
 }()};
 // The AVX-512 VNNI kernels (block_avx512*) where the CPU has them; off runs the AVX2 ones (A/B, parity).
 std::atomic<bool> g_avx512_path{true};
+
+// QgemvStats (qgemv_cpu.h), summed while cpu_pool_stats_enabled(). g_last_end_* are the previous call's
+// end on the thread that ran it (0: no gap to count).
+std::atomic<uint64_t> g_st_calls{0}, g_st_wall{0}, g_st_cpu{0}, g_st_parallel{0}, g_st_bytes{0}, g_st_gaps{0},
+    g_st_gap_wall{0}, g_st_gap_cpu{0};
+std::atomic<uint64_t> g_st_lead{0}, g_st_tail{0};
+std::atomic<int64_t> g_last_end_wall{0}, g_last_end_cpu{0}, g_step_begin{0};
+std::atomic<pthread_t> g_last_end_thread{};
+
+int64_t wall_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+int64_t thread_cpu_ns() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return int64_t{ts.tv_sec} * 1'000'000'000 + ts.tv_nsec;
+}
+
+// Times one call's task when the stats are on: construct at its start, finish() around the product.
+struct CallTimer {
+  bool on = cpu_pool_stats_enabled();
+  int64_t wall0 = 0, cpu0 = 0, par0 = 0;
+  CallTimer() {
+    if (!on) return;
+    wall0 = wall_ns();
+    cpu0 = thread_cpu_ns();
+    const int64_t last = g_last_end_wall.exchange(0, std::memory_order_relaxed);
+    if (last != 0 && pthread_equal(g_last_end_thread.load(std::memory_order_relaxed), pthread_self())) {
+      g_st_gaps.fetch_add(1, std::memory_order_relaxed);
+      g_st_gap_wall.fetch_add(wall0 - last, std::memory_order_relaxed);
+      g_st_gap_cpu.fetch_add(cpu0 - g_last_end_cpu.load(std::memory_order_relaxed), std::memory_order_relaxed);
+    } else if (const int64_t begin = g_step_begin.exchange(0, std::memory_order_relaxed); begin != 0) {
+      g_st_lead.fetch_add(wall0 - begin, std::memory_order_relaxed);  // the step's first product
+    }
+  }
+  void parallel_begin() {
+    if (on) par0 = wall_ns();
+  }
+  void parallel_end() {
+    if (on) g_st_parallel.fetch_add(wall_ns() - par0, std::memory_order_relaxed);
+  }
+  void finish(uint64_t bytes) {
+    if (!on) return;
+    const int64_t wall1 = wall_ns(), cpu1 = thread_cpu_ns();
+    g_st_calls.fetch_add(1, std::memory_order_relaxed);
+    g_st_wall.fetch_add(wall1 - wall0, std::memory_order_relaxed);
+    g_st_cpu.fetch_add(cpu1 - cpu0, std::memory_order_relaxed);
+    g_st_bytes.fetch_add(bytes, std::memory_order_relaxed);
+    g_last_end_cpu.store(cpu1, std::memory_order_relaxed);
+    g_last_end_thread.store(pthread_self(), std::memory_order_relaxed);
+    g_last_end_wall.store(wall1, std::memory_order_relaxed);
+  }
+};
 
 // How scales and biases are stored. They are read where they lie, one value per group of
 // weights, never converted per call: GGUF's d and m are fp16, so a program keeps them fp16
@@ -570,6 +628,7 @@ class QGemvCpu : public QuantizedProductCpu {
     g_calls.fetch_add(1, std::memory_order_relaxed);
     encoder.dispatch([p, m, bits = bits_, glu = glu_, residual_at = residual_at_, norm_at = norm_at_, eps = eps_,
                       in]() mutable {
+      CallTimer timer;
       F32RowMajor x(in[0]);
       auto row_major = [](const mx::array& a) {
         return CpuRowMajor(a.data<void>(), a.itemsize(), a.shape(), a.strides(), a.flags().row_contiguous);
@@ -606,7 +665,9 @@ class QGemvCpu : public QuantizedProductCpu {
         full.resize(static_cast<size_t>(m * p.n_rows));
         p.y = full.data();
       }
+      timer.parallel_begin();
       run_problem(p, scale_kind(in[2].dtype()), bits, m);
+      timer.parallel_end();
       const int64_t width = glu ? p.n_rows / 2 : p.n_rows;
       if (glu) glu_rows(full.data(), y, m, width);
       if (residual_at >= 0) {
@@ -614,6 +675,7 @@ class QGemvCpu : public QuantizedProductCpu {
         const float* rd = r.data();
         for (int64_t i = 0; i < m * width; ++i) y[i] += rd[i];
       }
+      timer.finish(in[1].nbytes() + in[2].nbytes() + in[3].nbytes());
     });
   }
 
@@ -693,5 +755,29 @@ void qgemv_cpu_set_guided_split(bool on) { g_guided_split.store(on, std::memory_
 bool qgemv_cpu_guided_split() { return g_guided_split.load(std::memory_order_relaxed); }
 
 void qgemv_cpu_set_avx512_path(bool on) { g_avx512_path.store(on, std::memory_order_relaxed); }
+
+QgemvStats qgemv_cpu_stats() {
+  return {g_st_calls.load(), g_st_wall.load(), g_st_cpu.load(),      g_st_parallel.load(), g_st_bytes.load(),
+          g_st_gaps.load(),  g_st_gap_wall.load(), g_st_gap_cpu.load(), g_st_lead.load(),   g_st_tail.load()};
+}
+
+void qgemv_cpu_reset_stats() {
+  for (auto* c : {&g_st_calls, &g_st_wall, &g_st_cpu, &g_st_parallel, &g_st_bytes, &g_st_gaps, &g_st_gap_wall,
+                  &g_st_gap_cpu, &g_st_lead, &g_st_tail})
+    c->store(0);
+  g_last_end_wall.store(0, std::memory_order_relaxed);
+  g_step_begin.store(0, std::memory_order_relaxed);
+}
+
+void qgemv_cpu_step_begin() {
+  g_last_end_wall.store(0, std::memory_order_relaxed);
+  g_step_begin.store(wall_ns(), std::memory_order_relaxed);
+}
+
+void qgemv_cpu_step_end() {
+  if (const int64_t last = g_last_end_wall.load(std::memory_order_relaxed); last != 0)
+    g_st_tail.fetch_add(wall_ns() - last, std::memory_order_relaxed);
+  g_step_begin.store(0, std::memory_order_relaxed);
+}
 
 }  // namespace mlxd::rt

@@ -91,4 +91,26 @@ void qgemv_cpu_set_avx512_path(bool on);
 void qgemv_cpu_set_guided_split(bool on);
 bool qgemv_cpu_guided_split();
 
+// Per-step counters of the GEMV's calls, kept while the pool's stats are on (cpu_pool_set_stats;
+// benchmarks/decode_split.py): where a decode step's time goes between and inside its products.
+// Times are wall (steady clock) and the running thread's CPU time (CLOCK_THREAD_CPUTIME_ID); a gap is
+// the time on MLX's stream thread from one product's end to the next one's start (the other nodes and
+// MLX's scheduling), counted only after qgemv_cpu_reset_stats / qgemv_cpu_step_begin.
+struct QgemvStats {
+  uint64_t calls = 0;
+  uint64_t wall_ns = 0, cpu_ns = 0;  // the whole task: preparation, the parallel product, epilogue
+  uint64_t parallel_ns = 0;          // the product's rows on the pool (the streaming part)
+  uint64_t bytes = 0;                // weights, scales and biases read
+  uint64_t gaps = 0, gap_wall_ns = 0, gap_cpu_ns = 0;
+  // Between qgemv_cpu_step_begin and the step's first product, and between its last product and
+  // qgemv_cpu_step_end (the call's set-up and graph enqueue before; the output after).
+  uint64_t lead_ns = 0, tail_ns = 0;
+};
+QgemvStats qgemv_cpu_stats();
+void qgemv_cpu_reset_stats();
+// Starts a new step: the next call's gap is not counted (it would span the time between steps).
+void qgemv_cpu_step_begin();
+// Ends a step (after its call returned): the time since its last product counts as its tail.
+void qgemv_cpu_step_end();
+
 }  // namespace mlxd::rt
