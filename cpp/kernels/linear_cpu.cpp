@@ -14,6 +14,7 @@
 
 #include "kernels/cpu_parallel.h"
 #include "kernels/gemm_lowp_cpu.h"
+#include "kernels/unary_cpu.h"
 
 namespace mlxd::rt {
 namespace mx = mlx::core;
@@ -41,6 +42,7 @@ struct Linear {
   float* y;                   // [m, n]
   int m, n, k;
   const float* residual = nullptr;  // [m, n] row-major or null
+  UnaryMapFn act = nullptr;         // applied last, in place, while the block is in cache
 
   // Rows or columns [lo, hi) of y: the product, then the bias and the residual added while the block
   // is in cache (MLX's broadcast add after its matmul is a single-core pass over the whole output).
@@ -50,7 +52,7 @@ struct Linear {
     const int r0 = by_rows ? lo : 0, r1 = by_rows ? hi : m, c0 = by_rows ? 0 : lo, c1 = by_rows ? n : hi;
     sgemm(0, 1, r1 - r0, c1 - c0, k, 1.f, x + int64_t{r0} * k, k, w + int64_t{c0} * k, k, 0.f,
           y + int64_t{r0} * n + c0, n);
-    if (!bias && !residual) return;
+    if (!bias && !residual && !act) return;
     for (int r = r0; r < r1; ++r) {
       float* row = y + int64_t{r} * n;
       const float* add = residual ? residual + int64_t{r} * n : nullptr;
@@ -58,9 +60,10 @@ struct Linear {
         for (int c = c0; c < c1; ++c) row[c] += bias[c] + add[c];
       } else if (bias) {
         for (int c = c0; c < c1; ++c) row[c] += bias[c];
-      } else {
+      } else if (add) {
         for (int c = c0; c < c1; ++c) row[c] += add[c];
       }
+      if (act) act(row + c0, row + c0, c1 - c0);
     }
   }
 
@@ -86,7 +89,8 @@ struct Linear {
 
 class LinearCpu : public mx::UnaryPrimitive {
  public:
-  LinearCpu(mx::Stream s, bool bias, bool residual) : mx::UnaryPrimitive(s), bias_(bias), residual_(residual) {}
+  LinearCpu(mx::Stream s, bool bias, bool residual, std::optional<UnaryKernel> act)
+      : mx::UnaryPrimitive(s), bias_(bias), residual_(residual), act_(act) {}
 
   // in: x (any layout, float32), w [N, K] row-major, bias [N] row-major when present, then the
   // residual (the output's shape, any layout) when present.
@@ -96,6 +100,7 @@ class LinearCpu : public mx::UnaryPrimitive {
     const int k = w.shape(1), n = w.shape(0);
     Linear p{x.data<float>(), w.data<float>(), bias_ ? in[2].data<float>() : nullptr, out.data<float>(),
              static_cast<int>(x.size() / k), n, k};
+    if (act_) p.act = unary_cpu_map(*act_);
     cpu_kernel_note_call("linear_f32");
     const mx::array* r = residual_ ? &in.back() : nullptr;
     encoder.dispatch([p, shape = x.shape(), strides = x.strides(), contiguous = x.flags().row_contiguous,
@@ -118,7 +123,7 @@ class LinearCpu : public mx::UnaryPrimitive {
   const char* name() const override { return "LinearCpu"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const LinearCpu&>(other);
-    return bias_ == o.bias_ && residual_ == o.residual_;
+    return bias_ == o.bias_ && residual_ == o.residual_ && act_ == o.act_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     auto shape = in[0].shape();
@@ -128,6 +133,7 @@ class LinearCpu : public mx::UnaryPrimitive {
 
  private:
   bool bias_, residual_;
+  std::optional<UnaryKernel> act_;
 };
 
 // On by default (MLX_DELEGATE_LINEAR_KERNEL=0 turns it off): with the residual add fused too
@@ -165,7 +171,7 @@ bool linear_cpu_applies(const mx::array& x, const mx::array& w, const std::optio
 }
 
 mx::array linear_cpu(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias,
-                     const std::optional<mx::array>& residual) {
+                     const std::optional<mx::array>& residual, std::optional<UnaryKernel> act) {
   if (!linear_cpu_applies(x, w, bias, residual)) throw std::invalid_argument("linear_cpu: operands it does not take");
   std::vector<mx::array> inputs{x, w};
   // A constant bias is already row-major; anything else becomes so in the graph.
@@ -175,7 +181,7 @@ mx::array linear_cpu(const mx::array& x, const mx::array& w, const std::optional
   shape.back() = w.shape(0);
   return mx::array(std::move(shape), mx::float32,
                    std::make_shared<LinearCpu>(mx::default_stream(mx::Device::cpu), bias.has_value(),
-                                               residual.has_value()),
+                                               residual.has_value(), act),
                    std::move(inputs));
 }
 

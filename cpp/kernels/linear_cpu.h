@@ -10,6 +10,8 @@
 
 #include <mlx/mlx.h>
 
+#include "kernels/unary_cpu.h"
+
 namespace mlxd::rt {
 
 // On unless MLX_DELEGATE_LINEAR_KERNEL=0 (measurements in linear_cpu.cpp); read while a graph is built (a
@@ -28,9 +30,11 @@ bool linear_cpu_applies(const mlx::core::array& x, const mlx::core::array& w,
                         const std::optional<mlx::core::array>& bias,
                         const std::optional<mlx::core::array>& residual = std::nullopt);
 
-// x @ w^T + bias (+ residual) in x's shape with the last axis N (counter "linear_f32").
+// act(x @ w^T + bias (+ residual)) in x's shape with the last axis N (counter "linear_f32"); the
+// activation (a fused GELU / SiLU) is applied to each output block in cache, after the bias.
 mlx::core::array linear_cpu(const mlx::core::array& x, const mlx::core::array& w,
                             const std::optional<mlx::core::array>& bias,
-                            const std::optional<mlx::core::array>& residual = std::nullopt);
+                            const std::optional<mlx::core::array>& residual = std::nullopt,
+                            std::optional<UnaryKernel> act = std::nullopt);
 
 }  // namespace mlxd::rt

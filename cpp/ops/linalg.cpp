@@ -34,9 +34,11 @@ void exec_LinearNode(const mlxd::LinearNode& n, ExecContext& ctx) {
       throw NodeError("linear residual must have the output's shape and dtype");
     residual = *r;
   }
-  // fp32 on the CPU: the bias (and residual) added to each output block in cache
-  // (kernels/linear_cpu.h); a fused activation keeps its own in-place pass, which takes the bias along.
-  if (!n.act() && linear_cpu_applies(x, w, bias, residual)) return ctx.set(n.out(), linear_cpu(x, w, bias, residual));
+  // fp32 on the CPU: the bias, residual and a fused activation applied to each output block in cache
+  // (kernels/linear_cpu.h), inside the product's parallel parts.
+  const auto act = n.act() ? cpu_kernel_for(n.act_op()) : std::nullopt;
+  if ((!n.act() || act) && linear_cpu_applies(x, w, bias, residual))
+    return ctx.set(n.out(), linear_cpu(x, w, bias, residual, act));
   // transpose is a view: the kernel reads the [N, K] weight in place.
   auto y = gemm_lowp_cpu_linear_applies(x, w) ? gemm_lowp_cpu_linear(x, w) : product(x, mx::transpose(w));
   // A fused activation takes the bias along: one pass over the product (in place on the CPU).

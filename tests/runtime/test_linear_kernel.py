@@ -1,5 +1,5 @@
-"""The CPU fp32 linear kernel (cpp/kernels/linear_cpu.cpp, opt-in, switched on here), each output
-block's bias added in the task that computes it: linears large enough to be cut into column blocks,
+"""The CPU fp32 linear kernel (cpp/kernels/linear_cpu.cpp, on by default, switched on here), each output
+block's bias (and a fused GELU / SiLU) applied in the task that computes it: linears large enough to be cut into column blocks,
 row blocks or run whole, with and without a bias, a strided bias, a non-contiguous input and 3-D
 inputs, match eager torch node by node, compiled and with the CPU kernels off (`lower_and_compare`);
 bf16 / fp16 take the low-precision matmul and must still match. The call counter proves the kernel
@@ -34,6 +34,10 @@ CASES = [
     *cases("columns_no_bias", lambda x, w: F.linear(x, w), randn((2, 37, 160), (200, 160)), FLOATS, **tol(160)),
     *cases("rows_bias", lambda x, w, b: F.linear(x, w, b), randn((520, 96), (40, 96), (40,)), FLOATS, **tol(96)),
     *cases("small_bias", lambda x, w, b: F.linear(x, w, b), randn((9, 40), (24, 40), (24,)), FLOATS, **tol(40)),
+    # a fused activation (fuse_linear_activation) applied to each block after its bias: column blocks, row blocks
+    *cases("columns_bias_gelu", lambda x, w, b: F.gelu(F.linear(x, w, b)), randn((2, 37, 160), (200, 160), (200,)),
+           FLOATS, **tol(160)),
+    *cases("rows_silu", lambda x, w: F.silu(F.linear(x, w)), randn((520, 96), (40, 96)), FLOATS, **tol(96)),
     *cases("noncontig_input_strided_bias", lambda x, w, b: F.linear(x.transpose(0, 1), w, b[::2]),
            randn((144, 140), (130, 144), (260,)), FLOATS, **tol(144)),
 ]
