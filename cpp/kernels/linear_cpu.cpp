@@ -37,6 +37,14 @@ SplitShape split_shape() {
   return {std::max(1, s / 4), s % 4};
 }
 
+// The BLAS front's split mode (mlxd_blas_split_mode): 2 when products are cut evenly over the pool, as
+// this kernel cuts them; under another policy (measured, balanced) or with splitting off (MKL's own
+// OpenMP team) MLX's matmul takes the linears, so that those switches keep meaning what they say.
+int blas_split_mode() {
+  static const auto fn = reinterpret_cast<int (*)()>(dlsym(RTLD_DEFAULT, "mlxd_blas_split_mode"));
+  return fn ? fn() : 2;
+}
+
 struct Linear {
   const float *x, *w, *bias;  // x [m, k] row-major, w [n, k] row-major, bias [n] or null
   float* y;                   // [m, n]
@@ -156,7 +164,8 @@ bool linear_cpu_enabled() { return enabled_flag().load(std::memory_order_relaxed
 
 bool linear_cpu_applies(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias,
                         const std::optional<mx::array>& residual) {
-  if (!linear_cpu_enabled() || !cpu_kernels_active() || serial_sgemm() == nullptr) return false;
+  if (!linear_cpu_enabled() || !cpu_kernels_active() || serial_sgemm() == nullptr || blas_split_mode() != 2)
+    return false;
   if (x.dtype() != mx::float32 || w.dtype() != mx::float32 || x.ndim() < 1 || w.ndim() != 2) return false;
   if (x.shape(-1) != w.shape(1) || x.size() == 0 || w.size() == 0) return false;
   if (static_cast<int64_t>(x.size() / x.shape(-1)) <= kGemmLowpGemvRows) return false;

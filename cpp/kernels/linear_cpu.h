@@ -21,7 +21,7 @@ bool set_linear_cpu(bool on);  // returns the previous setting
 bool linear_cpu_enabled();
 
 // Whether linear_cpu takes x @ w^T (+ bias): linear_cpu_enabled(), CPU kernels active, the BLAS
-// front's sgemm loaded, x float32 with more than kGemmLowpGemvRows rows
+// front's sgemm loaded and cutting products evenly over the pool (its default split policy), x float32 with more than kGemmLowpGemvRows rows
 // (batch axes folded; fewer go to the GEMV), w an evaluated row-major
 // float32 [N, K] matrix with K = x's last axis, and bias (when given) float32
 // with N elements.
