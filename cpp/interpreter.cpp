@@ -7,6 +7,7 @@
 #include <executorch/runtime/core/exec_aten/util/dim_order_util.h>
 #include <executorch/runtime/core/exec_aten/util/tensor_util.h>
 
+#include "buffer_cache.h"
 #include "stream_wait.h"
 
 namespace mlxd::rt {
@@ -240,7 +241,9 @@ void Handle::finish(Span<EValue*> args, std::vector<mx::array> results, std::vec
   try {
     // Spins across the hand-offs to MLX's stream thread only while calls come back to back
     // (stream_wait.h): an unconditional spin cost 2-4 ms per call after idle gaps of a few ms.
+    const size_t mark = buffer_cache_mark();
     eval_adaptive(all, pace_, program_->nodes.size() <= kSmallGraphNodes);
+    fit_buffer_cache(mark);
   } catch (...) {
     // The old contents may have been consumed in place: start over from the
     // initial values rather than keep half-written state.

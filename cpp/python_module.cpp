@@ -26,6 +26,7 @@
 #include "kernels/linear_cpu.h"
 #include "kernels/qgemv_cpu.h"
 #include "loader.h"
+#include "buffer_cache.h"
 #include "stream_wait.h"
 
 namespace nb = nanobind;
@@ -319,6 +320,11 @@ NB_MODULE(_runtime, m) {
         "long gaps leaves parked (asleep on the delegate's own condition variable) so the next call wakes it "
         "once, after enqueueing (MLX_DELEGATE_STREAM_PARK=0 at start-up turns it off).");
   m.def("stream_park", &stream_park);
+  m.def("set_buffer_cache_cap", &mlxd::rt::set_buffer_cache_cap, nb::arg("bytes"),
+        "Largest MLX buffer-cache limit (bytes) the runtime raises it to after a call whose working set exceeded "
+        "it (0: leave MLX's limit alone; MLX_DELEGATE_BUFFER_CACHE_MB at start-up, default a quarter of MLX's "
+        "memory limit).");
+  m.def("buffer_cache_cap", &mlxd::rt::buffer_cache_cap);
   m.def("stream_wait_stats", [] {
     auto s = stream_wait_stats();
     return std::map<std::string, uint64_t>{{"calls", s.calls}, {"held", s.held}, {"lingers", s.lingers},
