@@ -96,3 +96,24 @@ def test_split_shape_rejects_bad_values() -> None:
         _blas.set_split_shape(2, "diagonal")
     with pytest.raises(ValueError, match="parts per thread"):
         _blas.set_split_shape(0)
+
+
+@pytest.mark.skipif(_blas.mode() != "torch", reason="needs the BLAS front")
+@pytest.mark.parametrize("setting", ["measured", "balanced", "split off"])
+def test_kernel_steps_aside_unless_products_are_cut_evenly(setting: str) -> None:
+    """Under the front's other split policies, or with splitting off (MKL's own team), MLX's matmul
+    takes the linears, so those switches still decide how products run; the result is the same."""
+    torch.manual_seed(0)
+    x, w, b = torch.randn(70, 300), torch.randn(260, 300), torch.randn(260)
+    lowered = lower(_Linear(w, b).eval(), (x,))
+    previous = _blas.set_split_policy(setting) if setting != "split off" else _runtime.set_blas_split(False)
+    before = kernel_calls()
+    try:
+        got = lowered.fresh_method().execute([x])[0]
+    finally:
+        if setting == "split off":
+            _runtime.set_blas_split(True)
+        else:
+            _blas.set_split_policy(previous)
+    assert kernel_calls() == before
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-4, atol=fp32_tolerance(300)[1] * 10)
