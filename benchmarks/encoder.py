@@ -28,9 +28,10 @@ shape split over that pool or run as one single-threaded call, whichever its rec
 split, the calling thread's block sized by the helpers' measured speed: `_blas.set_split_policy("balanced")`)
 and `unfused-act` (the delegate
 lowered with `disable={"fuse_linear_activation"}`: a linear's bias add and GELU as separate passes),
-`linear-kernel` (fp32 linears on the opt-in CPU linear kernel, each output block's bias added in
-cache, instead of MLX's matmul plus a broadcast add: `_runtime.set_linear_kernel(True)` while its
-graphs are built) and `two-blocks` (split products cut into two blocks per pool thread instead of one:
+`mlx-linears` (fp32 linears as MLX's matmul plus broadcast adds for the bias and the residual, as before
+2026-11-26 17:40: the delegate lowered with `disable={"fuse_linear_residual"}` and
+`_runtime.set_linear_kernel(False)` while its graphs are built; by default the CPU linear kernel adds
+each output block's bias and residual in cache) and `two-blocks` (split products cut into two blocks per pool thread instead of one:
 `_blas.set_split_shape(2)`).
 Each is checked against
 eager torch, then the engines take turns call by call (interleaved rounds, the order rotating). Every
@@ -58,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ENGINE_KEYS = ("delegate", "composed", "omp", "measured", "balanced", "unfused-act", "linear-kernel", "two-blocks",
+ENGINE_KEYS = ("delegate", "composed", "omp", "measured", "balanced", "unfused-act", "mlx-linears", "two-blocks",
                "eager", "xnnpack")
 DEFAULT_ENGINES = ("delegate", "eager", "xnnpack")
 CASES = ("torch-layer", "bert", "vit", "whisper-encoder", "demo-block", "attention", "llama-prefill")
@@ -112,12 +113,13 @@ def _balanced_split(w: Workload) -> common.Prepared:
     return _delegate_with(_blas.split_policy, _blas.set_split_policy, "balanced")(w)
 
 
-def _linear_kernel(w: Workload) -> common.Prepared:
-    """The delegate with fp32 linears on its opt-in CPU linear kernel (bias added per output block in
-    cache) while its graphs are built: `_runtime.set_linear_kernel(True)`."""
+def _mlx_linears(w: Workload) -> common.Prepared:
+    """The delegate with fp32 linears as MLX's matmul plus broadcast adds (bias, residual): lowered
+    without `fuse_linear_residual`, graphs built with `_runtime.set_linear_kernel(False)`."""
     from mlx_delegate import _runtime
 
-    return _delegate_with(_runtime.linear_kernel, _runtime.set_linear_kernel, True)(w)
+    lowering = common._executorch(lambda: mlx_delegate.MLXPartitioner(disable={"fuse_linear_residual"}))
+    return common.switched(lowering, _runtime.linear_kernel, _runtime.set_linear_kernel, False)(w)
 
 
 def _two_blocks(w: Workload) -> common.Prepared:
@@ -129,7 +131,7 @@ def _two_blocks(w: Workload) -> common.Prepared:
 
 
 LOCAL_ENGINES = {
-    "linear-kernel": ("mlx_delegate, linear kernel on", _linear_kernel),
+    "mlx-linears": ("mlx_delegate, MLX matmul + adds", _mlx_linears),
     "two-blocks": ("mlx_delegate, 2 blocks per thread", _two_blocks),
     "composed": ("mlx_delegate, attention composed", _composed),
     "omp": ("mlx_delegate, products on MKL's OpenMP team", _omp_team),

@@ -440,6 +440,13 @@ __attribute__((visibility("default"))) int mlxd_blas_set_split_policy(int policy
   return g_split_policy.exchange(policy < 0 || policy > 3 ? 2 : policy);
 }
 
+// How large fp32 products are cut now: 0 not at all (no pool registered: MLX_DELEGATE_BLAS_SPLIT=0 or
+// _runtime.set_blas_split(False), or the policy "never"), else the policy above. The runtime's fp32 linear
+// kernel cuts its products evenly itself, so it steps aside unless this is 2 (always, even blocks).
+__attribute__((visibility("default"))) int mlxd_blas_split_mode() {
+  return g_parallel.load() == nullptr ? 0 : g_split_policy.load();
+}
+
 // The calling thread's share of a product shape under the balanced split
 // (0-1; 0 when the shape has no measured share yet): for tests and benchmarks.
 __attribute__((visibility("default"))) double mlxd_blas_balanced_share(int trans_a, int trans_b, int m, int n, int k) {

@@ -298,8 +298,8 @@ NB_MODULE(_runtime, m) {
         "per thread (default 1024, MLX_DELEGATE_BLOCK_TILE_KB). -1 / 0 keeps a limit. Returns the previous "
         "(channels_kb, tile_kb).");
   m.def("set_linear_kernel", &mlxd::rt::set_linear_cpu, nb::arg("on"),
-        "fp32 linears on the CPU as one kernel, the bias added to each output block in cache (off by default; "
-        "MLX_DELEGATE_LINEAR_KERNEL=1 starts with it on) instead of MLX's matmul and a broadcast add; read "
+        "fp32 linears on the CPU as one kernel, the bias and a fused residual added to each output block in cache "
+        "(on by default; MLX_DELEGATE_LINEAR_KERNEL=0 starts with it off) instead of MLX's matmul and broadcast adds; read "
         "while a graph is built. Returns the previous setting.");
   m.def("linear_kernel", &mlxd::rt::linear_cpu_enabled);
   m.def("set_pool_spin_yield", &mlxd::rt::set_pool_spin_yield, nb::arg("on"),

@@ -161,6 +161,18 @@ def _(x: Tensor, weight: Tensor, bias: Tensor | None, act: str) -> Tensor:
     return x.new_empty([*x.shape[:-1], weight.shape[0]])
 
 
+@torch.library.custom_op("mlx_delegate::linear_residual", mutates_args=())
+def linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:
+    """linear(x, weight, bias) + residual, residual in the output's shape: a residual connection
+    fused into the linear before it (patterns/linear_residual.py)."""
+    return torch.nn.functional.linear(x, weight, bias) + residual
+
+
+@linear_residual.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:
+    return x.new_empty([*x.shape[:-1], weight.shape[0]])
+
+
 def _conv_fused(x: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int], padding: list[int],
                 padding_hi: list[int], dilation: list[int], groups: int) -> Tensor:
     # padding per spatial axis on the low side, padding_hi on the high side (F.pad lists the last axis first).

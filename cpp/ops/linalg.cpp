@@ -23,14 +23,28 @@ void exec_LinearNode(const mlxd::LinearNode& n, ExecContext& ctx) {
   const auto& x = ctx.in(n.x());
   const auto* b = ctx.maybe_in(n.bias());
   const auto bias = b ? std::optional<mx::array>(*b) : std::nullopt;
-  // fp32 on the CPU: the bias folded into the sgemm (kernels/linear_cpu.h); a fused activation
-  // keeps its own in-place pass, which takes the bias along.
-  if (!n.act() && linear_cpu_applies(x, w, bias)) return ctx.set(n.out(), linear_cpu(x, w, bias));
+  const auto* r = ctx.maybe_in(n.residual());
+  std::optional<mx::array> residual;
+  if (r) {
+    if (n.act()) throw NodeError("linear: a residual with a fused activation is not supported");
+    auto shape = x.shape();
+    if (shape.empty()) throw NodeError("linear input must have at least one axis");
+    shape.back() = w.shape(0);
+    if (r->shape() != shape || r->dtype() != x.dtype())
+      throw NodeError("linear residual must have the output's shape and dtype");
+    residual = *r;
+  }
+  // fp32 on the CPU: the bias, residual and a fused activation applied to each output block in cache
+  // (kernels/linear_cpu.h), inside the product's parallel parts.
+  const auto act = n.act() ? cpu_kernel_for(n.act_op()) : std::nullopt;
+  if ((!n.act() || act) && linear_cpu_applies(x, w, bias, residual))
+    return ctx.set(n.out(), linear_cpu(x, w, bias, residual, act));
   // transpose is a view: the kernel reads the [N, K] weight in place.
   auto y = gemm_lowp_cpu_linear_applies(x, w) ? gemm_lowp_cpu_linear(x, w) : product(x, mx::transpose(w));
   // A fused activation takes the bias along: one pass over the product (in place on the CPU).
   if (n.act()) return ctx.set(n.out(), unary_op(n.act_op(), y, bias));
   if (b) y = mx::add(y, *b);
+  if (r) y = mx::add(y, *r);
   ctx.set(n.out(), y);
 }
 

@@ -70,6 +70,25 @@ def linear_act(b: ProgramBuilder, n: torch.fx.Node) -> None:
                         act=True, act_op=LINEAR_ACT_OPS[act]))
 
 
+@register(torch.ops.mlx_delegate.linear_residual.default)
+def linear_residual(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    """A linear with a residual add fused (patterns/linear_residual.py): residual in the output's
+    shape and dtype."""
+    x, w, bias, residual = n.args
+    if len(b.shape_of(w)) != 2:
+        raise b.unsupported("linear with a non-2-D weight")
+    dtype = float_dtype(b, n)
+    if b.dtype_of(residual) != dtype:
+        raise b.unsupported(f"linear_residual residual of dtype {b.dtype_of(residual)}, output {dtype}")
+    out_shape, r_shape = b.shape_of(n), b.shape_of(residual)
+    if len(r_shape) != len(out_shape) or any(isinstance(a, int) and isinstance(c, int) and a != c
+                                             for a, c in zip(r_shape, out_shape)):
+        raise b.unsupported(f"linear_residual residual of shape {list(r_shape)}, output {list(out_shape)}")
+    b.emit(N.LinearNode(x=b.operand(x, dtype), weight=b.operand(w, dtype),
+                        bias=None if bias is None else b.operand(bias, dtype), out=b.out(n),
+                        residual=b.tensor(residual)))
+
+
 @register(torch.ops.mlx_delegate.linear_group.default)
 def linear_group(b: ProgramBuilder, n: torch.fx.Node) -> None:
     """Linears sharing input x (patterns/linear_group.py): one product over the weights

@@ -28,7 +28,8 @@ from torch.export import ExportedProgram
 
 from .. import custom_ops  # noqa: F401  (the fused ops)
 from . import (activations, attention, conv_batch_norm, conv_fusions, inverted_residual, kv_cache, layer_norm,
-               linear_activation, linear_group, quantized_epilogue, quantized_linear, rms_norm, rope, rope_kv)
+               linear_activation, linear_group, linear_residual, quantized_epilogue, quantized_linear, rms_norm, rope,
+               rope_kv)
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,8 @@ def preprocess_switches(disabled: Iterable[str]) -> frozenset[str]:
 
 
 # Fusions into ops the delegate already lowers (aten.layer_norm, gelu, silu, SDPA; linears
-# sharing an input into one `linear_group`; a linear's GELU / SiLU into it (`linear_act`);
+# sharing an input into one `linear_group`; a linear's GELU / SiLU into it (`linear_act`); a residual add
+# into the linear before it (`linear_residual`);
 # eval-mode BatchNorm folded into the convolution before it, then a zero pad before the convolution,
 # a residual add, a ReLU / ReLU6 / clamp and a hard-swish / SiLU / ... after it and a squeeze-excite
 # gate on its input fused into it, then MobileNet's inverted-residual blocks into one node each).
@@ -70,6 +72,9 @@ FUSIONS = {"fold_batch_norm": conv_batch_norm.apply,
            # after fuse_activations (written-out GELU / SiLU become aten ops) and fuse_linears (a gate
            # grouped with its up projection stays grouped)
            "fuse_linear_activation": linear_activation.apply,
+           # after the two above (a linear with an activation, or grouped, is not a plain linear any more): a
+           # residual add into the linear before it, added to each output block in cache
+           "fuse_linear_residual": linear_residual.apply,
            # after fuse_activations and fuse_linears: a grouped quantized gate / up with SiLU * up, and a
            # residual add, applied by the quantized product itself
            "fuse_quantized_glu": quantized_epilogue.fuse_glu,

@@ -1,5 +1,5 @@
-"""The CPU fp32 linear kernel (cpp/kernels/linear_cpu.cpp, opt-in, switched on here), each output
-block's bias added in the task that computes it: linears large enough to be cut into column blocks,
+"""The CPU fp32 linear kernel (cpp/kernels/linear_cpu.cpp, on by default, switched on here), each output
+block's bias (and a fused GELU / SiLU) applied in the task that computes it: linears large enough to be cut into column blocks,
 row blocks or run whole, with and without a bias, a strided bias, a non-contiguous input and 3-D
 inputs, match eager torch node by node, compiled and with the CPU kernels off (`lower_and_compare`);
 bf16 / fp16 take the low-precision matmul and must still match. The call counter proves the kernel
@@ -34,6 +34,10 @@ CASES = [
     *cases("columns_no_bias", lambda x, w: F.linear(x, w), randn((2, 37, 160), (200, 160)), FLOATS, **tol(160)),
     *cases("rows_bias", lambda x, w, b: F.linear(x, w, b), randn((520, 96), (40, 96), (40,)), FLOATS, **tol(96)),
     *cases("small_bias", lambda x, w, b: F.linear(x, w, b), randn((9, 40), (24, 40), (24,)), FLOATS, **tol(40)),
+    # a fused activation (fuse_linear_activation) applied to each block after its bias: column blocks, row blocks
+    *cases("columns_bias_gelu", lambda x, w, b: F.gelu(F.linear(x, w, b)), randn((2, 37, 160), (200, 160), (200,)),
+           FLOATS, **tol(160)),
+    *cases("rows_silu", lambda x, w: F.silu(F.linear(x, w)), randn((520, 96), (40, 96)), FLOATS, **tol(96)),
     *cases("noncontig_input_strided_bias", lambda x, w, b: F.linear(x.transpose(0, 1), w, b[::2]),
            randn((144, 140), (130, 144), (260,)), FLOATS, **tol(144)),
 ]
@@ -92,3 +96,24 @@ def test_split_shape_rejects_bad_values() -> None:
         _blas.set_split_shape(2, "diagonal")
     with pytest.raises(ValueError, match="parts per thread"):
         _blas.set_split_shape(0)
+
+
+@pytest.mark.skipif(_blas.mode() != "torch", reason="needs the BLAS front")
+@pytest.mark.parametrize("setting", ["measured", "balanced", "split off"])
+def test_kernel_steps_aside_unless_products_are_cut_evenly(setting: str) -> None:
+    """Under the front's other split policies, or with splitting off (MKL's own team), MLX's matmul
+    takes the linears, so those switches still decide how products run; the result is the same."""
+    torch.manual_seed(0)
+    x, w, b = torch.randn(70, 300), torch.randn(260, 300), torch.randn(260)
+    lowered = lower(_Linear(w, b).eval(), (x,))
+    previous = _blas.set_split_policy(setting) if setting != "split off" else _runtime.set_blas_split(False)
+    before = kernel_calls()
+    try:
+        got = lowered.fresh_method().execute([x])[0]
+    finally:
+        if setting == "split off":
+            _runtime.set_blas_split(True)
+        else:
+            _blas.set_split_policy(previous)
+    assert kernel_calls() == before
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-4, atol=fp32_tolerance(300)[1] * 10)
