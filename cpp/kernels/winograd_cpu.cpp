@@ -1,15 +1,16 @@
 // Winograd F(m x m, 3 x 3) convolution (see winograd_cpu.h).
 //
 // The output is cut into m x m tiles, TW per tile row; a group is a run of
-// tile rows (across images for small maps) whose transformed input V
-// [(m + 2)^2, C, T] and products Mt [(m + 2)^2, O, T] (T tiles) fit a core's
-// L2. Per group: the input transform (per channel, the tile row's m + 2 input
-// rows split into m phases, so every step below reads consecutive floats:
-// column t * m + j of a row is element t + j / m of phase j % m), the
-// (m + 2)^2 sgemms, then the output transform with the epilogue, each output
-// row written once. Many groups: each group is one task on one thread, in
-// cache. Few groups (small maps): the three phases run one after another,
-// each split over the cores (channels, the sgemms' elements, output channels).
+// tile rows (across images for small maps) of T tiles, whose transformed
+// input V [(m + 2)^2, C, T] and products Mt [(m + 2)^2, O, T] stay in cache.
+// Per group and input channel, the tiles' (m + 2)^2 elements are gathered
+// (each input row copied once into a zero-bordered row, read at stride m)
+// and B^T applied down and across them as flat passes over the T tiles; then
+// the (m + 2)^2 sgemms; then per output channel A^T the same way and each
+// output row written once with the epilogue. Many groups: each group is one
+// task on one thread. Few (small maps): the three steps run one after
+// another, each split over the cores (input channels, the sgemms' elements,
+// output channels).
 #include "kernels/winograd_cpu.h"
 
 #include <algorithm>
@@ -122,115 +123,83 @@ struct Plan {
   int64_t tile_rows() const { return int64_t{g.N} * TH; }
 };
 
-// Padded input row ih of `plane` split into M phases of L floats: P[k][t] =
-// row[t * M + k - pw], zero outside the input.
+// Tile row ti's input tiles of one channel plane, as S[i][j][t] (t: the
+// row's TW tiles at `S`, stride `ts` between (i, j) pairs): element (i, j) of
+// tile t is padded input row ti * M + i, column t * M + j. Each input row is
+// copied once into a zero-bordered row `pad` (M * TW + 2 floats), then read
+// at stride M; everything after runs flat over all the group's tiles.
 template <int M>
-[[gnu::always_inline]] inline void split_row(const WinogradGeometry& g, const float* plane, int ih, int L, float* P) {
-  if (ih < 0 || ih >= g.H) {
-    std::fill(P, P + M * L, 0.f);
-    return;
-  }
-  const float* row = plane + int64_t{ih} * g.W;
-  for (int k = 0; k < M; ++k) {
-    float* p = P + k * L;
-    // Input column t * M + k - pw lies in [0, W) for t in [lo, hi).
-    const int first = g.pw - k, limit = g.W + g.pw - k;
-    const int lo = std::min(L, first <= 0 ? 0 : (first + M - 1) / M);
-    const int hi = std::max(lo, std::min(L, limit <= 0 ? 0 : (limit + M - 1) / M));
-    std::fill(p, p + lo, 0.f);
-    const float* src = row + k - g.pw;
-    for (int t = lo; t < hi; ++t) p[t] = src[int64_t{t} * M];
-    std::fill(p + hi, p + L, 0.f);
-  }
-}
-
-// The input transform of channel plane `plane`, tile row ti, into V (at this
-// channel and the row's first tile; element stride `es`). scratch: 2 (M + 2) M (TW + 1) floats.
-template <int M>
-[[gnu::always_inline]] inline void input_row(const Plan& p, const float* plane, int ti, float* V, int64_t es,
-                                             float* scratch) {
+[[gnu::always_inline]] inline void gather_row(const Plan& p, const float* plane, int ti, float* S, int64_t ts,
+                                              float* pad) {
   constexpr int A = M + 2;
-  const int L = p.TW + 1, span = M * L;
-  float *P = scratch, *Q = scratch + A * span;
-  for (int i = 0; i < A; ++i) split_row<M>(p.g, plane, ti * M - p.g.ph + i, L, P + i * span);
-  const float* in[A];
-  float* out[A];
-  for (int i = 0; i < A; ++i) in[i] = P + i * span, out[i] = Q + i * span;
-  Tf<M>::bt(in, out, span);  // down the columns: all phases at once
-  for (int r = 0; r < A; ++r) {  // along each transformed row
-    for (int j = 0; j < A; ++j) in[j] = Q + r * span + (j % M) * L + j / M;
-    for (int v = 0; v < A; ++v) out[v] = V + (r * A + v) * es;
-    Tf<M>::bt(in, out, p.TW);
+  const WinogradGeometry& g = p.g;
+  const int TW = p.TW, width = M * TW + 2;
+  for (int i = 0; i < A; ++i) {
+    float* s = S + i * A * ts;
+    const int ih = ti * M - g.ph + i;
+    if (ih < 0 || ih >= g.H) {
+      for (int j = 0; j < A; ++j) std::fill(s + j * ts, s + j * ts + TW, 0.f);
+      continue;
+    }
+    // Input columns [0, W) land at pad[pw, pw + W); the rest of the row is zero.
+    const int lo = std::min(g.pw, width), n = std::max(0, std::min(g.W, width - lo));
+    std::fill(pad, pad + lo, 0.f);
+    std::memcpy(pad + lo, plane + int64_t{ih} * g.W, n * sizeof(float));
+    std::fill(pad + lo + n, pad + width, 0.f);
+    for (int j = 0; j < A; ++j) {
+      float* d = s + j * ts;
+      const float* src = pad + j;
+      for (int t = 0; t < TW; ++t) d[t] = src[t * M];
+    }
   }
 }
 
-// One output row's M phases R[k][t] (TW each) into dst (OW floats): + bias (+
-// the residual's row), the clamp, then the activation.
+// One output row's M phases R[k][t] (t: the row's TW tiles, phase stride
+// `ks`) into dst (OW floats): + bias (+ the residual's row), then the clamp.
 template <int M>
-[[gnu::always_inline]] inline void store_row(const WinogradGeometry& g, const float* R, int TW, float b,
+[[gnu::always_inline]] inline void store_row(const WinogradGeometry& g, const float* R, int64_t ks, float b,
                                              const float* res, float* dst) {
   const int full = g.OW / M, rest = g.OW - full * M;
   if (res) {
     for (int t = 0; t < full; ++t)
-      for (int k = 0; k < M; ++k) dst[t * M + k] = R[k * TW + t] + b + res[t * M + k];
-    for (int k = 0; k < rest; ++k) dst[full * M + k] = R[k * TW + full] + b + res[full * M + k];
+      for (int k = 0; k < M; ++k) dst[t * M + k] = R[k * ks + t] + b + res[t * M + k];
+    for (int k = 0; k < rest; ++k) dst[full * M + k] = R[k * ks + full] + b + res[full * M + k];
   } else {
     for (int t = 0; t < full; ++t)
-      for (int k = 0; k < M; ++k) dst[t * M + k] = R[k * TW + t] + b;
-    for (int k = 0; k < rest; ++k) dst[full * M + k] = R[k * TW + full] + b;
+      for (int k = 0; k < M; ++k) dst[t * M + k] = R[k * ks + t] + b;
+    for (int k = 0; k < rest; ++k) dst[full * M + k] = R[k * ks + full] + b;
   }
   if (g.clamp)
     for (int q = 0; q < g.OW; ++q) dst[q] = std::min(std::max(dst[q], g.lo), g.hi);
 }
 
-// The output transform of channel o, tile row ti of image n, from Mt (at this
-// channel and the row's first tile; element stride `es`). scratch: (M + 2) M TW + M M TW floats.
-template <int M>
-[[gnu::always_inline]] inline void output_row(const Plan& p, const float* Mt, int64_t es, int n, int ti, int o,
-                                              float* scratch) {
-  constexpr int A = M + 2;
-  const int TW = p.TW;
-  float *S = scratch, *R = scratch + A * M * TW;
-  const float* in[A];
-  float* out[A];
-  for (int r = 0; r < A; ++r) {  // along each row of the tile's elements
-    for (int v = 0; v < A; ++v) in[v] = Mt + (r * A + v) * es;
-    for (int k = 0; k < M; ++k) out[k] = S + (r * M + k) * TW;
-    Tf<M>::at(in, out, TW);
-  }
-  for (int k = 0; k < M; ++k) {  // then down each column
-    for (int r = 0; r < A; ++r) in[r] = S + (r * M + k) * TW;
-    for (int q = 0; q < M; ++q) out[q] = R + (q * M + k) * TW;
-    Tf<M>::at(in, out, TW);
-  }
-  const WinogradGeometry& g = p.g;
-  const float b = p.bias ? p.bias[o] : 0.f;
-  const int64_t plane = (int64_t{n} * g.O + o) * g.OH * g.OW;
-  const int rows = std::min(M, g.OH - ti * M);
-  for (int q = 0; q < rows; ++q) {
-    const int64_t at = plane + int64_t{ti * M + q} * g.OW;
-    store_row<M>(g, R + q * M * TW, TW, b, p.residual ? p.residual + at : nullptr, p.y + at);
-  }
-  if (g.act >= 0) unary_cpu_map(static_cast<UnaryKernel>(g.act))(p.y + plane + int64_t{ti} * M * g.OW,
-                                                                  p.y + plane + int64_t{ti} * M * g.OW,
-                                                                  int64_t{rows} * g.OW);
-}
-
-// Channels [c0, c1) of the group's tile rows [r0, r1) into V [A^2, C, T].
+// Channels [c0, c1) of the group's tile rows [r0, r1) into V [A^2, C, T]:
+// per channel the tiles gathered (gather_row), then B^T down the tiles'
+// columns and along their rows, each a flat pass over the T tiles.
 template <int M>
 [[gnu::always_inline]] inline void group_input(const Plan& p, int64_t r0, int64_t r1, int c0, int c1, float* V,
                                                int64_t T) {
   constexpr int A = M + 2;
   thread_local std::vector<float> scratch;
-  scratch.resize(2 * A * M * (p.TW + 1));
+  scratch.resize(2 * A * A * T + M * p.TW + 2);
+  float *S = scratch.data(), *Z = S + A * A * T, *pad = Z + A * A * T;
   const WinogradGeometry& g = p.g;
-  for (int c = c0; c < c1; ++c)
+  const float* in[A];
+  float* out[A];
+  for (int c = c0; c < c1; ++c) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t n = r / p.TH;
-      const float* plane = p.x + (n * g.C + c) * g.H * g.W;
-      input_row<M>(p, plane, static_cast<int>(r % p.TH), V + c * T + (r - r0) * p.TW, int64_t{g.C} * T,
-                   scratch.data());
+      gather_row<M>(p, p.x + (n * g.C + c) * g.H * g.W, static_cast<int>(r % p.TH), S + (r - r0) * p.TW, T,
+                    pad);
     }
+    for (int i = 0; i < A; ++i) in[i] = S + i * A * T, out[i] = Z + i * A * T;
+    Tf<M>::bt(in, out, A * T);  // Z[u][j] = sum_i B^T[u][i] S[i][j], all j at once
+    for (int u = 0; u < A; ++u) {
+      for (int j = 0; j < A; ++j) in[j] = Z + (u * A + j) * T;
+      for (int v = 0; v < A; ++v) out[v] = V + ((u * A + v) * int64_t{g.C} + c) * T;
+      Tf<M>::bt(in, out, T);
+    }
+  }
 }
 
 // The products of elements [e0, e1): Mt[e] = U[e] [O, C] x V[e] [C, T].
@@ -243,17 +212,40 @@ void group_gemm(const Plan& p, int e0, int e1, const float* V, float* Mt, int64_
          0.f, Mt + e * int64_t{g.O} * T, static_cast<int>(T));
 }
 
-// Output channels [o0, o1) of the group's tile rows [r0, r1) from Mt.
+// Output channels [o0, o1) of the group's tile rows [r0, r1) from Mt: per
+// channel A^T along the tiles' rows and down their columns (flat passes over
+// the T tiles), then each output row written once with the epilogue.
 template <int M>
 [[gnu::always_inline]] inline void group_output(const Plan& p, int64_t r0, int64_t r1, int o0, int o1,
                                                 const float* Mt, int64_t T) {
   constexpr int A = M + 2;
   thread_local std::vector<float> scratch;
-  scratch.resize((A * M + M * M) * p.TW);
-  for (int o = o0; o < o1; ++o)
-    for (int64_t r = r0; r < r1; ++r)
-      output_row<M>(p, Mt + o * T + (r - r0) * p.TW, int64_t{p.g.O} * T, static_cast<int>(r / p.TH),
-                    static_cast<int>(r % p.TH), o, scratch.data());
+  scratch.resize((A * M + M * M) * T);
+  float *S = scratch.data(), *R = S + A * M * T;
+  const WinogradGeometry& g = p.g;
+  const float* in[A];
+  float* out[A];
+  for (int o = o0; o < o1; ++o) {
+    for (int u = 0; u < A; ++u) {
+      for (int v = 0; v < A; ++v) in[v] = Mt + ((u * A + v) * int64_t{g.O} + o) * T;
+      for (int k = 0; k < M; ++k) out[k] = S + (u * M + k) * T;
+      Tf<M>::at(in, out, T);
+    }
+    for (int u = 0; u < A; ++u) in[u] = S + u * M * T;
+    for (int q = 0; q < M; ++q) out[q] = R + q * M * T;
+    Tf<M>::at(in, out, M * T);  // R[q][k] = sum_u A^T[q][u] S[u][k], all k at once
+    const float b = p.bias ? p.bias[o] : 0.f;
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t n = r / p.TH;
+      const int ti = static_cast<int>(r % p.TH), rows = std::min(M, g.OH - ti * M);
+      const int64_t first = (n * g.O + o) * g.OH * g.OW + int64_t{ti} * M * g.OW;
+      for (int q = 0; q < rows; ++q) {
+        const int64_t at = first + int64_t{q} * g.OW;
+        store_row<M>(g, R + q * M * T + (r - r0) * p.TW, T, b, p.residual ? p.residual + at : nullptr, p.y + at);
+      }
+      if (g.act >= 0) unary_cpu_map(static_cast<UnaryKernel>(g.act))(p.y + first, p.y + first, int64_t{rows} * g.OW);
+    }
+  }
 }
 
 // The per-group work compiled for one ISA (the transforms' loops vectorise
@@ -302,13 +294,18 @@ int64_t group_floats() {
   return v;
 }
 
+constexpr int64_t kMinTiles = 64;
+
 template <int M>
 void run(Plan& p) {
   constexpr int A2 = (M + 2) * (M + 2);
   const Work<M> k = work<M>();
   const WinogradGeometry& g = p.g;
   const int64_t per_tile = A2 * (int64_t{g.C} + g.O);
-  p.rows = static_cast<int>(std::clamp<int64_t>(group_floats() / (per_tile * p.TW), 1, p.tile_rows()));
+  // Groups of at least kMinTiles tiles (where the map has them): narrower products run the sgemm far
+  // below its peak, and each group reads all the weights again.
+  const int64_t fit = group_floats() / (per_tile * p.TW), least = (kMinTiles + p.TW - 1) / p.TW;
+  p.rows = static_cast<int>(std::clamp<int64_t>(std::max(fit, least), 1, p.tile_rows()));
   const int64_t groups = (p.tile_rows() + p.rows - 1) / p.rows;
   const int threads = cpu_pool_threads();
   auto bounds = [&](int64_t gi) { return std::make_pair(gi * p.rows, std::min(p.tile_rows(), (gi + 1) * p.rows)); };
@@ -389,9 +386,11 @@ int winograd_tile(const WinogradGeometry& g, bool eligible) {
   if (mode == 2 || mode == 4) return mode;
   // The measured gate (see docs/performance.md): F(4x4) where the channels fill the products and the
   // map gives enough tiles; F(2x2) on smaller maps; the im2col path below that.
+  // Tiles per product: below ~49 the (m + 2)^2 products are too narrow to pay for reading their weights.
   if (g.C < 32 || g.O < 32) return 0;
-  const int64_t outputs = int64_t{g.N} * g.OH * g.OW;
-  if (outputs >= 196) return 4;
+  const auto tiles = [&](int m) { return int64_t{g.N} * ((g.OH + m - 1) / m) * ((g.OW + m - 1) / m); };
+  if (tiles(4) >= 49) return 4;
+  if (tiles(2) >= 49) return 2;
   return 0;
 }
 
