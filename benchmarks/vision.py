@@ -15,13 +15,16 @@ needs torchvision), so MobileNetV3-Large is built here from `torch.nn` modules a
     python benchmarks/vision.py [--quick] [--models resnet18,mobilenet_v2] [--batches 1,8]
                                 [--engines delegate,eager,xnnpack] [--budget S] [--json out.json]
                                 [--off fold_conv_pad+fuse_conv_residual,fuse_conv_activation]
-                                [--conv-tiles-off] [--threads N]
+                                [--conv-tiles-off] [--winograd 0,2,4] [--threads N]
 
 --off: one more delegate engine per comma-separated entry, lowered with those `MLXPartitioner`
 switches off (`+` joins several in one engine), timed in turn with the others (a fusion's A/B).
 --conv-tiles-off: one more delegate engine running the CPU convolution's whole-image passes and
 row-by-row depthwise loop (`_runtime.set_conv_tiles(False)` around its calls) instead of its tiles,
 channel blocks and padded depthwise grid (the kernel's A/B, same program).
+--winograd MODES: one more delegate engine per mode with the CPU convolution's Winograd switch at that
+mode during its calls (`_runtime.set_conv_winograd`: 0 off, i.e. im2col for every 3x3; 2 / 4 F(2x2) /
+F(4x4) on every 3x3 stride-1 convolution; the default engine runs 1, the measured gate).
 --threads N: eager torch's thread count (default 2); `taskset -c 1 ... --threads 1` compares the
 engines' work on one core, where a loaded machine's scheduling weighs least.
 
@@ -253,6 +256,13 @@ def _conv_tiles_off(engine: common.Engine) -> common.Engine:
     return common.switched(engine, _runtime.conv_tiles, _runtime.set_conv_tiles, False)
 
 
+def _winograd(engine: common.Engine, mode: int) -> common.Engine:
+    """`engine` with the CPU convolution's Winograd mode at `mode` during its calls (its own program)."""
+    from mlx_delegate import _runtime
+
+    return common.switched(engine, _runtime.conv_winograd, _runtime.set_conv_winograd, mode)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="ResNet-18 and MobileNetV2 at batch 1, fewer rounds")
@@ -265,6 +275,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--threads", type=int, help="eager torch's thread count (default 2)")
     p.add_argument("--conv-tiles-off", action="store_true",
                    help="an extra delegate engine with the CPU convolution's tiled path off")
+    p.add_argument("--winograd", help="extra delegate engines at these Winograd modes: 0 (off), 2, 4")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -284,6 +295,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.conv_tiles_off:
         ENGINES["delegate-tiles-off"] = ("mlx_delegate, conv tiles off", _conv_tiles_off(ENGINES["delegate"][1]))
         engines.insert(1, "delegate-tiles-off")
+    for mode in filter(None, (args.winograd or "").split(",")):
+        key = f"delegate-winograd-{mode}"
+        ENGINES[key] = (f"mlx_delegate, winograd {mode}", _winograd(ENGINES["delegate"][1], int(mode)))
+        engines.insert(1, key)
     settings = replace(QUICK if args.quick else Settings(budget_s=6.0, max_rounds=30), warmup=2)
     if args.budget is not None:
         settings = replace(settings, budget_s=args.budget)

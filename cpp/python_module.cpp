@@ -22,6 +22,7 @@
 #include "kernels/attention_cpu.h"
 #include "kernels/block_cpu.h"
 #include "kernels/conv_cpu.h"
+#include "kernels/winograd_cpu.h"
 #include "kernels/cpu_parallel.h"
 #include "kernels/linear_cpu.h"
 #include "kernels/qgemv_cpu.h"
@@ -291,6 +292,11 @@ NB_MODULE(_runtime, m) {
         "and small-map depthwise convolutions on a padded grid, instead of whole-image passes (on by default; MLX_DELEGATE_CONV_TILES=0 starts with them off), from the "
         "next call on.");
   m.def("conv_tiles", &mlxd::rt::conv_tiles);
+  m.def("set_conv_winograd", &mlxd::rt::set_conv_winograd, nb::arg("mode"),
+        "3x3 stride-1 CPU convolutions as Winograd F(m x m, 3 x 3): 0 off (im2col + sgemm), 1 where the measured "
+        "gate says it wins (default; MLX_DELEGATE_CONV_WINOGRAD sets the start value), 2 / 4 F(2x2) / F(4x4) on "
+        "every such convolution (tests, per-layer timings), from the next call on. Returns the previous mode.");
+  m.def("conv_winograd", &mlxd::rt::conv_winograd);
   m.def("set_block_tiling", &mlxd::rt::set_block_tiling, nb::arg("channels_kb") = -1, nb::arg("tile_kb") = 0,
         "The inverted-residual CPU kernel's size limits in KiB (A/B runs, tests): maps whose expanded activation "
         "takes at most channels_kb run whole, split over channel blocks (0: never; default 1024, "

@@ -115,6 +115,23 @@ mx::array ExecContext::in_as(const mlxd::Tid* tid, mx::Dtype dtype) {
   return c;
 }
 
+std::optional<mx::array> ExecContext::derived_constant(const mlxd::Tid* tid, int key,
+                                                      const std::function<mx::array(const mx::array&)>& make) {
+  const mx::array& a = in(tid);
+  if (converted == nullptr || !converted->is_constant[tid->idx()]) return std::nullopt;
+  std::lock_guard<std::mutex> lock(converted->mutex);
+  auto it = converted->derived.find({tid->idx(), key});
+  if (it != converted->derived.end()) {
+    if (it->second.source.id() == a.id()) return it->second.value;
+    return std::nullopt;  // the slot holds something else now
+  }
+  if (a.status() != mx::array::Status::available) eval_follow_up({a});
+  mx::array c = make(a);
+  eval_follow_up({c});
+  converted->derived.emplace(std::make_pair(tid->idx(), key), ConvertedConstants::Entry{a, c});
+  return c;
+}
+
 void ExecContext::guard_index(const mlxd::Tid* tid, int64_t lo, int64_t hi, std::string what) {
   IndexGuard guard{tid->idx(), lo, hi, std::move(what)};
   check_index_guard(in(tid), guard);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -73,6 +74,7 @@ struct ConvertedConstants {
     mx::array value;
   };
   std::map<std::pair<uint32_t, int>, Entry> arrays;  // (slot, dtype) -> converted copy
+  std::map<std::pair<uint32_t, int>, Entry> derived;  // (slot, key) -> ExecContext::derived_constant's value
 };
 
 // Constants converted by ExecContext::in_as so far, process-wide (tests prove it happens once per program).
@@ -99,6 +101,10 @@ struct ExecContext {
   // dtype): no conversion node per call, in compiled graphs either. Anything else: mx::astype.
   mx::array in_as(const mlxd::Tid* tid, mx::Dtype dtype);
   ConvertedConstants* converted = nullptr;
+  // A value computed from a constant by `make` (e.g. a convolution's weights in the Winograd domain), once per
+  // loaded program under (slot, key) and kept, like in_as; std::nullopt when the slot holds no constant.
+  std::optional<mx::array> derived_constant(const mlxd::Tid* tid, int key,
+                                            const std::function<mx::array(const mx::array&)>& make);
 
   // Optional tensor field (e.g. bias): nullptr when absent.
   const mx::array* maybe_in(const mlxd::Tid* tid) const { return tid ? &in(tid) : nullptr; }

@@ -23,6 +23,7 @@
 #include "kernels/cpu_parallel.h"
 #include "kernels/unary_cpu.h"
 #include "kernels/vec_math_cpu.h"
+#include "kernels/winograd_cpu.h"
 
 namespace mlxd::rt {
 namespace mx = mlx::core;
@@ -546,7 +547,7 @@ int64_t fold_scale(const Geometry& g, const float* s, const float*& x, const flo
 
 struct ConvCall {
   Tensor x, w;
-  std::optional<Tensor> bias, residual, scale;
+  std::optional<Tensor> bias, residual, scale, wino;  // wino: the weights in the Winograd domain
   void* y;
   mx::Dtype out_dtype;
   Geometry g;
@@ -568,7 +569,19 @@ void run_conv(const ConvCall& c) {
     ys.resize(out_n);
     y = ys.data();
   }
-  if (g.Cg() == 1) {
+  const WinogradGeometry wg{g.N, g.C, g.H, g.W, g.O, g.OH, g.OW, g.ph, g.pw, g.clamp, g.lo, g.hi, g.act};
+  const bool wino_ok = g.KH == 3 && g.KW == 3 && g.sh == 1 && g.sw == 1 && g.dh == 1 && g.dw == 1 &&
+                       g.groups == 1 && !c.scale;
+  if (const int m = winograd_tile(wg, wino_ok)) {  // else (switched off, another shape): im2col below
+    cpu_kernel_note_call(m == 2 ? "conv_winograd2" : "conv_winograd4");
+    const bool given = c.wino && c.wino->contiguous && c.wino->shape[0] == (m + 2) * (m + 2);
+    thread_local std::vector<float> made;  // weights that are not a constant (or another tile): each call
+    if (!given) {
+      made.resize(size_t(m + 2) * (m + 2) * g.O * g.C);
+      winograd_weights(w, g.O, g.C, m, made.data());
+    }
+    winograd_conv(wg, m, x, given ? static_cast<const float*>(c.wino->data) : made.data(), bias, residual, y);
+  } else if (g.Cg() == 1) {
     depthwise(g, x, w, w_image, bias, residual, y);
   } else {
     const bool direct = g.KH == 1 && g.KW == 1 && g.sh == 1 && g.sw == 1 && g.ph == 0 && g.pw == 0 &&
@@ -655,19 +668,22 @@ void run_conv(const ConvCall& c) {
 
 class ConvCpu : public mx::UnaryPrimitive {
  public:
-  ConvCpu(mx::Stream s, Geometry g, bool has_bias, bool has_residual, bool has_scale)
-      : mx::UnaryPrimitive(s), g_(g), has_bias_(has_bias), has_residual_(has_residual), has_scale_(has_scale) {}
+  ConvCpu(mx::Stream s, Geometry g, bool has_bias, bool has_residual, bool has_scale, bool has_wino)
+      : mx::UnaryPrimitive(s), g_(g), has_bias_(has_bias), has_residual_(has_residual), has_scale_(has_scale),
+        has_wino_(has_wino) {}
 
   // in: x [N, C, H, W], w [O, C/g, KH, KW], then the bias [O], the residual
-  // [N, O, OH, OW] and the input scale [N, C] when present; any strides.
+  // [N, O, OH, OW], the input scale [N, C] and the Winograd weights when present; any strides.
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     auto& encoder = begin_cpu_task(stream(), in, out);
     Geometry g = g_;
     g.N = in[0].shape(0);
-    ConvCall c{tensor(in[0]), tensor(in[1]), std::nullopt, std::nullopt, std::nullopt, out.data<void>(), out.dtype(), g};
-    if (has_bias_) c.bias = tensor(in[2]);
-    if (has_residual_) c.residual = tensor(in[has_bias_ ? 3 : 2]);
-    if (has_scale_) c.scale = tensor(in.back());
+    ConvCall c{tensor(in[0]), tensor(in[1]), {}, {}, {}, {}, out.data<void>(), out.dtype(), g};
+    size_t i = 2;
+    if (has_bias_) c.bias = tensor(in[i++]);
+    if (has_residual_) c.residual = tensor(in[i++]);
+    if (has_scale_) c.scale = tensor(in[i++]);
+    if (has_wino_) c.wino = tensor(in[i]);
     cpu_kernel_note_call(g.Cg() == 1 ? "conv_depthwise" : "conv_gemm");
     encoder.dispatch([c = std::move(c)] { run_conv(c); });
   }
@@ -680,7 +696,7 @@ class ConvCpu : public mx::UnaryPrimitive {
     // The ints (the activation's included) compared as one block (no padding among them), then the clamp.
     return std::memcmp(&g_, &o.g_, offsetof(Geometry, clamp)) == 0 && g_.clamp == o.g_.clamp &&
            g_.lo == o.g_.lo && g_.hi == o.g_.hi && has_bias_ == o.has_bias_ &&
-           has_residual_ == o.has_residual_ && has_scale_ == o.has_scale_;
+           has_residual_ == o.has_residual_ && has_scale_ == o.has_scale_ && has_wino_ == o.has_wino_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     return {{in[0].shape(0), g_.O, g_.OH, g_.OW}};
@@ -688,7 +704,7 @@ class ConvCpu : public mx::UnaryPrimitive {
 
  private:
   Geometry g_;
-  bool has_bias_, has_residual_, has_scale_;
+  bool has_bias_, has_residual_, has_scale_, has_wino_;
 };
 
 }  // namespace
@@ -716,7 +732,7 @@ mx::array conv_cpu(const mx::array& x, const mx::array& w, const std::optional<m
                    const std::vector<int>& stride, const std::vector<int>& padding, const std::vector<int>& dilation,
                    int groups, std::optional<std::pair<float, float>> clamp, const std::vector<int>& padding_hi,
                    const std::optional<mx::array>& residual, std::optional<UnaryKernel> act,
-                   const std::optional<mx::array>& in_scale) {
+                   const std::optional<mx::array>& in_scale, const std::optional<mx::array>& winograd_w) {
   if (!conv_cpu_applies(x, w, bias ? &*bias : nullptr, groups, residual ? &*residual : nullptr,
                         in_scale ? &*in_scale : nullptr))
     throw std::invalid_argument("conv_cpu: operands it does not take");
@@ -757,8 +773,11 @@ mx::array conv_cpu(const mx::array& x, const mx::array& w, const std::optional<m
       throw std::invalid_argument("conv: the input scale needs one value per image and input channel");
     inputs.push_back(mx::reshape(*in_scale, {g.N, g.C}));
   }
+  if (winograd_w && winograd_weights_tile(*winograd_w, g.O, g.C) == 0)
+    throw std::invalid_argument("conv: Winograd weights of another shape than the convolution's");
+  if (winograd_w) inputs.push_back(*winograd_w);
   auto prim = std::make_shared<ConvCpu>(mx::default_stream(mx::Device::cpu), g, bias.has_value(), residual.has_value(),
-                                        in_scale.has_value());
+                                        in_scale.has_value(), winograd_w.has_value());
   auto y = mx::array({g.N, g.O, g.OH, g.OW}, x.dtype(), std::move(prim), std::move(inputs));
   return one_d ? mx::reshape(y, {g.N, g.O, g.OW}) : y;
 }

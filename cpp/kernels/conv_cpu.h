@@ -36,7 +36,10 @@ bool conv_cpu_applies(const mlx::core::array& x, const mlx::core::array& w, cons
 // fused hard-swish, SiLU, ...) on the same results while they are in cache.
 // `in_scale` ([N, C], N * C elements) multiplies the input per image and
 // channel first (a squeeze-excite gate), folded into the weights or the input
-// inside the kernel. The result has x's dtype.
+// inside the kernel. `winograd_w`: w already transformed by winograd_weights
+// (a constant's, made once), used when the Winograd path runs with that tile
+// (kernels/winograd_cpu.h: 3x3 stride-1 convolutions, set_conv_winograd);
+// without it that path transforms w on each call. The result has x's dtype.
 // The tiled paths on or off from the next call on (A/B runs, parity tests of
 // the whole-image path): large products in tiles of output rows (im2col and
 // sgemm per tile, one tile per thread, in cache), smaller one-image products in
@@ -54,6 +57,7 @@ mlx::core::array conv_cpu(const mlx::core::array& x, const mlx::core::array& w,
                           const std::vector<int>& padding_hi = {},
                           const std::optional<mlx::core::array>& residual = std::nullopt,
                           std::optional<UnaryKernel> act = std::nullopt,
-                          const std::optional<mlx::core::array>& in_scale = std::nullopt);
+                          const std::optional<mlx::core::array>& in_scale = std::nullopt,
+                          const std::optional<mlx::core::array>& winograd_w = std::nullopt);
 
 }  // namespace mlxd::rt

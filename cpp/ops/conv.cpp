@@ -15,6 +15,7 @@
 #include "kernels/conv_cpu.h"
 #include "kernels/pool_cpu.h"
 #include "kernels/rows_cpu.h"
+#include "kernels/winograd_cpu.h"
 
 namespace mlxd::rt {
 namespace {
@@ -331,15 +332,16 @@ mx::array conv_forward(const mx::array& x, const mx::array& w, const mx::array* 
                        const std::vector<int>& padding, const std::vector<int>& padding_hi,
                        const std::vector<int>& dilation, int groups, std::optional<std::pair<float, float>> clamp,
                        const mx::array* residual, const mx::array* in_scale = nullptr,
-                       std::optional<mlxd::UnaryOp> act = std::nullopt) {
+                       std::optional<mlxd::UnaryOp> act = std::nullopt, const mx::array* winograd_w = nullptr) {
   // The activation inside the CPU kernel's epilogue when it has one, else after the convolution.
   const std::optional<UnaryKernel> act_kernel = act ? cpu_kernel_for(*act) : std::nullopt;
   if (conv_cpu_applies(x, w, bias, groups, residual, in_scale)) {  // channels-first, no transposes
-    std::optional<mx::array> b, r, s;
+    std::optional<mx::array> b, r, s, u;
     if (bias) b = *bias;
     if (residual) r = *residual;
     if (in_scale) s = *in_scale;
-    auto y = conv_cpu(x, w, b, stride, padding, dilation, groups, clamp, padding_hi, r, act_kernel, s);
+    if (winograd_w) u = *winograd_w;
+    auto y = conv_cpu(x, w, b, stride, padding, dilation, groups, clamp, padding_hi, r, act_kernel, s, u);
     return act && !act_kernel ? unary_op(*act, y) : y;
   }
   mx::Shape scale_shape(x.ndim(), 1);
@@ -404,8 +406,13 @@ void exec_ConvNode(const mlxd::ConvNode& n, ExecContext& ctx) {
   std::optional<mlxd::UnaryOp> act;
   if (n.act()) act = n.act_op();
   if (!n.transpose()) {
+    // A constant 3x3 weight the CPU kernel will run as a Winograd convolution: transformed once per program.
+    std::optional<mx::array> wino;
+    if (conv_cpu_applies(x, w, bias, groups, residual, in_scale))
+      if (const int m = winograd_tile_for(x, w, stride, padding, padding_hi, dilation, groups, in_scale != nullptr))
+        wino = ctx.derived_constant(n.weight(), m, [m](const mx::array& a) { return winograd_weights(a, m); });
     ctx.set(n.out(), conv_forward(x, w, bias, stride, padding, padding_hi, dilation, groups, clamp, residual,
-                                  in_scale, act));
+                                  in_scale, act, wino ? &*wino : nullptr));
     return;
   }
   mx::array y = channels_first(conv_transpose(channels_last(x), w, stride, padding, dilation,
