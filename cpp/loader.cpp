@@ -300,6 +300,9 @@ std::shared_ptr<const LoadedProgram> load_program(const void* data, size_t size,
   if (p->version() != kSchemaVersion)
     fail("payload schema version " + std::to_string(p->version()) + " is not supported (runtime reads " +
          std::to_string(kSchemaVersion) + ")");
+  if (p->min_revision() > kSchemaRevision)
+    fail("payload uses schema revision " + std::to_string(p->min_revision()) + " but this runtime reads up to " +
+         std::to_string(kSchemaRevision) + ": it was lowered by a newer mlx-delegate; upgrade the runtime");
   const uint32_t nt = p->num_tensors(), nv = p->num_values();
   // Every slot in use is named by at least one 4-byte id in the payload, so
   // counts above the payload size are corrupt (and would cost memory per call).

@@ -30,6 +30,8 @@ namespace mlxd::rt {{
 struct ExecContext;
 
 constexpr uint32_t kSchemaVersion = {version};
+// The newest `since` revision this runtime reads (schema rules, top of the .fbs).
+constexpr uint32_t kSchemaRevision = {revision};
 constexpr const char* kFileIdentifier = "{ident}";
 constexpr int kNumNodeTypes = {count};
 
@@ -95,7 +97,7 @@ def generate(schema_path: Path, out_dir: Path) -> None:
         visits.append(f"    case mlxd::Node::{m}: {{\n"
                       f"      [[maybe_unused]] auto* n = static_cast<const mlxd::{m}*>(node);\n"
                       + "".join(f"      {line}\n" for line in body) + "      break;\n    }")
-    fmt = dict(schema=schema_path.name, version=s.version, ident=s.file_identifier, count=len(members))
+    fmt = dict(schema=schema_path.name, version=s.version, revision=s.revision, ident=s.file_identifier, count=len(members))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "ops_generated.h").write_text(
         HEADER.format(decls="\n".join(decls), visits="\n".join(visits), **fmt))

@@ -32,6 +32,7 @@ class Field:
     type: str  # element type name ("int32", "Tid", "UnaryOp", "string", ...)
     is_vector: bool = False
     default: str | None = None
+    since: int = 0  # the schema revision that appended it, where ignoring it changes results
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Schema:
     file_identifier: str = ""
     root_type: str = ""
     version: int = 0
+    revision: int = 0
     enums: dict[str, Enum] = field(default_factory=dict)
     structs: dict[str, Struct] = field(default_factory=dict)
     tables: dict[str, Table] = field(default_factory=dict)
@@ -85,14 +87,17 @@ class Schema:
 
 _COMMENT = re.compile(r"//[^\n]*")
 _BLOCK = re.compile(r"\b(enum|struct|table|union)\s+(\w+)\s*(?::\s*(\w+))?\s*\{(.*?)\}", re.S)
-_FIELD = re.compile(r"(\w+)\s*:\s*(\[?\s*\w+\s*\]?)\s*(?:=\s*([^;(]+?))?\s*(?:\([^)]*\))?\s*;")
+_FIELD = re.compile(r"(\w+)\s*:\s*(\[?\s*\w+\s*\]?)\s*(?:=\s*([^;(]+?))?\s*(?:\(([^)]*)\))?\s*;")
+_SINCE = re.compile(r"\bsince\s*:\s*(\d+)")
 
 
 def parse(text: str) -> Schema:
     """Parse schema text into a `Schema`."""
     version = re.search(r"SCHEMA_VERSION:\s*(\d+)", text)
+    revision = re.search(r"SCHEMA_REVISION:\s*(\d+)", text)
     body = _COMMENT.sub("", text)
-    schema = Schema(version=int(version.group(1)) if version else 0)
+    schema = Schema(version=int(version.group(1)) if version else 0,
+                    revision=int(revision.group(1)) if revision else 0)
     if m := re.search(r"namespace\s+([\w.]+)\s*;", body):
         schema.namespace = m.group(1)
     if m := re.search(r'file_identifier\s+"(\w+)"\s*;', body):
@@ -113,10 +118,12 @@ def parse(text: str) -> Schema:
             schema.unions[name] = Union(name, members)
         else:
             fields = []
-            for fname, ftype, default in _FIELD.findall(inner):
+            for fname, ftype, default, attrs in _FIELD.findall(inner):
                 ftype = ftype.replace(" ", "")
                 vec = ftype.startswith("[")
-                fields.append(Field(fname, ftype.strip("[]"), vec, default.strip() or None))
+                since = _SINCE.search(attrs)
+                fields.append(Field(fname, ftype.strip("[]"), vec, default.strip() or None,
+                                    int(since.group(1)) if since else 0))
             (schema.structs if kind == "struct" else schema.tables)[name] = (
                 Struct(name, fields) if kind == "struct" else Table(name, fields))
     return schema

@@ -21,6 +21,7 @@ from . import fbs
 
 SCHEMA = fbs.load(fbs.schema_path())
 VERSION = SCHEMA.version
+REVISION = SCHEMA.revision
 FILE_IDENTIFIER = SCHEMA.file_identifier
 
 _FLAGS = {
@@ -153,8 +154,40 @@ def _write_table(b: flatbuffers.Builder, name: str, obj: Any) -> int:
     return b.EndObject()
 
 
+def _is_default(f: fbs.Field, v: Any) -> bool:
+    """Whether scalar `v` equals the field's schema default (what a reader that lacks the field sees)."""
+    default = f.default or "0"
+    if default in ("true", "false"):
+        return bool(v) == (default == "true")
+    if SCHEMA.kind(f.type) == "enum" and default in SCHEMA.enums[f.type].values:
+        return int(v) == SCHEMA.enums[f.type].values[default]
+    return float(v) == float(default)
+
+
+def required_revision(obj: Any) -> int:
+    """The highest `since` revision among the fields `obj` (a table object) uses: set, and for
+    scalars different from the default, so that a reader ignoring them would compute something else."""
+    name = type(obj).__name__
+    if name not in SCHEMA.tables:
+        return 0
+    need = 0
+    for f in SCHEMA.tables[name].fields:
+        v = getattr(obj, f.name)
+        if v is None:
+            continue
+        kind = SCHEMA.kind(f.type)
+        if f.since and (kind not in ("scalar", "enum") or f.is_vector or not _is_default(f, v)):
+            need = max(need, f.since)
+        if kind in ("table", "union"):
+            need = max([need] + [required_revision(c) for c in (v if f.is_vector else [v])])
+    return need
+
+
 def serialize(program: Any) -> bytes:
-    """Serialize a root-type object (a `Program`) to FlatBuffer bytes."""
+    """Serialize a root-type object (a `Program`) to FlatBuffer bytes. A `min_revision` left unset
+    is filled with what the program uses (at least 1), so an older runtime rejects what it cannot read."""
+    if getattr(program, "min_revision", 0) is None:
+        program = dataclasses.replace(program, min_revision=max(1, required_revision(program)))
     b = flatbuffers.Builder(1024)
     root = _write_table(b, SCHEMA.root_type, program)
     b.Finish(root, file_identifier=SCHEMA.file_identifier.encode())
