@@ -63,6 +63,17 @@ def export_1b(path: Path, layers: int) -> None:
     export.save_pte(random_llama(104, **shape), path, quantize="int4")
 
 
+def anon_huge_mb() -> float:
+    """The process's memory in transparent huge pages (AnonHugePages), in MB; 0 where Linux does not say."""
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024 / 1e6
+    except OSError:
+        pass
+    return 0.0
+
+
 def run_block(g: Generator, steps: int) -> dict[str, float]:
     """`steps` single-token steps with the counters reset first; the sums and the wall / CPU times."""
     if g.pos + steps >= g.max_seq_len:
@@ -129,10 +140,13 @@ def main(argv: list[str] | None = None) -> None:
     states = (None,) if args.switch == "none" else (False, True)
     variants = [(path, on) for path in args.programs for on in states]
     gens: dict[tuple[Path, bool | None], Generator] = {}
+    huge_mb: dict[tuple[Path, bool | None], float] = {}  # what each load added in huge pages
     for path, on in variants:
         if args.switch in LOAD_SWITCHES:
             switch(on)
+            before = anon_huge_mb()
             gens[(path, on)] = Generator(str(path))
+            huge_mb[(path, on)] = anon_huge_mb() - before
         else:
             gens[(path, on)] = gens.get((path, None)) or Generator(str(path))
             gens[(path, None)] = gens[(path, on)]
@@ -163,6 +177,8 @@ def main(argv: list[str] | None = None) -> None:
             for path, on in variants]
     print(common.heading(meta))
     print(common.format_table(["program", label, *HEADERS], rows, [False, False] + [True] * len(HEADERS)))
+    for (path, on), mb in huge_mb.items():
+        print(f"{path.name} {label} {'on' if on else 'off'}: its load added {mb:.0f} MB in huge pages (AnonHugePages)")
     if probes:
         print(f"GEMV bandwidth probe (torch mv over 1 GiB): {', '.join(f'{x:.1f}' for x in probes)} GB/s "
               f"(before, after)")
