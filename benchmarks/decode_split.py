@@ -21,7 +21,7 @@ Llama-3.2-shaped model's `--quantize int4` program, random weights, as `benchmar
 With `--switch`, each program runs with the runtime switch off and on in turn (ABBA rounds), as in
 `decode_ab.py`. `cpu ms/token` is the process's CPU time per step (all threads).
 
-    python benchmarks/decode_split.py PROGRAM.pte ... [--rounds 6] [--block 16] [--switch pool_hold|huge_pages|guided|spin_yield|torch_threads] [--probe]
+    python benchmarks/decode_split.py PROGRAM.pte ... [--rounds 6] [--block 16] [--switch pool_hold|huge_pages|arena|guided|spin_yield|torch_threads] [--probe]
     python benchmarks/decode_split.py --export 1b-int4.pte [--layers 16]
 """
 
@@ -44,13 +44,14 @@ from mlx_delegate.pipelines.llm.generate import Generator
 SWITCHES = {"none": ("-", lambda on: None, None),
             "pool_hold": ("helpers held in a call", _runtime.set_pool_hold_in_call, False),
             "huge_pages": ("huge-page constants", _runtime.set_huge_page_constants, True),
+            "arena": ("constant arena (off: 4 MiB+ only)", _runtime.set_constant_arena, True),
             "spin_yield": ("helper yields", _runtime.set_pool_spin_yield, False),
             "guided": ("guided split", _runtime.set_qgemv_guided_split, False),
             # eager torch's own threads (common.THREADS) against one: the Python binding's output tensors are
             # torch ops, whose OpenMP workers keep spinning for a while after each
             "torch_threads": (f"torch threads {common.THREADS} (off: 1)",
                               lambda on: torch.set_num_threads(common.THREADS if on else 1), True)}
-LOAD_SWITCHES = {"huge_pages"}
+LOAD_SWITCHES = {"huge_pages", "arena"}
 
 
 def export_1b(path: Path, layers: int) -> None:

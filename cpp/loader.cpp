@@ -51,6 +51,12 @@ std::atomic<bool> g_huge_pages{[] {
   return !(v && std::strcmp(v, "0") == 0);
 }()};
 
+// Off: only constants of 4 MiB and more get huge-page memory, each its own (for A/B runs).
+std::atomic<bool> g_constant_arena{[] {
+  const char* v = std::getenv("MLX_DELEGATE_CONSTANT_ARENA");
+  return !(v && std::strcmp(v, "0") == 0);
+}()};
+
 constexpr size_t kHugePage = size_t{2} << 20;
 #if defined(MADV_COLLAPSE)
 constexpr int kMadvCollapse = MADV_COLLAPSE;
@@ -141,7 +147,7 @@ mx::array load_named(const executorch::runtime::NamedDataMap* map, const flatbuf
 constexpr size_t kArenaAlign = 64;  // a cache line: the CPU kernels' vector loads stay aligned
 std::optional<std::vector<mx::array>> load_arena(const executorch::runtime::NamedDataMap* map,
                                                  const flatbuffers::Vector<flatbuffers::Offset<mlxd::Constant>>& cs) {
-  if (!huge_pages_apply()) return std::nullopt;
+  if (!huge_pages_apply() || !g_constant_arena.load(std::memory_order_relaxed)) return std::nullopt;
   std::vector<executorch::runtime::FreeableBuffer> src;
   std::vector<size_t> offset;
   size_t total = 0;
@@ -345,6 +351,8 @@ const std::vector<NodeCheck>& node_checks() {
 
 void set_huge_page_constants(bool on) { g_huge_pages.store(on, std::memory_order_relaxed); }
 bool huge_page_constants() { return g_huge_pages.load(std::memory_order_relaxed); }
+void set_constant_arena(bool on) { g_constant_arena.store(on, std::memory_order_relaxed); }
+bool constant_arena() { return g_constant_arena.load(std::memory_order_relaxed); }
 
 std::shared_ptr<const LoadedProgram> load_program(const void* data, size_t size,
                                                    const executorch::runtime::NamedDataMap* named_data) {

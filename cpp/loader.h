@@ -52,6 +52,10 @@ struct LoadedProgram {
 // (read when a program loads) turns it off.
 void set_huge_page_constants(bool on);
 bool huge_page_constants();
+// With huge pages on: all constants in one arena (on, the default; MLX_DELEGATE_CONSTANT_ARENA=0 at
+// start-up turns it off) or only those of 4 MiB and more, each in memory of its own (off, for A/B runs).
+void set_constant_arena(bool on);
+bool constant_arena();
 
 // Throws LoadError with a message naming the problem.
 std::shared_ptr<const LoadedProgram> load_program(

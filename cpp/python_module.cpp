@@ -349,6 +349,11 @@ NB_MODULE(_runtime, m) {
         "MLX's device; MLX_DELEGATE_HUGE_PAGES=0 starts with it off), or handed to MLX one by one (off); read "
         "when a program loads.");
   m.def("huge_page_constants", &mlxd::rt::huge_page_constants);
+  m.def("set_constant_arena", &mlxd::rt::set_constant_arena, nb::arg("on"),
+        "With huge-page constants on: all of a method's constants in one arena (on, the default; "
+        "MLX_DELEGATE_CONSTANT_ARENA=0 starts with it off) or only those of 4 MiB and more, each in memory of its "
+        "own (off, for A/B runs); read when a program loads.");
+  m.def("constant_arena", &mlxd::rt::constant_arena);
   m.def("set_pool_hold_in_call", &mlxd::rt::set_pool_hold_in_call, nb::arg("on"),
         "A large graph's evaluation (more than 32 nodes) keeps the kernel pool's helpers awake between its jobs, "
         "yielding their core while they wait (on; opt-in, MLX_DELEGATE_POOL_HOLD=1 at start-up), or lets them "

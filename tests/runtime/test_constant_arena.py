@@ -40,9 +40,10 @@ class ManyConstants(torch.nn.Module):
 
 @pytest.fixture
 def huge_pages():
-    was = _runtime.huge_page_constants()
+    was, arena = _runtime.huge_page_constants(), _runtime.constant_arena()
     yield _runtime.set_huge_page_constants
     _runtime.set_huge_page_constants(was)
+    _runtime.set_constant_arena(arena)
 
 
 def run(buffer: bytes, x: torch.Tensor) -> list[list[torch.Tensor]]:
@@ -50,12 +51,13 @@ def run(buffer: bytes, x: torch.Tensor) -> list[list[torch.Tensor]]:
     return [list(method.execute([x])) for _ in range(3)]  # node by node, traced, replayed
 
 
-@pytest.mark.parametrize("on", [True, False])
-def test_constants_are_the_files_bit_for_bit(huge_pages, on: bool) -> None:
+@pytest.mark.parametrize("on, arena", [(True, True), (True, False), (False, True)])
+def test_constants_are_the_files_bit_for_bit(huge_pages, on: bool, arena: bool) -> None:
     module = ManyConstants().eval()
     x = torch.zeros(1)
     buffer = lower(module, (x,)).buffer
     huge_pages(on)
+    _runtime.set_constant_arena(arena)
     expected = list(module.buffers())
     for outs in run(buffer, x):
         assert len(outs) == len(expected)
