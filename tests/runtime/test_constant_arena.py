@@ -7,6 +7,7 @@ the switch-off path loads the same values."""
 from __future__ import annotations
 
 import gc
+import sys
 
 import mlx.core as mx
 import pytest
@@ -18,9 +19,9 @@ import mlx_delegate
 from mlx_delegate import _runtime
 from mlx_delegate.testing import lower
 
-# Sizes in elements: odd ones put the next constant off a 64-byte boundary in the file; the 1 MiB
-# float32 ones are each under the old 4 MiB cut-off, together above it (an arena of several huge pages).
-SIZES = (3, 1, 17, 262144, 5, 262144, 1000, 262144, 262144, 33)
+# Sizes in elements: odd ones put the next constant off a 64-byte boundary in the file; the big ones
+# (2 MiB in float32) are each under the old 4 MiB cut-off, together above it (an arena of 7 MiB).
+SIZES = (3, 1, 17, 524288, 5, 524288, 1000, 524288, 524288, 33)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float32, torch.float16)
 
 
@@ -131,3 +132,25 @@ def test_methods_sharing_constants(huge_pages, on: bool) -> None:
     del loaded["first"]  # the other method's copy stays valid
     gc.collect()
     torch.testing.assert_close(loaded["second"].execute([x])[0], expected["second"], rtol=1e-4, atol=1e-4)
+
+
+
+def arenas() -> int:
+    return _runtime.cpu_kernel_call_counts().get("constant_arena", 0)
+
+
+@pytest.mark.parametrize("on, arena, small, built", [(True, True, False, True), (True, False, False, False),
+                                                     (False, True, False, False), (True, True, True, False)])
+def test_when_the_arena_is_built(huge_pages, on: bool, arena: bool, small: bool, built: bool) -> None:
+    """With huge pages and the arena on, constants of 4 MiB and more in all (each under it) go to one
+    arena; not with either switch off, nor for a program whose constants are smaller than that."""
+    if sys.platform != "linux" or mx.default_device() != mx.cpu:
+        pytest.skip("huge pages are for the CPU on Linux")
+    module = torch.nn.Linear(64, 64).eval() if small else ManyConstants().eval()
+    x = torch.zeros(1, 64) if small else torch.zeros(1)
+    buffer = lower(module, (x,)).buffer
+    huge_pages(on)
+    _runtime.set_constant_arena(arena)
+    before = arenas()
+    Runtime.get().load_program(buffer).load_method("forward").execute([x])
+    assert (arenas() - before == 1) == built and arenas() - before in (0, 1)
