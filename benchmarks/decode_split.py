@@ -21,7 +21,7 @@ Llama-3.2-shaped model's `--quantize int4` program, random weights, as `benchmar
 With `--switch`, each program runs with the runtime switch off and on in turn (ABBA rounds), as in
 `decode_ab.py`. `cpu ms/token` is the process's CPU time per step (all threads).
 
-    python benchmarks/decode_split.py PROGRAM.pte ... [--rounds 6] [--block 16] [--switch pool_hold|huge_pages|guided|spin_yield|torch_threads] [--probe]
+    python benchmarks/decode_split.py PROGRAM.pte ... [--rounds 6] [--block 16] [--switch pool_hold|huge_pages|arena|guided|spin_yield|torch_threads] [--probe]
     python benchmarks/decode_split.py --export 1b-int4.pte [--layers 16]
 """
 
@@ -44,13 +44,14 @@ from mlx_delegate.pipelines.llm.generate import Generator
 SWITCHES = {"none": ("-", lambda on: None, None),
             "pool_hold": ("helpers held in a call", _runtime.set_pool_hold_in_call, False),
             "huge_pages": ("huge-page constants", _runtime.set_huge_page_constants, True),
+            "arena": ("constant arena (off: 4 MiB+ only)", _runtime.set_constant_arena, True),
             "spin_yield": ("helper yields", _runtime.set_pool_spin_yield, False),
             "guided": ("guided split", _runtime.set_qgemv_guided_split, False),
             # eager torch's own threads (common.THREADS) against one: the Python binding's output tensors are
             # torch ops, whose OpenMP workers keep spinning for a while after each
             "torch_threads": (f"torch threads {common.THREADS} (off: 1)",
                               lambda on: torch.set_num_threads(common.THREADS if on else 1), True)}
-LOAD_SWITCHES = {"huge_pages"}
+LOAD_SWITCHES = {"huge_pages", "arena"}
 
 
 def export_1b(path: Path, layers: int) -> None:
@@ -61,6 +62,17 @@ def export_1b(path: Path, layers: int) -> None:
 
     shape = dict(LLAMA_1B, num_hidden_layers=layers)
     export.save_pte(random_llama(104, **shape), path, quantize="int4")
+
+
+def anon_huge_mb() -> float:
+    """The process's memory in transparent huge pages (AnonHugePages), in MB; 0 where Linux does not say."""
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024 / 1e6
+    except OSError:
+        pass
+    return 0.0
 
 
 def run_block(g: Generator, steps: int) -> dict[str, float]:
@@ -129,10 +141,13 @@ def main(argv: list[str] | None = None) -> None:
     states = (None,) if args.switch == "none" else (False, True)
     variants = [(path, on) for path in args.programs for on in states]
     gens: dict[tuple[Path, bool | None], Generator] = {}
+    huge_mb: dict[tuple[Path, bool | None], float] = {}  # what each load added in huge pages
     for path, on in variants:
         if args.switch in LOAD_SWITCHES:
             switch(on)
+            before = anon_huge_mb()
             gens[(path, on)] = Generator(str(path))
+            huge_mb[(path, on)] = anon_huge_mb() - before
         else:
             gens[(path, on)] = gens.get((path, None)) or Generator(str(path))
             gens[(path, None)] = gens[(path, on)]
@@ -163,6 +178,8 @@ def main(argv: list[str] | None = None) -> None:
             for path, on in variants]
     print(common.heading(meta))
     print(common.format_table(["program", label, *HEADERS], rows, [False, False] + [True] * len(HEADERS)))
+    for (path, on), mb in huge_mb.items():
+        print(f"{path.name} {label} {'on' if on else 'off'}: its load added {mb:.0f} MB in huge pages (AnonHugePages)")
     if probes:
         print(f"GEMV bandwidth probe (torch mv over 1 GiB): {', '.join(f'{x:.1f}' for x in probes)} GB/s "
               f"(before, after)")

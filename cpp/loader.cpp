@@ -1,5 +1,7 @@
 #include "loader.h"
 
+#include "kernels/cpu_parallel.h"
+
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -51,6 +53,12 @@ std::atomic<bool> g_huge_pages{[] {
   return !(v && std::strcmp(v, "0") == 0);
 }()};
 
+// Off: only constants of 4 MiB and more get huge-page memory, each its own (for A/B runs).
+std::atomic<bool> g_constant_arena{[] {
+  const char* v = std::getenv("MLX_DELEGATE_CONSTANT_ARENA");
+  return !(v && std::strcmp(v, "0") == 0);
+}()};
+
 constexpr size_t kHugePage = size_t{2} << 20;
 #if defined(MADV_COLLAPSE)
 constexpr int kMadvCollapse = MADV_COLLAPSE;
@@ -58,37 +66,51 @@ constexpr int kMadvCollapse = MADV_COLLAPSE;
 constexpr int kMadvCollapse = 25;  // Linux's value; older headers lack it
 #endif
 
-// `bytes` from `src` copied into MLX's own memory whose whole 2 MiB pages are first advised for
-// transparent huge pages, so the copy's page faults take huge pages where the kernel has them. On the
-// CPU MLX's array(ptr, ..., deleter) constructor copies into its allocator anyway (it has no
-// no-copy path there), so this costs no second copy. nullopt where it does not apply (small, not the
-// CPU, not Linux, switched off): the caller then hands the data to MLX as before.
-std::optional<mx::array> huge_page_copy(const void* src, size_t bytes, const mx::Shape& shape, mx::Dtype dtype) {
+// Whether constants go to huge-page-advised memory: Linux, the CPU as MLX's device, switched on.
+bool huge_pages_apply() {
 #if defined(__linux__)
-  if (!g_huge_pages.load(std::memory_order_relaxed) || bytes < 2 * kHugePage ||
-      mx::default_device() != mx::Device::cpu)
-    return std::nullopt;
+  return g_huge_pages.load(std::memory_order_relaxed) && mx::default_device() == mx::Device::cpu;
+#else
+  return false;
+#endif
+}
+
+// MLX memory of `bytes` whose whole 2 MiB pages are advised for transparent huge pages before `fill`
+// writes it, so the writes' page faults take huge pages where the kernel has them; memory that malloc
+// reused (faulted in 4 KiB pages before the advice) is collapsed afterwards (Linux 6.1+; an older
+// kernel refuses, and it stays in 4 KiB pages). On the CPU MLX's array(ptr, ..., deleter) constructor
+// copies into its allocator anyway (it has no no-copy path there), so this costs no second copy.
+template <typename Fill>
+std::optional<mx::allocator::Data> huge_page_memory(size_t bytes, Fill&& fill) {
+#if defined(__linux__)
   auto data = mx::allocator::malloc(bytes);
-  void* dst = data.buffer().raw_ptr();
+  auto* dst = static_cast<char*>(data.buffer().raw_ptr());
   if (dst == nullptr) return std::nullopt;
   const auto begin = reinterpret_cast<uintptr_t>(dst), end = begin + bytes;
   const uintptr_t first = (begin + kHugePage - 1) / kHugePage * kHugePage, last = end / kHugePage * kHugePage;
   if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);  // advice only
-  std::memcpy(dst, src, bytes);
-  // Memory malloc reused (its heap, not a fresh mapping) was faulted in 4 KiB pages before the advice:
-  // collapse it now (Linux 6.1+; an older kernel refuses, and the copy stays in 4 KiB pages).
+  fill(dst);
   if (last > first) madvise(reinterpret_cast<void*>(first), last - first, kMadvCollapse);
-  return mx::array(std::move(data), shape, dtype);
+  return data;
 #else
-  (void)src, (void)bytes, (void)shape, (void)dtype;
+  (void)bytes, (void)fill;
   return std::nullopt;
 #endif
 }
 
-// Wraps named data in an MLX array without copying where the device allows;
-// the FreeableBuffer is released when MLX no longer needs the memory.
-mx::array load_named(const executorch::runtime::NamedDataMap* map, const flatbuffers::String* key,
-                     mlxd::DType dtype, const flatbuffers::Vector<int64_t>* shape, const std::string& what) {
+// One tensor of `bytes` from `src` in huge-page memory; nullopt where that does not apply (small, not
+// the CPU, not Linux, switched off): the caller then hands the data to MLX as before.
+std::optional<mx::array> huge_page_copy(const void* src, size_t bytes, const mx::Shape& shape, mx::Dtype dtype) {
+  if (!huge_pages_apply() || bytes < 2 * kHugePage) return std::nullopt;
+  auto data = huge_page_memory(bytes, [&](char* dst) { std::memcpy(dst, src, bytes); });
+  if (!data) return std::nullopt;
+  return mx::array(std::move(*data), shape, dtype);
+}
+
+// Checked named data of `numel` elements of `dtype`.
+executorch::runtime::FreeableBuffer get_named(const executorch::runtime::NamedDataMap* map,
+                                              const flatbuffers::String* key, mlxd::DType dtype,
+                                              const flatbuffers::Vector<int64_t>* shape, const std::string& what) {
   if (key == nullptr) fail(what + ": missing data key");
   if (map == nullptr) fail(what + ": program has no named data map");
   size_t numel = checked_numel(shape, what);
@@ -99,16 +121,66 @@ mx::array load_named(const executorch::runtime::NamedDataMap* map, const flatbuf
   if (data->size() != expected)
     fail(what + ": named data '" + payload_name(key) + "' has " + std::to_string(data->size()) + " bytes, expected " +
          std::to_string(expected));
-  if (auto copy = huge_page_copy(data->data(), expected, to_shape(shape), to_mlx(dtype))) {
-    data->Free();  // the data map's buffer (a file mapping) is no longer needed
+  return std::move(data.get());
+}
+
+// Named data in an MLX array (see huge_page_copy); the FreeableBuffer is released when MLX no longer
+// needs the memory.
+mx::array load_named(const executorch::runtime::NamedDataMap* map, const flatbuffers::String* key,
+                     mlxd::DType dtype, const flatbuffers::Vector<int64_t>* shape, const std::string& what) {
+  auto data = get_named(map, key, dtype, shape, what);
+  if (auto copy = huge_page_copy(data.data(), data.size(), to_shape(shape), to_mlx(dtype))) {
+    data.Free();  // the data map's buffer (a file mapping) is no longer needed
     return *copy;
   }
-  auto* owned = new executorch::runtime::FreeableBuffer(std::move(data.get()));
+  auto* owned = new executorch::runtime::FreeableBuffer(std::move(data));
   void* ptr = const_cast<void*>(owned->data());
   return mx::array(ptr, to_shape(shape), to_mlx(dtype), [owned](void*) {
     owned->Free();
     delete owned;
   });
+}
+
+// All of a method's constants copied into one huge-page arena, each an MLX array viewing its slice:
+// a decode step streams every weight, and the small ones (q/k/v, o, scales and biases) together are a
+// third of a quantized model, too small one by one for whole huge pages. Each view's deleter holds the
+// arena, so it lives while any constant does. nullopt where huge pages do not apply or the constants
+// are too small to fill one.
+constexpr size_t kArenaAlign = 64;  // a cache line: the CPU kernels' vector loads stay aligned
+std::optional<std::vector<mx::array>> load_arena(const executorch::runtime::NamedDataMap* map,
+                                                 const flatbuffers::Vector<flatbuffers::Offset<mlxd::Constant>>& cs) {
+  if (!huge_pages_apply() || !g_constant_arena.load(std::memory_order_relaxed)) return std::nullopt;
+  std::vector<executorch::runtime::FreeableBuffer> src;
+  std::vector<size_t> offset;
+  size_t total = 0;
+  for (const auto* c : cs) {
+    std::string what = "constant '" + payload_name(c->name()) + "'";
+    check_dtype(c->dtype(), what);
+    src.push_back(get_named(map, c->key(), c->dtype(), c->shape(), what));
+    offset.push_back(total);
+    total += (src.back().size() + kArenaAlign - 1) / kArenaAlign * kArenaAlign;
+  }
+  if (total < 2 * kHugePage) return std::nullopt;
+  auto data = huge_page_memory(total, [&](char* dst) {
+    for (size_t i = 0; i < src.size(); ++i) {
+      if (src[i].size()) std::memcpy(dst + offset[i], src[i].data(), src[i].size());
+      src[i].Free();  // the data map's buffer (a file mapping) is no longer needed
+    }
+  });
+  if (!data) return std::nullopt;
+  cpu_kernel_note_call("constant_arena");  // tests prove the arena was built
+  auto arena = std::make_shared<mx::allocator::Data>(std::move(*data));
+  const mx::allocator::Buffer buf = arena->buffer();
+  std::vector<mx::array> out;
+  out.reserve(cs.size());
+  for (size_t i = 0; i < cs.size(); ++i) {
+    const auto* c = cs.Get(i);
+    auto keep = [arena](mx::allocator::Buffer) {};
+    mx::array a(mx::allocator::Data(buf, keep), to_shape(c->shape()), to_mlx(c->dtype()));
+    a.set_data(mx::allocator::Data(buf, keep), a.size(), a.strides(), a.flags(), static_cast<int64_t>(offset[i]));
+    out.push_back(std::move(a));
+  }
+  return out;
 }
 
 // Checks slot ids and tracks, per tensor slot, the instruction after which the
@@ -282,6 +354,8 @@ const std::vector<NodeCheck>& node_checks() {
 
 void set_huge_page_constants(bool on) { g_huge_pages.store(on, std::memory_order_relaxed); }
 bool huge_page_constants() { return g_huge_pages.load(std::memory_order_relaxed); }
+void set_constant_arena(bool on) { g_constant_arena.store(on, std::memory_order_relaxed); }
+bool constant_arena() { return g_constant_arena.load(std::memory_order_relaxed); }
 
 std::shared_ptr<const LoadedProgram> load_program(const void* data, size_t size,
                                                    const executorch::runtime::NamedDataMap* named_data) {
@@ -326,14 +400,20 @@ std::shared_ptr<const LoadedProgram> load_program(const void* data, size_t size,
       if (s->kind() == mlxd::SlotKind::Tensor) checker.tensor_defined[s->tid()->idx()] = true;
       else checker.value_defined[s->vid()->idx()] = true;
     }
-  if (p->constants())
-    for (const auto* c : *p->constants()) {
+  if (p->constants()) {
+    for (const auto* c : *p->constants())
+      if (!c->tid() || c->tid()->idx() >= nt)
+        fail("constant '" + payload_name(c->name()) + "': tensor id out of range");
+    auto arena = load_arena(named_data, *p->constants());
+    for (size_t i = 0; i < p->constants()->size(); ++i) {
+      const auto* c = p->constants()->Get(i);
       std::string what = "constant '" + payload_name(c->name()) + "'";
-      if (!c->tid() || c->tid()->idx() >= nt) fail(what + ": tensor id out of range");
       check_dtype(c->dtype(), what);
-      lp->constants.push_back({c->tid()->idx(), load_named(named_data, c->key(), c->dtype(), c->shape(), what)});
+      lp->constants.push_back({c->tid()->idx(), arena ? (*arena)[i]
+                                                      : load_named(named_data, c->key(), c->dtype(), c->shape(), what)});
       checker.tensor_defined[c->tid()->idx()] = true;
     }
+  }
   lp->converted = std::make_unique<ConvertedConstants>();
   lp->converted->is_constant.assign(nt, false);
   for (const auto& c : lp->constants) lp->converted->is_constant[c.tid] = true;

@@ -44,13 +44,18 @@ struct LoadedProgram {
   std::string method;
 };
 
-// Constants of 4 MiB and more, on the CPU, are copied at load into MLX memory whose whole 2 MiB pages
-// are advised for transparent huge pages (Linux, MADV_HUGEPAGE) before the copy, instead of memory in
-// 4 KiB pages: a decode step streams every weight once, and each 4 KiB page costs a TLB walk (in a VM a
-// nested one). On by default; MLX_DELEGATE_HUGE_PAGES=0 at start-up or set_huge_page_constants(false)
+// A method's constants, on the CPU, are copied at load into one arena of MLX memory whose whole 2 MiB
+// pages are advised for transparent huge pages (Linux, MADV_HUGEPAGE) before the copy, each constant a
+// view of its slice (where they add up to 4 MiB or more; mutable buffers of 4 MiB and more get memory of
+// their own), instead of memory in 4 KiB pages: a decode step streams every weight once, and each 4 KiB
+// page costs a TLB walk (in a VM a nested one). On by default; MLX_DELEGATE_HUGE_PAGES=0 at start-up or set_huge_page_constants(false)
 // (read when a program loads) turns it off.
 void set_huge_page_constants(bool on);
 bool huge_page_constants();
+// With huge pages on: all constants in one arena (on, the default; MLX_DELEGATE_CONSTANT_ARENA=0 at
+// start-up turns it off) or only those of 4 MiB and more, each in memory of its own (off, for A/B runs).
+void set_constant_arena(bool on);
+bool constant_arena();
 
 // Throws LoadError with a message naming the problem.
 std::shared_ptr<const LoadedProgram> load_program(

@@ -344,10 +344,16 @@ NB_MODULE(_runtime, m) {
      "(stream_parks), evaluations that released one after enqueueing (unparked), parks that timed out.");
   m.def("reset_stream_wait_stats", &reset_stream_wait_stats);
   m.def("set_huge_page_constants", &mlxd::rt::set_huge_page_constants, nb::arg("on"),
-        "Constants of 2 MiB and more are copied at load into memory advised for transparent huge pages (on, the "
-        "default on Linux with the CPU as MLX's device; MLX_DELEGATE_HUGE_PAGES=0 starts with it off) or wrapped "
-        "where the program's data map holds them (off); read when a program loads.");
+        "A method's constants are copied at load into one arena of memory advised for transparent huge pages, "
+        "each a view of its slice, where they add up to 4 MiB or more (on, the default on Linux with the CPU as "
+        "MLX's device; MLX_DELEGATE_HUGE_PAGES=0 starts with it off), or handed to MLX one by one (off); read "
+        "when a program loads.");
   m.def("huge_page_constants", &mlxd::rt::huge_page_constants);
+  m.def("set_constant_arena", &mlxd::rt::set_constant_arena, nb::arg("on"),
+        "With huge-page constants on: all of a method's constants in one arena (on, the default; "
+        "MLX_DELEGATE_CONSTANT_ARENA=0 starts with it off) or only those of 4 MiB and more, each in memory of its "
+        "own (off, for A/B runs); read when a program loads.");
+  m.def("constant_arena", &mlxd::rt::constant_arena);
   m.def("set_pool_hold_in_call", &mlxd::rt::set_pool_hold_in_call, nb::arg("on"),
         "A large graph's evaluation (more than 32 nodes) keeps the kernel pool's helpers awake between its jobs, "
         "yielding their core while they wait (on; opt-in, MLX_DELEGATE_POOL_HOLD=1 at start-up), or lets them "
