@@ -358,6 +358,10 @@ NB_MODULE(_runtime, m) {
         "to the kernel pool: the team's workers take the pool's parts for the call's span (on; "
         "MLX_DELEGATE_OMP_TEAM=0|1 at start-up), or the pool's own helpers do (off).");
   m.def("pool_omp_team", &mlxd::rt::pool_omp_team);
+  m.def("omp_team_stats", [] {
+    const auto [calls, parts] = mlxd::rt::cpu_pool_omp_team_stats();
+    return std::map<std::string, uint64_t>{{"calls", calls}, {"parts", parts}};
+  }, "Calls that lent their OpenMP team to the kernel pool so far (calls) and the parts its workers ran (parts).");
   m.def("set_step_counters", &mlxd::rt::cpu_pool_set_stats, nb::arg("on"),
         "Per-step counters of the kernel pool's jobs and the quantized GEMV's calls (off by default: a few clock "
         "reads per product when on); read with step_counters().");

@@ -67,6 +67,9 @@ std::atomic<bool> g_pool_stats{false};
 std::atomic<uint64_t> g_ps_jobs{0}, g_ps_caller_parts{0}, g_ps_helper_parts{0}, g_ps_caller_wait_ns{0},
     g_ps_helper_late_ns{0}, g_ps_helper_missed{0}, g_ps_helper_sleeps{0};
 
+// Calls that lent their OpenMP team to the pool, and the parts its workers ran (cpu_pool_omp_team_stats).
+std::atomic<uint64_t> g_omp_team_calls{0}, g_omp_team_parts{0};
+
 int64_t pool_now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
@@ -303,9 +306,10 @@ class Pool {
   }
 
   // Runs the parts of job `tag` that this helper can claim; whether it ran one on the caller's core.
-  bool work(uint64_t tag, bool spun) {
+  bool work(uint64_t tag, bool spun, uint64_t* ran = nullptr) {
     bool on_callers_core = false, first = true;
     for (int i; (i = claim(tag, false)) >= 0;) {
+      if (ran) ++*ran;
       on_callers_core = sched_getcpu() == caller_cpu_.load(std::memory_order_relaxed);
       if (const int64_t published = published_ns_.load(std::memory_order_relaxed); published != 0) {
         // Stats on for this job (published_ns_ is the job's while this helper holds one of its parts).
@@ -333,12 +337,14 @@ class Pool {
   // MLX ops between two products run on the stream thread, and the worker would have spun anyway.
   void serve(const std::atomic<bool>& stop) {
     served_.fetch_add(1, std::memory_order_acq_rel);
+    uint64_t ran = 0;
     for (uint64_t seen = generation_.load(std::memory_order_acquire);;) {
-      work(state_.load(std::memory_order_acquire) >> kTagShift, true);
+      work(state_.load(std::memory_order_acquire) >> kTagShift, true, &ran);
       const auto until = std::chrono::steady_clock::now() + spin_time();
       bool yielding = false;
       for (int i = 0; generation_.load(std::memory_order_acquire) == seen; ++i) {
         if (stop.load(std::memory_order_acquire)) {
+          g_omp_team_parts.fetch_add(ran, std::memory_order_relaxed);
           served_.fetch_sub(1, std::memory_order_acq_rel);
           return;
         }
@@ -513,6 +519,7 @@ std::atomic<bool> g_omp_team{[] {
 
 void set_pool_omp_team(bool on) { g_omp_team.store(on, std::memory_order_relaxed); }
 bool pool_omp_team() { return g_omp_team.load(std::memory_order_relaxed); }
+std::pair<uint64_t, uint64_t> cpu_pool_omp_team_stats() { return {g_omp_team_calls.load(), g_omp_team_parts.load()}; }
 
 bool cpu_pool_run_with_omp_team(const std::function<void()>& body) {
   const OmpRuntime* omp = pool_omp_team() ? omp_runtime() : nullptr;
@@ -544,6 +551,7 @@ bool cpu_pool_run_with_omp_team(const std::function<void()>& body) {
         t->stop.store(true, std::memory_order_release);
       },
       &team, static_cast<unsigned>(threads), 0);
+  g_omp_team_calls.fetch_add(1, std::memory_order_relaxed);
   if (team.error) std::rethrow_exception(team.error);
   return true;
 }

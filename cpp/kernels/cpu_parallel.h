@@ -7,6 +7,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <mlx/backend/cpu/encoder.h>
@@ -108,6 +109,8 @@ class CpuPoolHold {
 bool cpu_pool_run_with_omp_team(const std::function<void()>& body);
 void set_pool_omp_team(bool on);
 bool pool_omp_team();
+// Calls run with a lent team so far, and the parts its workers took (tests, benchmarks).
+std::pair<uint64_t, uint64_t> cpu_pool_omp_team_stats();
 
 // Opt-in counters of the pool's jobs (off by default: two clock reads per job when on), for
 // benchmarks that split a decode step's time (benchmarks/decode_split.py). Jobs counted are those
