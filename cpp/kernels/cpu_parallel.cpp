@@ -92,6 +92,14 @@ class Pool {
   bool owned() const { return getpid() == owner_; }
   // A thread of another runtime (an OpenMP team's worker) helping with jobs until `stop`.
   void lend(const std::atomic<bool>& stop) { serve(stop); }
+  // Ends the lent threads' service: sets `stop` and wakes those asleep in serve().
+  void end_lend(std::atomic<bool>& stop) {
+    {
+      std::lock_guard<std::mutex> lock(m_);  // serve() checks stop under m_ before it sleeps: no lost wake-up
+      stop.store(true, std::memory_order_release);
+    }
+    served_wake_.notify_all();
+  }
 
   // Ends the helpers' spins now: the work that kept them awake is over and
   // nothing follows soon (a call whose next call is milliseconds away); a spin
@@ -139,6 +147,7 @@ class Pool {
     // stay asleep: woken, they would only compete with it for the same cores.
     if (sleeping_.load(std::memory_order_acquire) > 0 && served_.load(std::memory_order_acquire) == 0)
       wake_.notify_all();
+    if (served_sleeping_.load(std::memory_order_acquire) > 0) served_wake_.notify_all();
     int mine = 0;
     for (int i = 0; i >= 0; i = claim(tag, true)) {
       fn(i);
@@ -333,32 +342,34 @@ class Pool {
   }
 
   // An OpenMP team's worker lent to the pool for one call (cpu_pool_run_with_omp_team): claims parts as a
-  // helper until `stop`. It waits between jobs pausing on its core for the spin time, then yielding it: the
-  // MLX ops between two products run on the stream thread, and the worker would have spun anyway.
+  // helper until `stop` (set by end_lend()). Between jobs it spins as the pool's helpers do
+  // (MLX_DELEGATE_SPIN_US), then sleeps until the next job or the call's end: at load 4 a worker that
+  // kept yielding its core instead got it back later than a woken one.
   void serve(const std::atomic<bool>& stop) {
     served_.fetch_add(1, std::memory_order_acq_rel);
     uint64_t ran = 0;
     for (uint64_t seen = generation_.load(std::memory_order_acquire);;) {
       work(state_.load(std::memory_order_acquire) >> kTagShift, true, &ran);
-      const auto until = std::chrono::steady_clock::now() + spin_time();
-      bool yielding = false;
-      for (int i = 0; generation_.load(std::memory_order_acquire) == seen; ++i) {
-        if (stop.load(std::memory_order_acquire)) {
-          g_omp_team_parts.fetch_add(ran, std::memory_order_relaxed);
-          served_.fetch_sub(1, std::memory_order_acq_rel);
-          return;
-        }
-        if ((i & 63) == 0 && !yielding) yielding = std::chrono::steady_clock::now() > until;
-        cpu_relax(yielding);
+      auto next = [&] {
+        return generation_.load(std::memory_order_acquire) != seen || stop.load(std::memory_order_acquire);
+      };
+      if (!spin_until(next)) {
+        std::unique_lock<std::mutex> lock(m_);
+        ++served_sleeping_;
+        served_wake_.wait(lock, next);
+        --served_sleeping_;
       }
+      if (stop.load(std::memory_order_acquire)) break;
       seen = generation_.load(std::memory_order_acquire);
     }
+    g_omp_team_parts.fetch_add(ran, std::memory_order_relaxed);
+    served_.fetch_sub(1, std::memory_order_acq_rel);
   }
 
   pid_t owner_;
   unsigned helpers_ = 0;
   std::mutex busy_, m_;
-  std::condition_variable wake_, done_;
+  std::condition_variable wake_, done_, served_wake_;
   std::atomic<const std::function<void(int)>*> fn_{nullptr};  // the current job
   std::atomic<int> parts_{0};
   std::atomic<int> completed_{0};  // parts of the current job finished, by anyone
@@ -370,6 +381,7 @@ class Pool {
   std::atomic<int> sleeping_{0};  // helpers waiting on wake_ (changed under m_)
   std::atomic<uint64_t> parks_{0};  // bumped by park()
   std::atomic<int> served_{0};  // OpenMP workers serving the pool now (serve())
+  std::atomic<int> served_sleeping_{0};  // ... of them asleep on served_wake_ (changed under m_)
 };
 
 // The BLAS shim's parallel-for (blas_shim.cpp: large sgemms cut into blocks
@@ -548,7 +560,7 @@ bool cpu_pool_run_with_omp_team(const std::function<void()>& body) {
         } catch (...) {
           t->error = std::current_exception();
         }
-        t->stop.store(true, std::memory_order_release);
+        t->pool->end_lend(t->stop);
       },
       &team, static_cast<unsigned>(threads), 0);
   g_omp_team_calls.fetch_add(1, std::memory_order_relaxed);
