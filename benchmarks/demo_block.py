@@ -13,6 +13,8 @@ split policies against eager torch in the demo's own alternation.
      measured time; "always", the default, splits every large product over the pool in even blocks;
      "balanced" splits every one with the calling thread's block sized by the helpers' measured speed);
    - the split shape (`_blas.set_split_shape`: blocks per pool thread, 1 by default, 2 before);
+   - the caller's OpenMP team lent to the kernel pool for each call (`_runtime.set_pool_omp_team`,
+     opt-in): torch's OpenMP worker, spinning after eager's call, takes the pool's parts;
    - the opt-in fp32 linear kernel (bias added per output block in cache; `_runtime.set_linear_kernel`,
      read when a graph is built, so the program is loaded twice: one copy traced with it off, one on).
 
@@ -119,14 +121,17 @@ def main() -> None:
                             "caller thread", "delegate's threads", "eager's OpenMP workers"], rows,
                            [False, False, True, True, True, True, True]))
 
-        # (split policy, blocks per thread, linear kernel)
-        configs = [("always", 2, False), ("always", 1, False), ("always", 2, True), ("always", 1, True),
-                   ("measured", 1, False), ("balanced", 1, False)]
+        # (split policy, blocks per thread, linear kernel, OpenMP team lent to the pool)
+        configs = [("always", 2, False, False), ("always", 1, False, False), ("always", 2, True, False),
+                   ("always", 1, True, False), ("always", 1, True, True), ("measured", 1, False, False),
+                   ("balanced", 1, False, False)]
         res: dict[tuple, dict[str, list[float]]] = {c: {"delegate": [], "eager": [], "cpu": []} for c in configs}
         for _ in range(args.cycles):
             for config in configs:
-                policy, parts, kernel = config
+                policy, parts, kernel, team = config
                 previous, shape = _blas.set_split_policy(policy), _blas.set_split_shape(parts)
+                team_before = _runtime.pool_omp_team()
+                _runtime.set_pool_omp_team(team)
                 run = methods[kernel][1].execute
                 for r in range(10):
                     for k in (("delegate", "eager") if r % 2 == 0 else ("eager", "delegate")):
@@ -137,15 +142,16 @@ def main() -> None:
                             res[config]["cpu"].append(time.process_time() - c)
                 _blas.set_split_policy(previous)
                 _blas.set_split_shape(*shape)
+                _runtime.set_pool_omp_team(team_before)
     rows = []
-    for (policy, parts, kernel), r in res.items():
+    for (policy, parts, kernel, team), r in res.items():
         d, e = statistics.median(r["delegate"]) * 1e3, statistics.median(r["eager"]) * 1e3
-        rows.append([policy, str(parts), "on" if kernel else "off", f"{d:.3f} ms",
+        rows.append([policy, str(parts), "on" if kernel else "off", "lent" if team else "-", f"{d:.3f} ms",
                      f"{statistics.median(r['cpu']) * 1e3:.3f} ms", f"{e:.3f} ms", f"{e / d:.2f}x"])
     print()
-    print(format_table(["split policy", "blocks per thread", "linear kernel", "delegate",
+    print(format_table(["split policy", "blocks per thread", "linear kernel", "OpenMP team", "delegate",
                         "delegate CPU (process)", "eager torch", "eager / delegate"], rows,
-                       [False, True, False, True, True, True, True]))
+                       [False, True, False, False, True, True, True, True]))
     print(f"\nload average at the end: {os.getloadavg()[0]:.2f}; products run as one call by the measured "
           f"choice: {_blas.serial_choices()}, split: {_blas.split_calls()}")
 

@@ -359,6 +359,15 @@ NB_MODULE(_runtime, m) {
         "yielding their core while they wait (on; opt-in, MLX_DELEGATE_POOL_HOLD=1 at start-up), or lets them "
         "sleep after their spin (MLX_DELEGATE_SPIN_US) as between calls (off, the default).");
   m.def("pool_hold_in_call", &mlxd::rt::pool_hold_in_call);
+  m.def("set_pool_omp_team", &mlxd::rt::set_pool_omp_team, nb::arg("on"),
+        "A call whose evaluations take at least 200 us lends its calling thread's OpenMP team (torch's libgomp) "
+        "to the kernel pool: the team's workers take the pool's parts for the call's span (on; "
+        "MLX_DELEGATE_OMP_TEAM=0|1 at start-up), or the pool's own helpers do (off).");
+  m.def("pool_omp_team", &mlxd::rt::pool_omp_team);
+  m.def("omp_team_stats", [] {
+    const auto [calls, parts] = mlxd::rt::cpu_pool_omp_team_stats();
+    return std::map<std::string, uint64_t>{{"calls", calls}, {"parts", parts}};
+  }, "Calls that lent their OpenMP team to the kernel pool so far (calls) and the parts its workers ran (parts).");
   m.def("set_step_counters", &mlxd::rt::cpu_pool_set_stats, nb::arg("on"),
         "Per-step counters of the kernel pool's jobs and the quantized GEMV's calls (off by default: a few clock "
         "reads per product when on); read with step_counters().");

@@ -29,6 +29,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
+// Evaluations at least this long (smoothed) lend the caller's OpenMP team to the kernel pool: shorter
+// ones (a 100 Hz tiny graph) seldom split their work, and the team's worker would spin after each call.
+constexpr double kOmpTeamMinEvalUs = 200;
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
@@ -488,7 +491,13 @@ void eval_impl(std::vector<mx::array>& arrays, EvalPace* pace, bool small) {
 
 }  // namespace
 
-void eval_adaptive(std::vector<mx::array>& arrays, EvalPace& pace, bool small) { eval_impl(arrays, &pace, small); }
+void eval_adaptive(std::vector<mx::array>& arrays, EvalPace& pace, bool small) {
+  // A call whose evaluations lately took long enough for the kernels to split their work: the caller,
+  // which only waits here, lends its OpenMP team to the kernel pool for the call (cpu_parallel.h).
+  if (pace.eval_us >= kOmpTeamMinEvalUs && cpu_pool_run_with_omp_team([&] { eval_impl(arrays, &pace, small); }))
+    return;
+  eval_impl(arrays, &pace, small);
+}
 
 void eval_follow_up(std::vector<mx::array> arrays) { eval_impl(arrays, nullptr, true); }
 

@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <mutex>
 #include <thread>
 
@@ -66,6 +67,9 @@ std::atomic<bool> g_pool_stats{false};
 std::atomic<uint64_t> g_ps_jobs{0}, g_ps_caller_parts{0}, g_ps_helper_parts{0}, g_ps_caller_wait_ns{0},
     g_ps_helper_late_ns{0}, g_ps_helper_missed{0}, g_ps_helper_sleeps{0};
 
+// Calls that lent their OpenMP team to the pool, and the parts its workers ran (cpu_pool_omp_team_stats).
+std::atomic<uint64_t> g_omp_team_calls{0}, g_omp_team_parts{0};
+
 int64_t pool_now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
@@ -84,6 +88,18 @@ class Pool {
     return *pool;
   }
   int size() const { return static_cast<int>(helpers_) + 1; }
+  // False in a forked child, which has none of the helper threads.
+  bool owned() const { return getpid() == owner_; }
+  // A thread of another runtime (an OpenMP team's worker) helping with jobs until `stop`.
+  void lend(const std::atomic<bool>& stop) { serve(stop); }
+  // Ends the lent threads' service: sets `stop` and wakes those asleep in serve().
+  void end_lend(std::atomic<bool>& stop) {
+    {
+      std::lock_guard<std::mutex> lock(m_);  // serve() checks stop under m_ before it sleeps: no lost wake-up
+      stop.store(true, std::memory_order_release);
+    }
+    served_wake_.notify_all();
+  }
 
   // Ends the helpers' spins now: the work that kept them awake is over and
   // nothing follows soon (a call whose next call is milliseconds away); a spin
@@ -127,7 +143,11 @@ class Pool {
     }
     // Helpers still spinning after their last job see the new generation
     // without a wake-up; only sleeping ones need the futex call.
-    if (sleeping_.load(std::memory_order_acquire) > 0) wake_.notify_all();
+    // With an OpenMP team serving (a lent team's worker spins for jobs), the pool's own sleeping helpers
+    // stay asleep: woken, they would only compete with it for the same cores.
+    if (sleeping_.load(std::memory_order_acquire) > 0 && served_.load(std::memory_order_acquire) == 0)
+      wake_.notify_all();
+    if (served_sleeping_.load(std::memory_order_acquire) > 0) served_wake_.notify_all();
     int mine = 0;
     for (int i = 0; i >= 0; i = claim(tag, true)) {
       fn(i);
@@ -290,36 +310,66 @@ class Pool {
         --sleeping_;
       }
       seen = generation_.load(std::memory_order_acquire);
-      const uint64_t tag = state_.load(std::memory_order_acquire) >> kTagShift;
-      on_callers_core = false;
-      bool first = true;
-      for (int i; (i = claim(tag, false)) >= 0;) {
-        on_callers_core = sched_getcpu() == caller_cpu_.load(std::memory_order_relaxed);
-        if (const int64_t published = published_ns_.load(std::memory_order_relaxed); published != 0) {
-          // Stats on for this job (published_ns_ is the job's while this helper holds one of its parts).
-          g_ps_helper_parts.fetch_add(1, std::memory_order_relaxed);
-          job_helper_parts_.fetch_add(1, std::memory_order_relaxed);
-          if (first) {
-            g_ps_helper_late_ns.fetch_add(pool_now_ns() - published, std::memory_order_relaxed);
-            if (!spun) g_ps_helper_sleeps.fetch_add(1, std::memory_order_relaxed);
-          }
-        }
-        first = false;
-        // Safe to read: the job cannot end while this helper holds one of its parts.
-        const int parts = parts_.load(std::memory_order_relaxed);
-        (*fn_.load(std::memory_order_relaxed))(i);
-        if (completed_.fetch_add(1, std::memory_order_acq_rel) + 1 == parts) {
-          std::lock_guard<std::mutex> lock(m_);  // the caller checks all_done under m_: no lost wake-up
-          done_.notify_one();
+      on_callers_core = work(state_.load(std::memory_order_acquire) >> kTagShift, spun);
+    }
+  }
+
+  // Runs the parts of job `tag` that this helper can claim; whether it ran one on the caller's core.
+  bool work(uint64_t tag, bool spun, uint64_t* ran = nullptr) {
+    bool on_callers_core = false, first = true;
+    for (int i; (i = claim(tag, false)) >= 0;) {
+      if (ran) ++*ran;
+      on_callers_core = sched_getcpu() == caller_cpu_.load(std::memory_order_relaxed);
+      if (const int64_t published = published_ns_.load(std::memory_order_relaxed); published != 0) {
+        // Stats on for this job (published_ns_ is the job's while this helper holds one of its parts).
+        g_ps_helper_parts.fetch_add(1, std::memory_order_relaxed);
+        job_helper_parts_.fetch_add(1, std::memory_order_relaxed);
+        if (first) {
+          g_ps_helper_late_ns.fetch_add(pool_now_ns() - published, std::memory_order_relaxed);
+          if (!spun) g_ps_helper_sleeps.fetch_add(1, std::memory_order_relaxed);
         }
       }
+      first = false;
+      // Safe to read: the job cannot end while this helper holds one of its parts.
+      const int parts = parts_.load(std::memory_order_relaxed);
+      (*fn_.load(std::memory_order_relaxed))(i);
+      if (completed_.fetch_add(1, std::memory_order_acq_rel) + 1 == parts) {
+        std::lock_guard<std::mutex> lock(m_);  // the caller checks all_done under m_: no lost wake-up
+        done_.notify_one();
+      }
     }
+    return on_callers_core;
+  }
+
+  // An OpenMP team's worker lent to the pool for one call (cpu_pool_run_with_omp_team): claims parts as a
+  // helper until `stop` (set by end_lend()). Between jobs it spins as the pool's helpers do
+  // (MLX_DELEGATE_SPIN_US), then sleeps until the next job or the call's end: at load 4 a worker that
+  // kept yielding its core instead got it back later than a woken one.
+  void serve(const std::atomic<bool>& stop) {
+    served_.fetch_add(1, std::memory_order_acq_rel);
+    uint64_t ran = 0;
+    for (uint64_t seen = generation_.load(std::memory_order_acquire);;) {
+      work(state_.load(std::memory_order_acquire) >> kTagShift, true, &ran);
+      auto next = [&] {
+        return generation_.load(std::memory_order_acquire) != seen || stop.load(std::memory_order_acquire);
+      };
+      if (!spin_until(next)) {
+        std::unique_lock<std::mutex> lock(m_);
+        ++served_sleeping_;
+        served_wake_.wait(lock, next);
+        --served_sleeping_;
+      }
+      if (stop.load(std::memory_order_acquire)) break;
+      seen = generation_.load(std::memory_order_acquire);
+    }
+    g_omp_team_parts.fetch_add(ran, std::memory_order_relaxed);
+    served_.fetch_sub(1, std::memory_order_acq_rel);
   }
 
   pid_t owner_;
   unsigned helpers_ = 0;
   std::mutex busy_, m_;
-  std::condition_variable wake_, done_;
+  std::condition_variable wake_, done_, served_wake_;
   std::atomic<const std::function<void(int)>*> fn_{nullptr};  // the current job
   std::atomic<int> parts_{0};
   std::atomic<int> completed_{0};  // parts of the current job finished, by anyone
@@ -330,6 +380,8 @@ class Pool {
   std::atomic<uint64_t> generation_{0};
   std::atomic<int> sleeping_{0};  // helpers waiting on wake_ (changed under m_)
   std::atomic<uint64_t> parks_{0};  // bumped by park()
+  std::atomic<int> served_{0};  // OpenMP workers serving the pool now (serve())
+  std::atomic<int> served_sleeping_{0};  // ... of them asleep on served_wake_ (changed under m_)
 };
 
 // The BLAS shim's parallel-for (blas_shim.cpp: large sgemms cut into blocks
@@ -450,6 +502,71 @@ void cpu_parallel_for(int64_t n, int64_t cost_per_item, int64_t align,
 }
 
 void cpu_pool_park() { Pool::get().park(); }
+
+namespace {
+// Where the process has an OpenMP runtime loaded (torch's libgomp, with RTLD_GLOBAL): its entry points.
+struct OmpRuntime {
+  void (*parallel)(void (*)(void*), void*, unsigned, unsigned) = nullptr;  // GOMP_parallel
+  int (*thread_num)() = nullptr;
+  int (*max_threads)() = nullptr;
+  int (*in_parallel)() = nullptr;
+};
+const OmpRuntime* omp_runtime() {
+  static const OmpRuntime rt = [] {
+    OmpRuntime r;
+    r.parallel = reinterpret_cast<decltype(r.parallel)>(dlsym(RTLD_DEFAULT, "GOMP_parallel"));
+    r.thread_num = reinterpret_cast<int (*)()>(dlsym(RTLD_DEFAULT, "omp_get_thread_num"));
+    r.max_threads = reinterpret_cast<int (*)()>(dlsym(RTLD_DEFAULT, "omp_get_max_threads"));
+    r.in_parallel = reinterpret_cast<int (*)()>(dlsym(RTLD_DEFAULT, "omp_in_parallel"));
+    return r;
+  }();
+  return rt.parallel && rt.thread_num && rt.max_threads && rt.in_parallel ? &rt : nullptr;
+}
+
+std::atomic<bool> g_omp_team{[] {
+  const char* v = std::getenv("MLX_DELEGATE_OMP_TEAM");
+  return v && std::strcmp(v, "1") == 0;
+}()};
+}  // namespace
+
+void set_pool_omp_team(bool on) { g_omp_team.store(on, std::memory_order_relaxed); }
+bool pool_omp_team() { return g_omp_team.load(std::memory_order_relaxed); }
+std::pair<uint64_t, uint64_t> cpu_pool_omp_team_stats() { return {g_omp_team_calls.load(), g_omp_team_parts.load()}; }
+
+bool cpu_pool_run_with_omp_team(const std::function<void()>& body) {
+  const OmpRuntime* omp = pool_omp_team() ? omp_runtime() : nullptr;
+  if (omp == nullptr) return false;
+  auto& pool = Pool::get();
+  if (pool.size() <= 1 || !pool.owned() || omp->in_parallel()) return false;
+  const int threads = std::min(pool.size(), omp->max_threads());
+  if (threads <= 1) return false;
+  struct Team {
+    const std::function<void()>* body;
+    const OmpRuntime* omp;
+    Pool* pool;
+    std::atomic<bool> stop{false};
+    std::exception_ptr error;
+  } team{&body, omp, &pool};
+  // Thread 0 is the caller (an exception must not leave the parallel region: it is rethrown after it).
+  omp->parallel(
+      [](void* p) {
+        auto* t = static_cast<Team*>(p);
+        if (t->omp->thread_num() != 0) {
+          t->pool->lend(t->stop);
+          return;
+        }
+        try {
+          (*t->body)();
+        } catch (...) {
+          t->error = std::current_exception();
+        }
+        t->pool->end_lend(t->stop);
+      },
+      &team, static_cast<unsigned>(threads), 0);
+  g_omp_team_calls.fetch_add(1, std::memory_order_relaxed);
+  if (team.error) std::rethrow_exception(team.error);
+  return true;
+}
 
 void cpu_pool_hold_open() { g_pool_holds.fetch_add(1, std::memory_order_acq_rel); }
 void cpu_pool_hold_close() { g_pool_holds.fetch_sub(1, std::memory_order_acq_rel); }

@@ -7,6 +7,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <mlx/backend/cpu/encoder.h>
@@ -96,6 +97,20 @@ class CpuPoolHold {
  private:
   bool on_;
 };
+
+// The calling thread's OpenMP team (torch's libgomp, when the process has one loaded) as the pool's
+// helpers for the span of one call: runs body() on the calling thread, which waits there for the call's
+// evaluation on MLX's stream thread, while the team's other threads claim the pool's parts as its
+// helpers do. After an eager torch call that team's worker spins (GOMP_SPINCOUNT) into the delegate's
+// call and held the second core from the pool's own helper; lent to the pool, the spinning worker is the
+// helper. Returns false without running body() when off (set_pool_omp_team, MLX_DELEGATE_OMP_TEAM=0|1
+// at start-up), when no OpenMP runtime is loaded, the pool has no helpers, OpenMP allows one thread, or
+// the caller is inside a parallel region already.
+bool cpu_pool_run_with_omp_team(const std::function<void()>& body);
+void set_pool_omp_team(bool on);
+bool pool_omp_team();
+// Calls run with a lent team so far, and the parts its workers took (tests, benchmarks).
+std::pair<uint64_t, uint64_t> cpu_pool_omp_team_stats();
 
 // Opt-in counters of the pool's jobs (off by default: two clock reads per job when on), for
 // benchmarks that split a decode step's time (benchmarks/decode_split.py). Jobs counted are those
