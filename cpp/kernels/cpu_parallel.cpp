@@ -523,9 +523,9 @@ const OmpRuntime* omp_runtime() {
   return rt.parallel && rt.thread_num && rt.max_threads && rt.in_parallel ? &rt : nullptr;
 }
 
-std::atomic<bool> g_omp_team{[] {
+std::atomic<bool> g_omp_team{[] {  // on unless MLX_DELEGATE_OMP_TEAM=0 (quiet A/Bs, docs/performance.md)
   const char* v = std::getenv("MLX_DELEGATE_OMP_TEAM");
-  return v && std::strcmp(v, "1") == 0;
+  return !(v && std::strcmp(v, "0") == 0);
 }()};
 }  // namespace
 
