@@ -32,6 +32,11 @@ constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
 // Evaluations at least this long (smoothed) lend the caller's OpenMP team to the kernel pool: shorter
 // ones (a 100 Hz tiny graph) seldom split their work, and the team's worker would spin after each call.
 constexpr double kOmpTeamMinEvalUs = 200;
+// ... and only while calls follow each other within this many evaluation times: after the call the
+// team's worker spins (libgomp's GOMP_SPINCOUNT, ~10-15 ms) until the next parallel region, so a longer
+// gap would burn a core between calls that the pool's own helpers spend asleep (at 100 Hz, 2.4x the CPU
+// per call of the demo block, 2026-11-26).
+constexpr double kOmpTeamMaxGapEvals = 2;
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
@@ -494,9 +499,16 @@ void eval_impl(std::vector<mx::array>& arrays, EvalPace* pace, bool small) {
 void eval_adaptive(std::vector<mx::array>& arrays, EvalPace& pace, bool small) {
   // A call whose evaluations lately took long enough for the kernels to split their work: the caller,
   // which only waits here, lends its OpenMP team to the kernel pool for the call (cpu_parallel.h).
-  if (pace.eval_us >= kOmpTeamMinEvalUs && cpu_pool_run_with_omp_team([&] { eval_impl(arrays, &pace, small); }))
-    return;
-  eval_impl(arrays, &pace, small);
+  const int64_t start = now_ns();
+  if (pace.last_end_ns > 0) {
+    const double gap = (start - pace.last_end_ns) / 1e3;
+    pace.gap_us = pace.gap_us < 0 ? gap : 0.75 * pace.gap_us + 0.25 * gap;
+  }
+  const bool lend = pace.eval_us >= kOmpTeamMinEvalUs && pace.gap_us >= 0 &&
+                    pace.gap_us <= kOmpTeamMaxGapEvals * pace.eval_us;
+  if (!(lend && cpu_pool_run_with_omp_team([&] { eval_impl(arrays, &pace, small); })))
+    eval_impl(arrays, &pace, small);
+  pace.last_end_ns = now_ns();
 }
 
 void eval_follow_up(std::vector<mx::array> arrays) { eval_impl(arrays, nullptr, true); }

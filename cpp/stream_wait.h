@@ -38,6 +38,8 @@ namespace mx = mlx::core;
 // took recently (decides whether the caller spins for the result).
 struct EvalPace {
   double eval_us = -1;  // smoothed wall time from enqueue to result; < 0 before the first call
+  double gap_us = -1;   // smoothed time from one evaluation's result to the next one's start; < 0 until known
+  int64_t last_end_ns = 0;
 };
 
 // Evaluates `arrays` (like mx::eval) with the adaptive wait above. `small`:
