@@ -47,7 +47,7 @@ SWITCHES = {"none": ("-", lambda on: None, None),
             "arena": ("constant arena (off: 4 MiB+ only)", _runtime.set_constant_arena, True),
             "spin_yield": ("helper yields", _runtime.set_pool_spin_yield, False),
             "guided": ("guided split", _runtime.set_qgemv_guided_split, False),
-            "omp_team": ("OpenMP team lent to the pool", _runtime.set_pool_omp_team, True),
+            "omp_team": ("OpenMP team lent to the pool", _runtime.set_pool_omp_team, False),
             # eager torch's own threads (common.THREADS) against one: the Python binding's output tensors are
             # torch ops, whose OpenMP workers keep spinning for a while after each
             "torch_threads": (f"torch threads {common.THREADS} (off: 1)",

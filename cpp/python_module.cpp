@@ -362,7 +362,7 @@ NB_MODULE(_runtime, m) {
   m.def("set_pool_omp_team", &mlxd::rt::set_pool_omp_team, nb::arg("on"),
         "A call whose evaluations take at least 200 us lends its calling thread's OpenMP team (torch's libgomp) "
         "to the kernel pool: the team's workers take the pool's parts for the call's span (on; "
-        "MLX_DELEGATE_OMP_TEAM=0 at start-up turns it off), or the pool's own helpers do (off).");
+        "MLX_DELEGATE_OMP_TEAM=1 at start-up), or the pool's own helpers do (off, the default).");
   m.def("pool_omp_team", &mlxd::rt::pool_omp_team);
   m.def("omp_team_stats", [] {
     const auto [calls, parts] = mlxd::rt::cpu_pool_omp_team_stats();

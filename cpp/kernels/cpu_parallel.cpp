@@ -523,9 +523,12 @@ const OmpRuntime* omp_runtime() {
   return rt.parallel && rt.thread_num && rt.max_threads && rt.in_parallel ? &rt : nullptr;
 }
 
-std::atomic<bool> g_omp_team{[] {  // on unless MLX_DELEGATE_OMP_TEAM=0 (quiet A/Bs, docs/performance.md)
+// Opt-in (MLX_DELEGATE_OMP_TEAM=1): it wins where the caller alternates with eager torch (the demo,
+// encoders), but a decode loop that never runs torch only pays the region's closing barrier
+// (docs/performance.md, 2026-11-26).
+std::atomic<bool> g_omp_team{[] {
   const char* v = std::getenv("MLX_DELEGATE_OMP_TEAM");
-  return !(v && std::strcmp(v, "0") == 0);
+  return v && std::strcmp(v, "1") == 0;
 }()};
 }  // namespace
 
