@@ -21,7 +21,7 @@ Llama-3.2-shaped model's `--quantize int4` program, random weights, as `benchmar
 With `--switch`, each program runs with the runtime switch off and on in turn (ABBA rounds), as in
 `decode_ab.py`. `cpu ms/token` is the process's CPU time per step (all threads).
 
-    python benchmarks/decode_split.py PROGRAM.pte ... [--rounds 6] [--block 16] [--switch pool_hold|huge_pages|arena|guided|omp_team|spin_yield|torch_threads] [--probe]
+    python benchmarks/decode_split.py PROGRAM.pte ... [--rounds 6] [--block 16] [--switch pool_hold|huge_pages|arena|guided|omp_team|omp_team_always|spin_yield|torch_threads] [--probe]
     python benchmarks/decode_split.py --export 1b-int4.pte [--layers 16]
 """
 
@@ -47,7 +47,10 @@ SWITCHES = {"none": ("-", lambda on: None, None),
             "arena": ("constant arena (off: 4 MiB+ only)", _runtime.set_constant_arena, True),
             "spin_yield": ("helper yields", _runtime.set_pool_spin_yield, False),
             "guided": ("guided split", _runtime.set_qgemv_guided_split, False),
-            "omp_team": ("OpenMP team lent to the pool", _runtime.set_pool_omp_team, False),
+            "omp_team": ("OpenMP team lent when faster (off: never)",
+                         lambda on: _runtime.set_pool_omp_team("auto" if on else "off"), True),
+            "omp_team_always": ("OpenMP team lent on every call (off: never)",
+                                lambda on: _runtime.set_pool_omp_team("always" if on else "off"), False),
             # eager torch's own threads (common.THREADS) against one: the Python binding's output tensors are
             # torch ops, whose OpenMP workers keep spinning for a while after each
             "torch_threads": (f"torch threads {common.THREADS} (off: 1)",

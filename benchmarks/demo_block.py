@@ -13,8 +13,9 @@ split policies against eager torch in the demo's own alternation.
      measured time; "always", the default, splits every large product over the pool in even blocks;
      "balanced" splits every one with the calling thread's block sized by the helpers' measured speed);
    - the split shape (`_blas.set_split_shape`: blocks per pool thread, 1 by default, 2 before);
-   - the caller's OpenMP team lent to the kernel pool for each call (`_runtime.set_pool_omp_team`,
-     opt-in): torch's OpenMP worker, spinning after eager's call, takes the pool's parts;
+   - the caller's OpenMP team lent to the kernel pool (`_runtime.set_pool_omp_team`: "always" on each
+     call, "auto" (the default) where lent calls measure faster, "off"): torch's OpenMP worker, spinning
+     after eager's call, takes the pool's parts;
    - the opt-in fp32 linear kernel (bias added per output block in cache; `_runtime.set_linear_kernel`,
      read when a graph is built, so the program is loaded twice: one copy traced with it off, one on).
 
@@ -122,9 +123,9 @@ def main() -> None:
                            [False, False, True, True, True, True, True]))
 
         # (split policy, blocks per thread, linear kernel, OpenMP team lent to the pool)
-        configs = [("always", 2, False, False), ("always", 1, False, False), ("always", 2, True, False),
-                   ("always", 1, True, False), ("always", 1, True, True), ("measured", 1, False, False),
-                   ("balanced", 1, False, False)]
+        configs = [("always", 2, False, "off"), ("always", 1, False, "off"), ("always", 2, True, "off"),
+                   ("always", 1, True, "off"), ("always", 1, True, "always"), ("always", 1, False, "auto"),
+                   ("always", 1, False, "always"), ("measured", 1, False, "off"), ("balanced", 1, False, "off")]
         res: dict[tuple, dict[str, list[float]]] = {c: {"delegate": [], "eager": [], "cpu": []} for c in configs}
         for _ in range(args.cycles):
             for config in configs:
@@ -146,7 +147,7 @@ def main() -> None:
     rows = []
     for (policy, parts, kernel, team), r in res.items():
         d, e = statistics.median(r["delegate"]) * 1e3, statistics.median(r["eager"]) * 1e3
-        rows.append([policy, str(parts), "on" if kernel else "off", "lent" if team else "-", f"{d:.3f} ms",
+        rows.append([policy, str(parts), "on" if kernel else "off", team, f"{d:.3f} ms",
                      f"{statistics.median(r['cpu']) * 1e3:.3f} ms", f"{e:.3f} ms", f"{e / d:.2f}x"])
     print()
     print(format_table(["split policy", "blocks per thread", "linear kernel", "OpenMP team", "delegate",

@@ -23,7 +23,8 @@ Engines: `mlx_delegate` (stock `executorch.runtime`, compiled graphs as by defau
 graphs are built: the composed matmul + softmax path it replaced) and `omp` (the delegate with its large
 fp32 products as one MKL call on MKL's OpenMP team, `_runtime.set_blas_split(False)` around each call:
 what it did before it cut them into blocks on its own helper pool), `lent-team` (the caller's OpenMP
-team lent to that pool for each call, its worker taking the pool's parts: `_runtime.set_pool_omp_team(True)`),
+team lent to that pool on every call, its worker taking the pool's parts: `_runtime.set_pool_omp_team("always")`;
+`own-pool`: never lent, "off"; the default, "auto", lends it where lent calls measure faster),
 `measured` (each large fp32 product
 shape split over that pool or run as one single-threaded call, whichever its recent calls timed faster:
 `_blas.set_split_policy("measured")`; the default splits every one), `balanced` (every large product
@@ -61,7 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ENGINE_KEYS = ("delegate", "composed", "omp", "lent-team", "measured", "balanced", "unfused-act", "mlx-linears",
+ENGINE_KEYS = ("delegate", "composed", "omp", "lent-team", "own-pool", "measured", "balanced", "unfused-act", "mlx-linears",
                "two-blocks", "eager", "xnnpack")
 DEFAULT_ENGINES = ("delegate", "eager", "xnnpack")
 CASES = ("torch-layer", "bert", "vit", "whisper-encoder", "demo-block", "attention", "llama-prefill")
@@ -101,10 +102,17 @@ def _omp_team(w: Workload) -> common.Prepared:
 
 def _lent_team(w: Workload) -> common.Prepared:
     """The delegate with the caller's OpenMP team lent to its kernel pool for each call
-    (`_runtime.set_pool_omp_team(True)`): torch's OpenMP worker takes the pool's parts."""
+    (`_runtime.set_pool_omp_team("always")`): torch's OpenMP worker takes the pool's parts."""
     from mlx_delegate import _runtime
 
-    return _delegate_with(_runtime.pool_omp_team, _runtime.set_pool_omp_team, True)(w)
+    return _delegate_with(_runtime.pool_omp_team, _runtime.set_pool_omp_team, "always")(w)
+
+
+def _own_pool(w: Workload) -> common.Prepared:
+    """The delegate with its kernel pool's own helpers only (`_runtime.set_pool_omp_team("off")`)."""
+    from mlx_delegate import _runtime
+
+    return _delegate_with(_runtime.pool_omp_team, _runtime.set_pool_omp_team, "off")(w)
 
 
 def _measured_split(w: Workload) -> common.Prepared:
@@ -145,7 +153,8 @@ LOCAL_ENGINES = {
     "two-blocks": ("mlx_delegate, 2 blocks per thread", _two_blocks),
     "composed": ("mlx_delegate, attention composed", _composed),
     "omp": ("mlx_delegate, products on MKL's OpenMP team", _omp_team),
-    "lent-team": ("mlx_delegate, OpenMP team lent to pool", _lent_team),
+    "lent-team": ("mlx_delegate, OpenMP team lent on every call", _lent_team),
+    "own-pool": ("mlx_delegate, OpenMP team never lent", _own_pool),
     "measured": ("mlx_delegate, split by measured time", _measured_split),
     "balanced": ("mlx_delegate, balanced split", _balanced_split),
     # the linear + GELU / SiLU fusion off: bias add and activation as their own passes

@@ -150,21 +150,28 @@ constexpr size_t kArenaAlign = 64;  // a cache line: the CPU kernels' vector loa
 std::optional<std::vector<mx::array>> load_arena(const executorch::runtime::NamedDataMap* map,
                                                  const flatbuffers::Vector<flatbuffers::Offset<mlxd::Constant>>& cs) {
   if (!huge_pages_apply() || !g_constant_arena.load(std::memory_order_relaxed)) return std::nullopt;
-  std::vector<executorch::runtime::FreeableBuffer> src;
+  // Sizes from the shapes; each source is fetched, copied and freed in turn, because a data map may
+  // hold what it returns resident (the stock runtime's file loader mlocks its mappings): fetching all
+  // first would hold the weights twice.
   std::vector<size_t> offset;
   size_t total = 0;
   for (const auto* c : cs) {
     std::string what = "constant '" + payload_name(c->name()) + "'";
     check_dtype(c->dtype(), what);
-    src.push_back(get_named(map, c->key(), c->dtype(), c->shape(), what));
+    size_t numel = checked_numel(c->shape(), what);
+    if (numel > std::numeric_limits<size_t>::max() / dtype_size(c->dtype()) / 2) fail(what + ": size overflows");
+    const size_t bytes = (numel * dtype_size(c->dtype()) + kArenaAlign - 1) / kArenaAlign * kArenaAlign;
+    if (bytes > std::numeric_limits<size_t>::max() - total) fail(what + ": constants' total size overflows");
     offset.push_back(total);
-    total += (src.back().size() + kArenaAlign - 1) / kArenaAlign * kArenaAlign;
+    total += bytes;
   }
   if (total < 2 * kHugePage) return std::nullopt;
   auto data = huge_page_memory(total, [&](char* dst) {
-    for (size_t i = 0; i < src.size(); ++i) {
-      if (src[i].size()) std::memcpy(dst + offset[i], src[i].data(), src[i].size());
-      src[i].Free();  // the data map's buffer (a file mapping) is no longer needed
+    for (size_t i = 0; i < cs.size(); ++i) {
+      const auto* c = cs.Get(i);
+      auto src = get_named(map, c->key(), c->dtype(), c->shape(), "constant '" + payload_name(c->name()) + "'");
+      if (src.size()) std::memcpy(dst + offset[i], src.data(), src.size());
+      src.Free();  // the data map's buffer (a file mapping) is no longer needed
     }
   });
   if (!data) return std::nullopt;

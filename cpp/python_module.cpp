@@ -359,11 +359,20 @@ NB_MODULE(_runtime, m) {
         "yielding their core while they wait (on; opt-in, MLX_DELEGATE_POOL_HOLD=1 at start-up), or lets them "
         "sleep after their spin (MLX_DELEGATE_SPIN_US) as between calls (off, the default).");
   m.def("pool_hold_in_call", &mlxd::rt::pool_hold_in_call);
-  m.def("set_pool_omp_team", &mlxd::rt::set_pool_omp_team, nb::arg("on"),
-        "A call whose evaluations take at least 200 us lends its calling thread's OpenMP team (torch's libgomp) "
-        "to the kernel pool: the team's workers take the pool's parts for the call's span (on; "
-        "MLX_DELEGATE_OMP_TEAM=1 at start-up), or the pool's own helpers do (off, the default).");
-  m.def("pool_omp_team", &mlxd::rt::pool_omp_team);
+  m.def("set_pool_omp_team", [](const std::string& mode) {
+    using mlxd::rt::OmpTeam;
+    const OmpTeam m = mode == "off" ? OmpTeam::Off : mode == "auto" ? OmpTeam::Auto : mode == "always" ? OmpTeam::Always
+                      : throw nb::value_error(("OpenMP team mode must be 'off', 'auto' or 'always', not '" + mode + "'").c_str());
+    mlxd::rt::set_pool_omp_team(m);
+  }, nb::arg("mode"),
+        "Whether a call lends its calling thread's OpenMP team (torch's libgomp) to the kernel pool, whose parts the "
+        "team's workers then take for the call's span: 'auto' (the default; MLX_DELEGATE_OMP_TEAM=off|auto|always at "
+        "start-up) while calls follow each other closely and lent calls measure faster, 'always' (every call whose "
+        "evaluations take 200 us or more; A/B runs), 'off' (the pool's own helpers).");
+  m.def("pool_omp_team", [] {
+    static const char* names[] = {"off", "auto", "always"};
+    return std::string(names[int(mlxd::rt::pool_omp_team())]);
+  });
   m.def("omp_team_stats", [] {
     const auto [calls, parts] = mlxd::rt::cpu_pool_omp_team_stats();
     return std::map<std::string, uint64_t>{{"calls", calls}, {"parts", parts}};

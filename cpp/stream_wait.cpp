@@ -18,6 +18,7 @@
 #include <mlx/scheduler.h>
 #include <pthread.h>
 #include <sched.h>
+#include <time.h>
 #if defined(__linux__)
 #include <linux/futex.h>
 #include <sys/syscall.h>
@@ -32,11 +33,18 @@ constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
 // Evaluations at least this long (smoothed) lend the caller's OpenMP team to the kernel pool: shorter
 // ones (a 100 Hz tiny graph) seldom split their work, and the team's worker would spin after each call.
 constexpr double kOmpTeamMinEvalUs = 200;
-// ... and only while calls follow each other within this many evaluation times: after the call the
-// team's worker spins (libgomp's GOMP_SPINCOUNT, ~10-15 ms) until the next parallel region, so a longer
-// gap would burn a core between calls that the pool's own helpers spend asleep (at 100 Hz, 2.4x the CPU
-// per call of the demo block, 2026-11-26).
-constexpr double kOmpTeamMaxGapEvals = 2;
+// ... and only while the calling thread works between calls (at least this share of the gap on the
+// CPU: eager torch, a decode loop's sampling): after a lent call the team's worker spins (libgomp's
+// GOMP_SPINCOUNT, ~10-15 ms) until the next parallel region, which only burns a core where the caller
+// sleeps between calls (a 100 Hz timer: 2.4x the CPU per call of the demo block, 2026-11-26).
+constexpr double kOmpTeamMinGapBusy = 0.5;
+
+// The calling thread's CPU time (0 where the clock is missing: the caller then counts as idle).
+int64_t thread_cpu_ns() {
+  timespec ts{};
+  if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) != 0) return 0;
+  return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
@@ -494,21 +502,68 @@ void eval_impl(std::vector<mx::array>& arrays, EvalPace* pace, bool small) {
   }
 }
 
+// Whether this call lends the caller's OpenMP team. Auto lends only while the caller works between
+// calls (kOmpTeamMinGapBusy), and then whichever mode this method's calls measured faster: where
+// eager torch runs between calls (the demo, encoders) its OpenMP worker is warm and, lent, does the
+// pool's parts (1.5x faster calls, 2026-11-26); where nothing else runs (a decode loop) a lent call pays
+// the region's closing barrier, which waits for a sleeping worker to be scheduled (the 1.2B step's tail
+// 4.7 -> 12.7 ms). The mode not chosen is probed for kProbeCalls calls now and then, less often while
+// the choice holds.
+constexpr int kProbeCalls = 4, kProbeEveryMin = 16, kProbeEveryMax = 256;
+}  // namespace
+
+double EvalPace::Recent::median() const {
+  if (n == 0) return -1;
+  double v[5];
+  std::copy(us, us + n, v);
+  std::nth_element(v, v + n / 2, v + n);
+  return v[n / 2];
+}
+
+namespace {
+
+bool choose_lend(EvalPace& pace) {
+  const OmpTeam mode = pool_omp_team();
+  if (mode == OmpTeam::Off || pace.eval_us < kOmpTeamMinEvalUs) return false;
+  if (mode == OmpTeam::Always) return true;
+  if (pace.gap_busy < kOmpTeamMinGapBusy) return false;
+  const double lent = pace.lent.median(), own = pace.own.median();
+  if (lent < 0) return true;  // unlent calls were measured before the caller's gaps were known
+  if (own < 0) return false;
+  const bool prefer = lent < own;
+  if (pace.probe_left > 0) {
+    --pace.probe_left;
+    return !prefer;
+  }
+  if (++pace.since_probe < pace.probe_every) return prefer;
+  pace.probe_every = prefer == pace.probe_prefer_lent ? std::min(2 * pace.probe_every, kProbeEveryMax)
+                                                      : kProbeEveryMin;
+  pace.probe_prefer_lent = prefer;
+  pace.since_probe = 0;
+  pace.probe_left = kProbeCalls - 1;
+  return !prefer;
+}
+
 }  // namespace
 
 void eval_adaptive(std::vector<mx::array>& arrays, EvalPace& pace, bool small) {
   // A call whose evaluations lately took long enough for the kernels to split their work: the caller,
-  // which only waits here, lends its OpenMP team to the kernel pool for the call (cpu_parallel.h).
-  const int64_t start = now_ns();
-  if (pace.last_end_ns > 0) {
+  // which only waits here, may lend its OpenMP team to the kernel pool for the call (cpu_parallel.h).
+  const int64_t start = now_ns(), start_cpu = thread_cpu_ns();
+  const bool known = pace.last_end_ns > 0;  // not a method's first call (which may build its kernels)
+  if (known) {
     const double gap = (start - pace.last_end_ns) / 1e3;
-    pace.gap_us = pace.gap_us < 0 ? gap : 0.75 * pace.gap_us + 0.25 * gap;
+    const double busy = std::clamp((start_cpu - pace.last_end_cpu_ns) / 1e3 / std::max(gap, 1.0), 0.0, 1.0);
+    pace.gap_busy = pace.gap_busy < 0 ? busy : 0.75 * pace.gap_busy + 0.25 * busy;
   }
-  const bool lend = pace.eval_us >= kOmpTeamMinEvalUs && pace.gap_us >= 0 &&
-                    pace.gap_us <= kOmpTeamMaxGapEvals * pace.eval_us;
-  if (!(lend && cpu_pool_run_with_omp_team([&] { eval_impl(arrays, &pace, small); })))
-    eval_impl(arrays, &pace, small);
+  const bool lent = choose_lend(pace) && cpu_pool_run_with_omp_team([&] { eval_impl(arrays, &pace, small); });
+  if (!lent) eval_impl(arrays, &pace, small);
   pace.last_end_ns = now_ns();
+  pace.last_end_cpu_ns = thread_cpu_ns();
+  // A call right after one in the other mode is not measured: after a lent call the team's worker spins
+  // on (~10-15 ms) against the pool's helpers, and the first lent call may wake a sleeping worker.
+  if (known && lent == pace.last_lent) (lent ? pace.lent : pace.own).add((pace.last_end_ns - start) / 1e3);
+  pace.last_lent = lent;
 }
 
 void eval_follow_up(std::vector<mx::array> arrays) { eval_impl(arrays, nullptr, true); }

@@ -38,8 +38,24 @@ namespace mx = mlx::core;
 // took recently (decides whether the caller spins for the result).
 struct EvalPace {
   double eval_us = -1;  // smoothed wall time from enqueue to result; < 0 before the first call
-  double gap_us = -1;   // smoothed time from one evaluation's result to the next one's start; < 0 until known
-  int64_t last_end_ns = 0;
+  // smoothed share of the time from one evaluation's result to the next one's start that the calling
+  // thread spent on the CPU; < 0 until known
+  double gap_busy = -1;
+  int64_t last_end_ns = 0, last_end_cpu_ns = 0;
+  // The OpenMP team's lending, chosen by measurement (stream_wait.cpp, eval_adaptive): recent wall times
+  // of an evaluation with the team lent and without (their median: one late wake-up of the team's worker
+  // must not flip the choice), and the probes of the mode not chosen.
+  struct Recent {
+    double us[5];
+    int n = 0, next = 0;
+    void add(double v) {
+      us[next] = v, next = (next + 1) % 5, n = n < 5 ? n + 1 : 5;
+    }
+    double median() const;  // < 0 while empty
+  } lent, own;
+  bool last_lent = false;
+  int probe_left = 0, since_probe = 0, probe_every = 16;
+  bool probe_prefer_lent = false;
 };
 
 // Evaluates `arrays` (like mx::eval) with the adaptive wait above. `small`:

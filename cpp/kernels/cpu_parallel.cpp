@@ -523,21 +523,20 @@ const OmpRuntime* omp_runtime() {
   return rt.parallel && rt.thread_num && rt.max_threads && rt.in_parallel ? &rt : nullptr;
 }
 
-// Opt-in (MLX_DELEGATE_OMP_TEAM=1): it wins where the caller alternates with eager torch (the demo,
-// encoders), but a decode loop that never runs torch only pays the region's closing barrier
-// (docs/performance.md, 2026-11-26).
-std::atomic<bool> g_omp_team{[] {
+std::atomic<int> g_omp_team{[] {
   const char* v = std::getenv("MLX_DELEGATE_OMP_TEAM");
-  return v && std::strcmp(v, "1") == 0;
+  if (v && (std::strcmp(v, "off") == 0 || std::strcmp(v, "0") == 0)) return int(OmpTeam::Off);
+  if (v && std::strcmp(v, "always") == 0) return int(OmpTeam::Always);
+  return int(OmpTeam::Auto);
 }()};
 }  // namespace
 
-void set_pool_omp_team(bool on) { g_omp_team.store(on, std::memory_order_relaxed); }
-bool pool_omp_team() { return g_omp_team.load(std::memory_order_relaxed); }
+void set_pool_omp_team(OmpTeam mode) { g_omp_team.store(int(mode), std::memory_order_relaxed); }
+OmpTeam pool_omp_team() { return OmpTeam(g_omp_team.load(std::memory_order_relaxed)); }
 std::pair<uint64_t, uint64_t> cpu_pool_omp_team_stats() { return {g_omp_team_calls.load(), g_omp_team_parts.load()}; }
 
 bool cpu_pool_run_with_omp_team(const std::function<void()>& body) {
-  const OmpRuntime* omp = pool_omp_team() ? omp_runtime() : nullptr;
+  const OmpRuntime* omp = pool_omp_team() != OmpTeam::Off ? omp_runtime() : nullptr;
   if (omp == nullptr) return false;
   auto& pool = Pool::get();
   if (pool.size() <= 1 || !pool.owned() || omp->in_parallel()) return false;

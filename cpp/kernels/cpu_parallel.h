@@ -103,12 +103,16 @@ class CpuPoolHold {
 // evaluation on MLX's stream thread, while the team's other threads claim the pool's parts as its
 // helpers do. After an eager torch call that team's worker spins (GOMP_SPINCOUNT) into the delegate's
 // call and held the second core from the pool's own helper; lent to the pool, the spinning worker is the
-// helper. Returns false without running body() when off (set_pool_omp_team, MLX_DELEGATE_OMP_TEAM=0|1
-// at start-up), when no OpenMP runtime is loaded, the pool has no helpers, OpenMP allows one thread, or
-// the caller is inside a parallel region already.
+// helper. Returns false without running body() when off (set_pool_omp_team), when no OpenMP runtime is
+// loaded, the pool has no helpers, OpenMP allows one thread, or the caller is inside a parallel region
+// already.
 bool cpu_pool_run_with_omp_team(const std::function<void()>& body);
-void set_pool_omp_team(bool on);
-bool pool_omp_team();
+// Off; auto (the default): eval_adaptive lends the team where calls follow each other closely and lent
+// calls measure faster than unlent ones (stream_wait.cpp); always: every call long enough to split its
+// work (A/B runs, tests). MLX_DELEGATE_OMP_TEAM=off|auto|always at start-up.
+enum class OmpTeam : int { Off = 0, Auto = 1, Always = 2 };
+void set_pool_omp_team(OmpTeam mode);
+OmpTeam pool_omp_team();
 // Calls run with a lent team so far, and the parts its workers took (tests, benchmarks).
 std::pair<uint64_t, uint64_t> cpu_pool_omp_team_stats();
 

@@ -10,6 +10,7 @@ hard-swish epilogues, weights as a program input (transformed on each call) and 
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -92,6 +93,10 @@ CASES += cases("weight_input", lambda x, w, b: F.relu(F.conv2d(x, w, b, padding=
 @pytest.mark.parametrize("tile", [2, 4])
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_winograd_parity(case, tile: int) -> None:
+    if tile == 4 and case.atol is not None and case.dtype == torch.float32:
+        # F(4x4)'s transforms scale by up to 8 and sum 6x6 tiles: float32 rounding grows ~4x over a
+        # direct sum's (random inputs put an output near cancellation now and then).
+        case = dataclasses.replace(case, atol=4 * case.atol)
     before = _runtime.cpu_kernel_call_counts()
     with winograd(tile):
         lowered = lower_and_compare(case)
