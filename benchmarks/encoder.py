@@ -321,6 +321,19 @@ def time_rounds(runs: dict[str, Callable[[], Any]], budget_s: float, min_rounds:
     return samples, errors
 
 
+def counting_lent(run: Callable[[], Any], lent: dict[str, int], key: str) -> Callable[[], Any]:
+    """`run`, adding to lent[key] each call that lent the caller's OpenMP team to the kernel pool."""
+    from mlx_delegate import _runtime
+
+    def counted() -> Any:
+        before = _runtime.omp_team_stats()["calls"]
+        out = run()
+        lent[key] += _runtime.omp_team_stats()["calls"] - before
+        return out
+
+    return counted
+
+
 def run_case(w: Workload, engines: Sequence[str], budget_s: float, min_rounds: int) -> list[Row]:
     with torch.no_grad():
         reference = to_numpy(w.module.eval()(*w.inputs))
@@ -342,7 +355,9 @@ def run_case(w: Workload, engines: Sequence[str], budget_s: float, min_rounds: i
         except Exception as e:  # noqa: BLE001  (an engine that fails is reported, not fatal)
             row.error = one_line(e)
     print(f"  {w.case}: timing {len(ready)} engines ...", file=sys.stderr, flush=True)
-    samples, errors = time_rounds({k: p.run for k, p in ready.items()}, budget_s, min_rounds, estimate)
+    lent = {k: 0 for k in ready if k not in ("eager", "xnnpack")}
+    samples, errors = time_rounds({k: counting_lent(p.run, lent, k) if k in lent else p.run
+                                   for k, p in ready.items()}, budget_s, min_rounds, estimate)
     for k, xs in samples.items():
         row = rows[k]
         row.error = errors.get(k, row.error)
@@ -350,6 +365,8 @@ def run_case(w: Workload, engines: Sequence[str], budget_s: float, min_rounds: i
             row.wall_s = statistics.median(x[0] for x in xs)
             row.cpu_s = statistics.median(x[1] for x in xs)
             row.rounds = len(xs)
+            if k in lent:  # how many timed calls lent the OpenMP team (the default chooses by measurement)
+                row.note += f"; team lent {lent[k]}/{len(xs)}"
     del ready
     gc.collect()
     return list(rows.values())

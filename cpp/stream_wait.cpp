@@ -556,7 +556,8 @@ void eval_adaptive(std::vector<mx::array>& arrays, EvalPace& pace, bool small) {
     const double busy = std::clamp((start_cpu - pace.last_end_cpu_ns) / 1e3 / std::max(gap, 1.0), 0.0, 1.0);
     pace.gap_busy = pace.gap_busy < 0 ? busy : 0.75 * pace.gap_busy + 0.25 * busy;
   }
-  const bool lent = choose_lend(pace) && cpu_pool_run_with_omp_team([&] { eval_impl(arrays, &pace, small); });
+  // Only a graph on a CPU stream: on a GPU the pool has no parts to give a lent worker.
+  const bool lent = cpu_stream(arrays) && choose_lend(pace) && cpu_pool_run_with_omp_team([&] { eval_impl(arrays, &pace, small); });
   if (!lent) eval_impl(arrays, &pace, small);
   pace.last_end_ns = now_ns();
   pace.last_end_cpu_ns = thread_cpu_ns();
