@@ -509,12 +509,14 @@ void eval_impl(std::vector<mx::array>& arrays, EvalPace* pace, bool small) {
 // the region's closing barrier, which waits for a sleeping worker to be scheduled (the 1.2B step's tail
 // 4.7 -> 12.7 ms). The mode not chosen is probed for kProbeCalls calls now and then, less often while
 // the choice holds.
-constexpr int kProbeCalls = 4, kProbeEveryMin = 16, kProbeEveryMax = 256;
+// A probe's first call is not measured (the mode switch), so its other calls refill the window: the two
+// medians then compare calls of the same recent stretch.
+constexpr int kProbeCalls = EvalPace::kWindow + 1, kProbeEveryMin = 16, kProbeEveryMax = 256;
 }  // namespace
 
 double EvalPace::Recent::median() const {
   if (n == 0) return -1;
-  double v[5];
+  double v[kWindow];
   std::copy(us, us + n, v);
   std::nth_element(v, v + n / 2, v + n);
   return v[n / 2];
@@ -527,19 +529,21 @@ bool choose_lend(EvalPace& pace) {
   if (mode == OmpTeam::Off || pace.eval_us < kOmpTeamMinEvalUs) return false;
   if (mode == OmpTeam::Always) return true;
   if (pace.gap_busy < kOmpTeamMinGapBusy) return false;
-  const double lent = pace.lent.median(), own = pace.own.median();
-  if (lent < 0) return true;  // unlent calls were measured before the caller's gaps were known
-  if (own < 0) return false;
-  const bool prefer = lent < own;
+  // A method's first calls fill both windows, lent first: deciding on one or two samples of a mode
+  // (a warm-up call's) settled a 60-call run on the slower mode, and probes grew rarer from there.
+  if (pace.lent.n < EvalPace::kWindow) return true;
+  if (pace.own.n < EvalPace::kWindow) return false;
   if (pace.probe_left > 0) {
     --pace.probe_left;
-    return !prefer;
+    return pace.probe_lent;
   }
+  const bool prefer = pace.lent.median() < pace.own.median();
   if (++pace.since_probe < pace.probe_every) return prefer;
   pace.probe_every = prefer == pace.probe_prefer_lent ? std::min(2 * pace.probe_every, kProbeEveryMax)
                                                       : kProbeEveryMin;
   pace.probe_prefer_lent = prefer;
   pace.since_probe = 0;
+  pace.probe_lent = !prefer;
   pace.probe_left = kProbeCalls - 1;
   return !prefer;
 }

@@ -45,16 +45,18 @@ struct EvalPace {
   // The OpenMP team's lending, chosen by measurement (stream_wait.cpp, eval_adaptive): recent wall times
   // of an evaluation with the team lent and without (their median: one late wake-up of the team's worker
   // must not flip the choice), and the probes of the mode not chosen.
+  static constexpr int kWindow = 5;
   struct Recent {
-    double us[5];
+    double us[kWindow];
     int n = 0, next = 0;
     void add(double v) {
-      us[next] = v, next = (next + 1) % 5, n = n < 5 ? n + 1 : 5;
+      us[next] = v, next = (next + 1) % kWindow, n = n < kWindow ? n + 1 : kWindow;
     }
     double median() const;  // < 0 while empty
   } lent, own;
   bool last_lent = false;
   int probe_left = 0, since_probe = 0, probe_every = 16;
+  bool probe_lent = false;  // the mode the current probe runs
   bool probe_prefer_lent = false;
 };
 
