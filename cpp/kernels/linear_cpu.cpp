@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -23,6 +24,20 @@ namespace {
 // Below this many multiply-adds a product runs on the calling thread (the
 // BLAS front's threshold: waking the helper costs more than it saves).
 constexpr double kSerialMacs = 1 << 20;
+
+// A long product is cut into at least one part per this many multiply-adds (~1 ms of a core), up to 4
+// per pool thread: parts are claimed as threads come free, so a thread that starts late (woken, or
+// preempted by another process) leaves the others at most a part to wait for, where with one part per
+// thread they waited for its whole share. ViT-B/16 at batch 8 (products of 0.9-3.7 G multiply-adds):
+// 1.07x eager's time against 1.24x with one part per thread; BERT T 512 0.97x against 1.05x (2026-11-27,
+// load ~1). MLX_DELEGATE_LINEAR_PART_MACS sets it (0: one part per thread, as before).
+double part_macs() {
+  static const double v = [] {
+    const char* e = std::getenv("MLX_DELEGATE_LINEAR_PART_MACS");
+    return e ? std::max(0.0, std::strtod(e, nullptr)) : 128.0 * (1 << 20);
+  }();
+  return v;
+}
 
 // The BLAS front's split shape (parts per pool thread, axis: 0 the longer
 // output axis, 1 rows, 2 columns), so one setting (_blas.set_split_shape)
@@ -80,7 +95,13 @@ struct Linear {
     const auto shape = split_shape();
     const bool by_rows = shape.axis == 0 ? m > n : shape.axis == 1;
     const int extent = by_rows ? m : n;
-    int parts = static_cast<double>(m) * n * k < kSerialMacs ? 1 : cpu_pool_threads() * shape.parts_per_thread;
+    const double macs = static_cast<double>(m) * n * k;
+    const int threads = cpu_pool_threads();
+    int parts = macs < kSerialMacs ? 1 : threads * shape.parts_per_thread;
+    if (parts > 1 && part_macs() > 0) {
+      const int by_size = static_cast<int>(std::min<double>(std::ceil(macs / part_macs()), 4.0 * threads));
+      parts = std::max(parts, (by_size + threads - 1) / threads * threads);  // whole rounds of the pool
+    }
     parts = std::max(1, std::min(parts, extent / 32));
     // Block boundaries at multiples of 16 (whole vector widths) except the end.
     auto bound = [&](int i) {

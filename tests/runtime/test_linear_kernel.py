@@ -1,6 +1,6 @@
 """The CPU fp32 linear kernel (cpp/kernels/linear_cpu.cpp, on by default, switched on here), each output
 block's bias (and a fused GELU / SiLU) applied in the task that computes it: linears large enough to be cut into column blocks,
-row blocks or run whole, with and without a bias, a strided bias, a non-contiguous input and 3-D
+row blocks (long ones into more blocks than pool threads) or run whole, with and without a bias, a strided bias, a non-contiguous input and 3-D
 inputs, match eager torch node by node, compiled and with the CPU kernels off (`lower_and_compare`);
 bf16 / fp16 take the low-precision matmul and must still match. The call counter proves the kernel
 ran on fp32 and not on the half types."""
@@ -38,6 +38,12 @@ CASES = [
     *cases("columns_bias_gelu", lambda x, w, b: F.gelu(F.linear(x, w, b)), randn((2, 37, 160), (200, 160), (200,)),
            FLOATS, **tol(160)),
     *cases("rows_silu", lambda x, w: F.silu(F.linear(x, w)), randn((520, 96), (40, 96)), FLOATS, **tol(96)),
+    # long products (over 256M multiply-adds) cut into more parts than pool threads, by size: 1001 x 1030
+    # x 520 in column blocks, 1600 x 400 x 512 in row blocks with a GELU applied in each block
+    *cases("long_columns_bias", lambda x, w, b: F.linear(x, w, b), randn((1001, 520), (1030, 520), (1030,)),
+           FLOATS, **tol(520)),
+    *cases("long_rows_gelu", lambda x, w, b: F.gelu(F.linear(x, w, b)), randn((1600, 512), (400, 512), (400,)),
+           FLOATS, **tol(512)),
     *cases("noncontig_input_strided_bias", lambda x, w, b: F.linear(x.transpose(0, 1), w, b[::2]),
            randn((144, 140), (130, 144), (260,)), FLOATS, **tol(144)),
 ]
