@@ -137,6 +137,14 @@ def heads_last(q, k, v, mask):
                                           attn_mask=mask, enable_gqa=True).transpose(1, 2)
 
 
+def heads_last_inputs(n, seed):
+    """heads_last's q [1, n, 4, 64], k / v [1, n, 2, 64] and a position mask, from `seed`."""
+    def make():
+        g = torch.Generator().manual_seed(seed)
+        return (*(torch.randn(1, n, h, 64, generator=g) for h in (4, 2, 2)), position_mask(n, n, 0)())
+    return make
+
+
 SLICED, SLICED_INPUTS = cache_slice(lq=1, lk=200, size=256)
 FUSED = [
     *cases("fused_l1_s1", sdpa(), qkv(hq=4, hk=4, lq=1, lk=1, e=64), FLOATS),
@@ -322,6 +330,10 @@ BLOCKED = [
     *cases("blocked_heads_last", heads_last,
            lambda: (torch.randn(1, 131, 4, 64), torch.randn(1, 131, 2, 64), torch.randn(1, 131, 2, 64),
                     position_mask(131, 131, 0)()), FLOATS),
+    # Three blocks per head, every block a part of its own, each thread keeping a head's packed keys and
+    # values for its next block of the same call; the later runs (new data, same shapes) must not see them.
+    *cases("blocked_heads_last_calls", heads_last, heads_last_inputs(300, seed=0), F32,
+           more_inputs=lambda: [heads_last_inputs(300, seed=s)() for s in (1, 2)]),
     # Past 2048 keys the blocks are 64 rows again.
     *cases("blocked_long_s", sdpa(), qkv(hq=1, hk=1, lq=70, lk=2100, e=64), (torch.float32,)),
     # ViT's L 197 (a full and a partial block), an odd head dim, rows of 197 keys (vector tails).
