@@ -350,6 +350,24 @@ def _git_revision() -> str:
     return rev + ("+dirty" if dirty else "")
 
 
+def cpu_model() -> str:
+    """The processor's name and widest vector set: the CPU kernels take AVX-512 or AVX2 paths, so
+    figures compare only between runs on the same kind of processor."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return platform.processor() or "unknown"
+    def field(key: str, default: str = "?") -> str:
+        return next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.split(":")[0].strip() == key),
+                    default)
+
+    name = f"{field('model name', 'unknown')} (family {field('cpu family')} model {field('model')})"
+    flags = set(field("flags", "").split())
+    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{name}, {vector}{', AMX' if 'amx_tile' in flags else ''}"
+
+
 def machine_meta(bandwidth: bool = True) -> dict[str, Any]:
     import executorch  # noqa: F401  (namespace package: version from metadata)
     from importlib.metadata import version
@@ -357,6 +375,7 @@ def machine_meta(bandwidth: bool = True) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "time": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores",
+        "cpu": cpu_model(),
         "python": platform.python_version(),
         "torch": torch.__version__, "executorch": version("executorch"), "mlx": mx.__version__,
         "mlx_delegate": f"{mlx_delegate.__version__} ({_git_revision()})",
