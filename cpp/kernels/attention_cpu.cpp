@@ -170,17 +170,15 @@ MLXD_AVX2 inline __m256 softmax_exp8(__m256 x) {
 
 MLXD_AVX2 float exp_sum_avx2(float* x, int64_t n, float shift) {
   const __m256 sv = vmath::set1(shift);
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  __m256 sums[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};  // two, so consecutive adds do not wait
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m256 e0 = softmax_exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), sv));
-    const __m256 e1 = softmax_exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8), sv));
-    _mm256_storeu_ps(x + i, e0);
-    _mm256_storeu_ps(x + i + 8, e1);
-    acc0 = _mm256_add_ps(acc0, e0);
-    acc1 = _mm256_add_ps(acc1, e1);
-  }
-  __m256 acc = _mm256_add_ps(acc0, acc1);
+  for (; i + 16 <= n; i += 16)
+    for (int u = 0; u < 2; ++u) {
+      const __m256 e = softmax_exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8 * u), sv));
+      _mm256_storeu_ps(x + i + 8 * u, e);
+      sums[u] = _mm256_add_ps(sums[u], e);
+    }
+  __m256 acc = _mm256_add_ps(sums[0], sums[1]);
   for (; i + 8 <= n; i += 8) {
     __m256 e = softmax_exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), sv));
     acc = _mm256_add_ps(acc, e);
