@@ -147,25 +147,11 @@ MLXD_AVX2 void axpy_avx2(float* y, float a, const float* x, int64_t n) {
 // exp(x) for softmax on eight lanes, where x = score - row max is <= 0, -inf
 // or NaN: exp8 without its overflow clamp and its three blends (the blocked
 // path spent ~14 % of its time in the softmax at L = S = 1500 on an AVX2-only
-// core). x is clamped below at -88, where n = -127 makes 2^n's exponent
-// field 0, so -inf gives exactly 0 (x near -88 gives 0 or ~1e-38 instead of
-// a denormal). max_ps(lo, x) returns x when x is NaN, which stays NaN.
+// core). x is clamped below at exp8's low end, where 2^n's exponent field is
+// 0, so -inf gives exactly 0. max_ps(lo, x) returns x when x is NaN, which
+// stays NaN.
 MLXD_AVX2 inline __m256 softmax_exp8(__m256 x) {
-  const __m256 xc = _mm256_max_ps(vmath::set1(-88.f), x);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, vmath::set1(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, vmath::set1(0.693359375f), xc);
-  r = _mm256_fnmadd_ps(n, vmath::set1(-2.12194440e-4f), r);
-  __m256 p = vmath::set1(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, vmath::set1(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, vmath::set1(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, vmath::set1(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, vmath::set1(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, vmath::set1(5.0000001201e-1f));
-  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), vmath::set1(1.f));
-  // n <= 0 here, so 2^n's exponent field n + 127 never overflows.
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  return vmath::exp8_core(_mm256_max_ps(vmath::set1(-87.3365448f), x));
 }
 
 MLXD_AVX2 float exp_sum_avx2(float* x, int64_t n, float shift) {

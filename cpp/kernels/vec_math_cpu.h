@@ -28,9 +28,11 @@ MLXD_AVX2 inline __m256 load_strided(const float* p) {
 // two so r stays exact) and e^r by a degree-7 polynomial (Cephes expf
 // coefficients): within 2 ulp of libm. Overflow gives inf, underflow below
 // FLT_MIN gives 0 (no denormals), NaN stays NaN.
-MLXD_AVX2 inline __m256 exp8(__m256 x) {
-  const __m256 hi = set1(88.7228394f), lo = set1(-87.3365448f);
-  __m256 xc = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+// The reduction and polynomial alone, for xc already inside [-87.34, 88.72]
+// (no clamp, no edge blends). 2^n as 2 * 2^(n-1): n reaches 128 at the top of
+// the range, whose exponent field would overflow; n = -126 (the bottom) gives
+// a zero field, i.e. 0.
+MLXD_AVX2 inline __m256 exp8_core(__m256 xc) {
   __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, set1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, set1(0.693359375f), xc);
   r = _mm256_fnmadd_ps(n, set1(-2.12194440e-4f), r);
@@ -41,10 +43,13 @@ MLXD_AVX2 inline __m256 exp8(__m256 x) {
   p = _mm256_fmadd_ps(p, r, set1(1.6666665459e-1f));
   p = _mm256_fmadd_ps(p, r, set1(5.0000001201e-1f));
   __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), set1(1.f));
-  // 2^n as 2 * 2^(n-1): n reaches 128 at the top of the range, whose exponent
-  // field would overflow; n = -126 (the bottom) gives a zero field, i.e. 0.
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(126)), 23);
-  y = _mm256_mul_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), set1(2.f));
+  return _mm256_mul_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), set1(2.f));
+}
+
+MLXD_AVX2 inline __m256 exp8(__m256 x) {
+  const __m256 hi = set1(88.7228394f), lo = set1(-87.3365448f);
+  __m256 y = exp8_core(_mm256_min_ps(_mm256_max_ps(x, lo), hi));
   y = _mm256_blendv_ps(y, set1(__builtin_inff()), _mm256_cmp_ps(x, hi, _CMP_GT_OQ));
   y = _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
   return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
