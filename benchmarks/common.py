@@ -145,6 +145,15 @@ def _node_by_node(engine: Engine) -> Engine:
     return switched(engine, _runtime.compile_enabled, _runtime.set_compile, False)
 
 
+def _mkl_blocks(engine: Engine) -> Engine:
+    """`engine` with the blocks of its large fp32 products on MKL's single-threaded sgemm during its
+    calls (`_blas.set_sgemm_kind("mkl")`), where the default on AVX2-only processors is the runtime's
+    own AVX2 gemm."""
+    from mlx_delegate import _blas
+
+    return switched(engine, _blas.sgemm_kind, _blas.set_sgemm_kind, "mkl")
+
+
 def _xnnpack_partitioner() -> Any:
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 
@@ -155,13 +164,14 @@ def _xnnpack_partitioner() -> Any:
 ENGINES: dict[str, tuple[str, Engine]] = {
     "delegate": ("mlx_delegate", _executorch(mlx_delegate.MLXPartitioner)),
     "nodes": ("mlx_delegate, node by node", _node_by_node(_executorch(mlx_delegate.MLXPartitioner))),
+    "mkl-blocks": ("mlx_delegate, MKL blocks", _mkl_blocks(_executorch(mlx_delegate.MLXPartitioner))),
     "mlx": ("MLX Python", _mlx_python),
     "eager": ("eager torch", _eager),
     "xnnpack": ("ET XNNPACK", _executorch(_xnnpack_partitioner)),
 }
 
-# `nodes` (compiled graphs off) only when asked for: it shows what the graph cache saves.
-DEFAULT_ENGINES = [k for k in ENGINES if k != "nodes"]
+# `nodes` (compiled graphs off) and `mkl-blocks` only when asked for: A/B engines.
+DEFAULT_ENGINES = [k for k in ENGINES if k not in ("nodes", "mkl-blocks")]
 
 
 # ---------------------------------------------------------------- timing

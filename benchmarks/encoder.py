@@ -35,7 +35,8 @@ lowered with `disable={"fuse_linear_activation"}`: a linear's bias add and GELU 
 2026-11-26 17:40: the delegate lowered with `disable={"fuse_linear_residual"}` and
 `_runtime.set_linear_kernel(False)` while its graphs are built; by default the CPU linear kernel adds
 each output block's bias and residual in cache) and `two-blocks` (split products cut into two blocks per pool thread instead of one:
-`_blas.set_split_shape(2)`).
+`_blas.set_split_shape(2)`) and `mkl-blocks` (the blocks of split products on MKL's single-threaded
+sgemm, `_blas.set_sgemm_kind("mkl")`, where AVX2-only processors default to the runtime's own gemm).
 Each is checked against
 eager torch, then the engines take turns call by call (interleaved rounds, the order rotating). Every
 row shows wall time and process CPU time per call (all threads, so 2 busy cores give CPU = 2 x wall).
@@ -62,7 +63,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ENGINE_KEYS = ("delegate", "composed", "omp", "lent-team", "own-pool", "measured", "balanced", "unfused-act", "mlx-linears",
+ENGINE_KEYS = ("delegate", "mkl-blocks", "composed", "omp", "lent-team", "own-pool", "measured", "balanced", "unfused-act", "mlx-linears",
                "two-blocks", "eager", "xnnpack")
 DEFAULT_ENGINES = ("delegate", "eager", "xnnpack")
 CASES = ("torch-layer", "bert", "vit", "whisper-encoder", "demo-block", "attention", "llama-prefill")

@@ -20,6 +20,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "sgemm_avx2.h"
+
 extern "C" {
 
 enum CBLAS_ORDER { CblasRowMajor = 101, CblasColMajor = 102 };
@@ -45,6 +47,16 @@ static std::atomic<cblas_dgemm_fn> g_ref_dgemm{nullptr};
 static std::atomic<cblas_gemm_lowp_fn> g_gemm_lowp[2]{{nullptr}, {nullptr}};  // [0] bfloat16, [1] float16
 static std::atomic<uint64_t> g_fast_calls{0};
 static std::atomic<uint64_t> g_split_calls{0};  // sgemms cut into blocks on the runtime's pool
+// Whether single-threaded fp32 products (the pool's blocks, mlxd_sgemm_serial) run on the AVX2
+// kernel (sgemm_avx2.h) instead of MKL: by default on processors with AVX2 + FMA but not AVX-512F
+// (where it measured faster, see that header); MLX_DELEGATE_SGEMM=own / mkl chooses.
+static std::atomic<bool> g_own_sgemm{[] {
+  if (!mlxd::blas::own_sgemm_available()) return false;
+  const char* e = std::getenv("MLX_DELEGATE_SGEMM");
+  if (e && std::strcmp(e, "own") == 0) return true;
+  if (e && std::strcmp(e, "mkl") == 0) return false;
+  return !__builtin_cpu_supports("avx512f");
+}()};
 // MKL's per-thread thread count (Fortran mkl_set_num_threads_local_, by
 // pointer): small products run on the calling thread, since waking MKL's
 // OpenMP team costs more than they do.
@@ -112,6 +124,12 @@ __attribute__((visibility("default"))) int mlxd_gemm_lowp(int dtype, int trans_a
   g_gemm_lowp[dtype].load()(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
                             m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
   return 1;
+}
+
+// Single-threaded fp32 products on the AVX2 kernel (1) or MKL (0); a request for the kernel where the
+// processor lacks AVX2 + FMA leaves MKL. Returns the previous setting. For A/B runs in one process.
+__attribute__((visibility("default"))) int mlxd_blas_set_own_sgemm(int on) {
+  return g_own_sgemm.exchange(on != 0 && mlxd::blas::own_sgemm_available()) ? 1 : 0;
 }
 
 // Whether mlxd_sgemm_serial is served (torch's sgemm_ was found).
@@ -187,6 +205,16 @@ struct SplitSgemm {
   void run(int i) const {
     const int extent = by_rows ? m : n, lo = bound(i, extent), hi = bound(i + 1, extent);
     if (lo >= hi) return;
+    if (g_own_sgemm.load(std::memory_order_relaxed)) {
+      const bool t_a = ta != CblasNoTrans, t_b = tb != CblasNoTrans;
+      if (by_rows)
+        mlxd::blas::own_sgemm(t_a, t_b, hi - lo, n, k, alpha, t_a ? a + lo : a + static_cast<int64_t>(lo) * lda, lda,
+                              b, ldb, beta, c + static_cast<int64_t>(lo) * ldc, ldc);
+      else
+        mlxd::blas::own_sgemm(t_a, t_b, m, hi - lo, k, alpha, a, lda, t_b ? b + static_cast<int64_t>(lo) * ldb : b + lo,
+                              ldb, beta, c + lo, ldc);
+      return;
+    }
     if (by_rows) {
       const float* ap = ta == CblasNoTrans ? a + static_cast<int64_t>(lo) * lda : a + lo;
       gemm(f, CblasRowMajor, ta, tb, hi - lo, n, k, alpha, ap, lda, b, ldb, beta, c + static_cast<int64_t>(lo) * ldc,
@@ -402,6 +430,10 @@ __attribute__((visibility("default"))) int mlxd_sgemm_serial(int trans_a, int tr
   auto f = g_sgemm.load();
   if (f == nullptr) return 0;
   g_fast_calls.fetch_add(1, std::memory_order_relaxed);
+  if (g_own_sgemm.load(std::memory_order_relaxed)) {
+    mlxd::blas::own_sgemm(trans_a != 0, trans_b != 0, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return 1;
+  }
   auto call = [&] {
     gemm(f, CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, m, n, k, alpha,
          a, lda, b, ldb, beta, c, ldc);

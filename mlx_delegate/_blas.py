@@ -61,6 +61,7 @@ def install() -> str:
     lib.mlxd_blas_set_split_shape.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.mlxd_blas_split_shape.argtypes = []
     lib.mlxd_gemm_lowp_ready.argtypes = [ctypes.c_int]
+    lib.mlxd_blas_set_own_sgemm.argtypes = [ctypes.c_int]
     lib.mlxd_blas_balanced_share.argtypes = [ctypes.c_int] * 5
     lib.mlxd_blas_balanced_share.restype = ctypes.c_double
     if lib.mlxd_blas_init(str(fast).encode(), str(reference).encode() if reference else None) != 1:
@@ -150,3 +151,54 @@ def split_shape() -> tuple[int, str]:
         return (1, "longer")
     code = _state["lib"].mlxd_blas_split_shape()
     return (code // 4, _SPLIT_AXES[code % 4])
+
+
+_SGEMM_KINDS = ("mkl", "own")
+
+
+def sgemm_kind() -> str:
+    """Which single-threaded fp32 gemm serves the pool's product blocks (see `set_sgemm_kind`)."""
+    previous = set_sgemm_kind("mkl")
+    set_sgemm_kind(previous)
+    return previous
+
+
+def set_sgemm_kind(kind: str) -> str:
+    """Which single-threaded fp32 gemm serves the blocks a large product is cut into: "own" (the
+    AVX2 kernel; the default on x86-64 processors with AVX2 + FMA but not AVX-512F) or "mkl"
+    (torch's MKL). `MLX_DELEGATE_SGEMM` chooses at start-up. A processor without AVX2 + FMA stays
+    on "mkl". Returns the previous kind."""
+    if kind not in _SGEMM_KINDS:
+        raise ValueError(f"sgemm kind must be one of {_SGEMM_KINDS}, got {kind!r}")
+    if _state["lib"] is None:
+        return "mkl"
+    return _SGEMM_KINDS[_state["lib"].mlxd_blas_set_own_sgemm(_SGEMM_KINDS.index(kind))]
+
+
+def serial_sgemm(a, b, trans_a: bool = False, trans_b: bool = False, alpha: float = 1.0, beta: float = 0.0, c=None):
+    """alpha op(a) @ op(b) + beta c on the calling thread through the front's single-threaded sgemm
+    (what the pool's blocks call), for tests: a, b (and c) C-contiguous float32 numpy matrices, or
+    row-strided views of them; returns the result (c, written in place, when given)."""
+    import numpy as np
+
+    def ld(x):
+        if x.dtype != np.float32 or x.ndim != 2 or (x.size and (x.strides[1] != 4 or x.strides[0] % 4)):
+            raise ValueError("serial_sgemm takes float32 matrices with unit column stride")
+        return max(1, x.strides[0] // 4 if x.size else x.shape[1])
+
+    m, k = (a.shape[1], a.shape[0]) if trans_a else a.shape
+    n = b.shape[0] if trans_b else b.shape[1]
+    if (b.shape[1] if trans_b else b.shape[0]) != k:
+        raise ValueError(f"inner dimensions differ: {a.shape} and {b.shape}")
+    out = np.zeros((m, n), np.float32) if c is None else c
+    if out.shape != (m, n):
+        raise ValueError(f"c has shape {out.shape}, expected {(m, n)}")
+    lib = _state["lib"]
+    if lib is None:
+        raise RuntimeError("the BLAS front is not installed")
+    f = lib.mlxd_sgemm_serial
+    f.argtypes = [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                       ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+    f(int(trans_a), int(trans_b), m, n, k, alpha, a.ctypes.data, ld(a), b.ctypes.data, ld(b), beta,
+      out.ctypes.data, ld(out))
+    return out

@@ -84,7 +84,9 @@ def test_large_products_split_over_the_pool(ta, tb, m, n, k):
     finally:
         _blas.set_split_policy(previous)
     np.testing.assert_allclose(split, ref, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(split, whole, rtol=1e-5, atol=1e-5)
+    # The blocks may run on the AVX2 kernel (another summation order than MKL's): sums of 257
+    # products of unit normals differ by a few 1e-5.
+    np.testing.assert_allclose(split, whole, rtol=1e-5, atol=1e-4)
 
 
 def test_measured_split_tries_both_ways_and_keeps_results():

@@ -1,0 +1,122 @@
+"""The BLAS front's AVX2 fp32 gemm (cpp/sgemm_avx2.cpp) against float64 numpy and against MKL, and
+whole models with their products on it against eager torch."""
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import mlx_delegate  # noqa: F401  (must precede mlx: installs the BLAS route)
+from mlx_delegate import _blas
+from mlx_delegate.testing import assert_close, lower
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux CPU BLAS route")
+
+
+@pytest.fixture
+def own():
+    previous = _blas.set_sgemm_kind("own")
+    if _blas.sgemm_kind() != "own":
+        _blas.set_sgemm_kind(previous)
+        pytest.skip("this processor has no AVX2 + FMA")
+    yield
+    _blas.set_sgemm_kind(previous)
+
+
+def _operands(rng, m, n, k, ta, tb, pad):
+    """op(a) [m, k] and op(b) [k, n] stored transposed where asked, as views into wider arrays
+    (leading dimensions past the row length) when `pad`."""
+    a = rng.standard_normal((k, m + pad) if ta else (m, k + pad)).astype(np.float32)
+    b = rng.standard_normal((n, k + pad) if tb else (k, n + pad)).astype(np.float32)
+    a = a[:, :m] if ta else a[:, :k]
+    b = b[:, :k] if tb else b[:, :n]
+    return a, b, (a.T if ta else a).astype(np.float64), (b.T if tb else b).astype(np.float64)
+
+
+# Edge tiles (m not a multiple of 6, n not of 16), k below / at / past one 512 block, k below
+# the 8-wide transpose, and one-element products.
+SHAPES = [(1, 1, 1), (5, 7, 3), (6, 16, 8), (7, 17, 9), (13, 33, 520), (73, 1030, 1025), (130, 96, 771), (64, 40, 1)]
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+@pytest.mark.parametrize("ta", [False, True])
+@pytest.mark.parametrize("tb", [False, True])
+def test_matches_float64_at_odd_shapes_and_strides(own, m, n, k, ta, tb):
+    rng = np.random.default_rng(m * 7919 + n * 31 + k)
+    a, b, a64, b64 = _operands(rng, m, n, k, ta, tb, pad=3)
+    out = _blas.serial_sgemm(a, b, ta, tb)
+    np.testing.assert_allclose(out, a64 @ b64, rtol=1e-5, atol=2e-6 * np.sqrt(k) * 8)
+
+
+@pytest.mark.parametrize("alpha,beta", [(0.75, 0.0), (1.0, 1.0), (-2.0, 0.5), (0.0, 0.5)])
+def test_alpha_beta_and_an_unread_output_when_beta_is_zero(own, alpha, beta):
+    rng = np.random.default_rng(3)
+    m, n, k = 19, 45, 600  # two k blocks: the second adds to the first's alpha-scaled result
+    a, b, a64, b64 = _operands(rng, m, n, k, False, True, pad=0)
+    wide = np.full((m, n + 5), np.nan if beta == 0 else 1.5, np.float32)
+    if beta != 0:
+        wide[:, :n] = rng.standard_normal((m, n))
+    c = wide[:, :n]
+    expected = alpha * (a64 @ b64) + (beta * c.astype(np.float64) if beta != 0 else 0.0)
+    _blas.serial_sgemm(a, b, False, True, alpha=alpha, beta=beta, c=c)
+    np.testing.assert_allclose(c, expected, rtol=1e-5, atol=1e-3)
+    # Only c's own columns are written.
+    if beta == 0:
+        assert np.isnan(wide[:, n:]).all()
+    else:
+        assert (wide[:, n:] == 1.5).all()
+
+
+def test_empty_inner_dimension_scales_the_output(own):
+    c = np.full((4, 20), 2.0, np.float32)
+    _blas.serial_sgemm(np.zeros((4, 0), np.float32), np.zeros((0, 20), np.float32), beta=0.5, c=c)
+    assert (c == 1.0).all()
+
+
+def test_same_products_as_mkl(own):
+    rng = np.random.default_rng(5)
+    a, b, _, _ = _operands(rng, 197, 2304, 768, False, True, pad=0)  # a ViT-B/16 QKV product
+    mine = _blas.serial_sgemm(a, b, False, True)
+    _blas.set_sgemm_kind("mkl")
+    mkl = _blas.serial_sgemm(a, b, False, True)
+    np.testing.assert_allclose(mine, mkl, rtol=1e-4, atol=1e-4)
+
+
+def test_rejects_operands_it_cannot_describe():
+    with pytest.raises(ValueError, match="float32"):
+        _blas.serial_sgemm(np.zeros((3, 4)), np.zeros((4, 5), np.float32))
+    with pytest.raises(ValueError, match="inner dimensions"):
+        _blas.serial_sgemm(np.zeros((3, 4), np.float32), np.zeros((5, 5), np.float32))
+    with pytest.raises(ValueError, match="sgemm kind"):
+        _blas.set_sgemm_kind("fast")
+
+
+@pytest.fixture(scope="module")
+def encoder_layer():
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(96, 4, 200, dropout=0.0, batch_first=True).eval()
+    x = torch.randn(2, 150, 96)
+    return layer, x, lower(layer, (x,)).buffer  # lowered once for both kinds
+
+
+@pytest.mark.parametrize("kind", ["own", "mkl"])
+def test_encoder_layer_through_the_stock_runtime(encoder_layer, kind):
+    """nn.TransformerEncoderLayer exported the standard way, loaded by the stock runtime from
+    bytes: its linears (the runtime's linear kernel) and attention products run on the chosen
+    gemm's blocks and match eager."""
+    from executorch.runtime import Runtime
+
+    layer, x, buffer = encoder_layer
+    previous = _blas.set_sgemm_kind(kind)
+    try:
+        if _blas.sgemm_kind() != kind:
+            pytest.skip("this processor has no AVX2 + FMA")
+        program = Runtime.get().load_program(buffer)
+        method = program.load_method("forward")
+        before = _blas.fast_calls()
+        for _ in range(3):  # the third call runs the compiled graph
+            assert_close(method.execute([x]), layer(x), 1e-4, 1e-4)
+        assert _blas.fast_calls() > before
+    finally:
+        _blas.set_sgemm_kind(previous)
