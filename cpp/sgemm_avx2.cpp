@@ -107,42 +107,24 @@ MLXD_SGEMM_AVX2 inline void put(float* c, __m256 v, __m256 alpha, float beta) {
 // step is two loads of b, six broadcasts of a and twelve independent FMAs.
 MLXD_SGEMM_AVX2 void tile(int kc, const float* a, const float* b, float* c, int64_t ldc, float alpha_s,
                           float beta) {
-  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-  __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  __m256 acc[kMr][2];  // fully unrolled below, so the compiler keeps all twelve in registers
+#pragma GCC unroll 6
+  for (int r = 0; r < kMr; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int p = 0; p < kc; ++p, a += kMr, b += kNr) {
     const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
-    __m256 x = _mm256_broadcast_ss(a);
-    c00 = _mm256_fmadd_ps(x, b0, c00);
-    c01 = _mm256_fmadd_ps(x, b1, c01);
-    x = _mm256_broadcast_ss(a + 1);
-    c10 = _mm256_fmadd_ps(x, b0, c10);
-    c11 = _mm256_fmadd_ps(x, b1, c11);
-    x = _mm256_broadcast_ss(a + 2);
-    c20 = _mm256_fmadd_ps(x, b0, c20);
-    c21 = _mm256_fmadd_ps(x, b1, c21);
-    x = _mm256_broadcast_ss(a + 3);
-    c30 = _mm256_fmadd_ps(x, b0, c30);
-    c31 = _mm256_fmadd_ps(x, b1, c31);
-    x = _mm256_broadcast_ss(a + 4);
-    c40 = _mm256_fmadd_ps(x, b0, c40);
-    c41 = _mm256_fmadd_ps(x, b1, c41);
-    x = _mm256_broadcast_ss(a + 5);
-    c50 = _mm256_fmadd_ps(x, b0, c50);
-    c51 = _mm256_fmadd_ps(x, b1, c51);
+#pragma GCC unroll 6
+    for (int r = 0; r < kMr; ++r) {
+      const __m256 x = _mm256_broadcast_ss(a + r);
+      acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);
+    }
   }
   const __m256 alpha = _mm256_set1_ps(alpha_s);
-  put(c, c00, alpha, beta);
-  put(c + 8, c01, alpha, beta);
-  put(c + ldc, c10, alpha, beta);
-  put(c + ldc + 8, c11, alpha, beta);
-  put(c + 2 * ldc, c20, alpha, beta);
-  put(c + 2 * ldc + 8, c21, alpha, beta);
-  put(c + 3 * ldc, c30, alpha, beta);
-  put(c + 3 * ldc + 8, c31, alpha, beta);
-  put(c + 4 * ldc, c40, alpha, beta);
-  put(c + 4 * ldc + 8, c41, alpha, beta);
-  put(c + 5 * ldc, c50, alpha, beta);
-  put(c + 5 * ldc + 8, c51, alpha, beta);
+#pragma GCC unroll 6
+  for (int r = 0; r < kMr; ++r) {
+    put(c + r * ldc, acc[r][0], alpha, beta);
+    put(c + r * ldc + 8, acc[r][1], alpha, beta);
+  }
 }
 
 // A tile at the right or bottom edge: computed whole into scratch (the panels are zero-padded),
