@@ -399,7 +399,10 @@ static bool split_sgemm(sgemm_fn f, int order, int ta, int tb, int m, int n, int
     }
   } else {
     g_serial_choices.fetch_add(1, std::memory_order_relaxed);
-    SplitSgemm::serial([&] { gemm(f, order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc); });
+    if (g_own_sgemm.load(std::memory_order_relaxed))
+      mlxd::blas::own_sgemm(ta != CblasNoTrans, tb != CblasNoTrans, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    else
+      SplitSgemm::serial([&] { gemm(f, order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc); });
   }
   if (times) record(*times, split, now_ns() - start);
   return true;
@@ -413,6 +416,15 @@ __attribute__((visibility("default"))) void cblas_sgemm(int order, int ta, int t
   if (auto f = g_sgemm.load()) {
     g_fast_calls.fetch_add(1, std::memory_order_relaxed);
     if (split_sgemm(f, order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)) return;
+    // Every product that runs on one thread takes the same gemm as the pool's blocks and the runtime's
+    // kernels (mlxd_sgemm_serial), so a product gives the same bits through MLX's matmul and through
+    // the linear kernel (a compiled graph and the node-by-node run must agree exactly). Only a large
+    // product with splitting off keeps MKL's team.
+    const bool one_thread = static_cast<double>(m) * n * k < kSerialMacs || g_parallel.load() != nullptr;
+    if (order == CblasRowMajor && one_thread && g_own_sgemm.load(std::memory_order_relaxed)) {
+      mlxd::blas::own_sgemm(ta != CblasNoTrans, tb != CblasNoTrans, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+      return;
+    }
     sized_call(m, n, k, [&] { gemm(f, order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc); });
   } else if (auto r = g_ref_sgemm.load()) {
     r(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);

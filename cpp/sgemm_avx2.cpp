@@ -2,6 +2,7 @@
 #include "sgemm_avx2.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -136,7 +137,7 @@ MLXD_SGEMM_AVX2 void edge_tile(int kc, const float* a, const float* b, float* c,
   for (int r = 0; r < mr; ++r)
     for (int q = 0; q < nr; ++q) {
       float& out = c[r * ldc + q];
-      out = beta == 0.f ? t[r * kNr + q] : t[r * kNr + q] + beta * out;
+      out = beta == 0.f ? t[r * kNr + q] : std::fma(beta, out, t[r * kNr + q]);  // as put's FMA
     }
 }
 
