@@ -34,3 +34,14 @@ def compile_on():
     _runtime.set_compile(True)
     yield
     _runtime.set_compile(was)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run the files that hold `slow` tests first, each file kept whole.
+
+    The suite runs on two xdist workers; a model-sized test collected last (the fresh-venv wheel test
+    takes minutes) would leave the other worker idle for the tail. Files stay contiguous so their
+    module-scoped fixtures are built once per worker."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    order = {item.nodeid: i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (item.path not in slow_files, order[item.nodeid]))
