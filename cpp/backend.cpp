@@ -2,6 +2,8 @@
 // from the executorch wheel) under the id the AOT side writes into .pte files.
 #include "backend.h"
 
+#include <cstdlib>
+
 #include <executorch/runtime/backend/interface.h>
 #include <executorch/runtime/platform/log.h>
 #include <executorch/runtime/platform/platform.h>
@@ -94,6 +96,11 @@ bool install_printable_log_sink() {
 
 bool register_backend() {
   install_printable_log_sink();
+  // float32 products stay float32 on CUDA, as in eager PyTorch (whose matmuls do not use TF32 by
+  // default): MLX's CUDA backend otherwise runs them in TF32 (`MLX_ENABLE_TF32`, default 1; ~1e-3
+  // relative error). MLX reads the variable once, at its first product, so this runs before any; a
+  // value the user set is kept (MLX_ENABLE_TF32=1 trades the precision for speed).
+  setenv("MLX_ENABLE_TF32", "0", /*overwrite=*/0);
   static MLXDelegateBackend backend;
   static const Error status = executorch::runtime::register_backend({kBackendId, &backend});
   if (status != Error::Ok && executorch::runtime::get_backend_class(kBackendId) != &backend) {
