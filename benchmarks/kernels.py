@@ -13,7 +13,7 @@ Groups (`--ops`, default all):
 - `qgemv`: one decode-step quantized linear (one row of x) at the GGUF default's shapes (SmolLM2-135M
   Q4_1 gate/up [3072 x 576] and down [576 x 1536], the Q8_0 tied head [49152 x 576]), groups of 32,
   scales / biases stored fp16 (as the GGUF program keeps them) and fp32 (as it stored them before);
-  path `group-32 path off` runs the kernel's general per-group loop instead of its one-row
+  path `eight-groups path off` runs the kernel's general per-group loop instead of its one-row
   eight-groups-at-a-time path (`_runtime.set_qgemv_group32_path`).
 - `qgemv1b`: one-row int4 products at the 1.2B Llama-3.2-shaped model's shapes (q / o [2048 x 2048], k / v
   [512 x 2048], gate / up [8192 x 2048], down [2048 x 8192], the tied head [128256 x 2048]) in
@@ -108,14 +108,14 @@ class RunAs:
     kernels: bool = True
     compiled: bool = True
     env: dict[str, str] = field(default_factory=dict)
-    group32: bool = True  # the quantized GEMV's one-row groups-of-32 path
+    group32: bool = True  # the quantized GEMV's one-row eight-groups path (groups of 32, 64, 128)
     avx512: bool = True  # the quantized GEMV's AVX-512 VNNI kernels (where the CPU has them)
     guided: bool = False  # the quantized GEMV's guided split (shrinking pieces; opt-in) rather than equal parts
 
 
 PATHS = {"kernels on": RunAs(), "composed": RunAs(env={SDPA_ENV: "0"}), "kernels off": RunAs(kernels=False),
          "blocked off": RunAs(env={BLOCKED_ENV: "0"}),
-         "group-32 path off": RunAs(group32=False), "avx512 off": RunAs(avx512=False),
+         "eight-groups path off": RunAs(group32=False), "avx512 off": RunAs(avx512=False),
          "guided split on": RunAs(guided=True)}
 
 
@@ -215,7 +215,7 @@ def qgemv_cases(quick: bool) -> Iterator[Case]:
             x = torch.randn(1, 1, k)
             yield Case("qgemv", f"{name} [{n} x {k}], scales {str(scales_dtype).removeprefix('torch.')}", module,
                        (x,), lambda m=module, x=x: F.linear(x, m.weight),
-                       paths=("kernels on", "group-32 path off", "avx512 off", "kernels off"))
+                       paths=("kernels on", "eight-groups path off", "avx512 off", "kernels off"))
 
 
 class PackedLinears(torch.nn.Module):
@@ -272,7 +272,7 @@ def qgemv1b_cases(quick: bool) -> Iterator[Case]:
         label = (f"{name} [{n} x {k}] x{copies}, g{group_size}, scales {str(scales_dtype).removeprefix('torch.')}"
                  f", x {str(x_dtype).removeprefix('torch.')}")
         yield Case("qgemv1b", label, module, xs, lambda m=module, xs=xs: packed_reference(m, xs),
-                   paths=("kernels on", "guided split on", "avx512 off"), bytes_read=one * copies,
+                   paths=("kernels on", "eight-groups path off", "avx512 off"), bytes_read=one * copies,
                    eager_timed=False)
 
 

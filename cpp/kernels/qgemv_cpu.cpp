@@ -37,7 +37,8 @@ namespace mx = mlx::core;
 namespace {
 
 std::atomic<uint64_t> g_calls{0};
-// The one-row group-32 path (block_avx2_g32); switchable for A/B measurements in one process.
+// The one-row eight-groups path (block_avx2_groups: groups of 32, 64 and 128); switchable for A/B
+// measurements in one process.
 std::atomic<bool> g_group32_path{true};
 // Off by default: two in-process A/Bs of a 1.2B int4 decode at load 6 did not show it ahead (see
 // docs/performance.md, 2026-11-26 11:05-11:31).
@@ -298,7 +299,7 @@ MLXD_QGEMV_AVX2 void block_avx2(const Problem& p, int64_t n0) {
     for (int j = 0; j < NB; ++j) p.y[m * p.n_rows + n0 + j] = vmath::hsum8(total[m][j]) + bias_part[m][j];
 }
 
-// ---- One row of x, groups of 32 (GGUF's blocks): eight groups per scale step --
+// ---- One row of x, groups of 32 / 64 / 128: eight groups per scale step --
 
 // The eight sums of eight int32 vectors, lane i the total of a[i].
 MLXD_QGEMV_AVX2 inline __m256i sums_of_8(const __m256i a[8]) {
@@ -320,14 +321,30 @@ MLXD_QGEMV_AVX2 inline __m256 load8_scales(const void* p, int64_t i) {
   }
 }
 
-// Outputs n0 .. n0 + NB of a decode step (one row of x) when a group is 32 weights, one x block
-// (x_block 32). The per-group path scales each group's integer dot product on its own (a convert, a
+// One group's integer dot product from element e0 (GS weights of one row against x), 8 int32 lanes
+// (each at most 4 x 255 x 32767 x GS / 32: no overflow up to GS 128).
+template <int Bits, int GS>
+MLXD_QGEMV_AVX2 inline __m256i group_dot(const Problem& p, const uint32_t* wn, int64_t e0) {
+  __m256i acc = _mm256_setzero_si256();
+  for (int64_t e = e0; e < e0 + GS; e += 32) {
+    __m256i lo, hi;
+    load_w32<Bits>(wn, e, lo, hi);
+    const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.x16 + e));
+    const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.x16 + e + 16));
+    acc = _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(lo, xlo), _mm256_madd_epi16(hi, xhi)));
+  }
+  return acc;
+}
+
+// Outputs n0 .. n0 + NB of a decode step (one row of x) when a group of GS weights (32, 64 or 128) is
+// one x block. The per-group path scales each group's integer dot product on its own (a convert, a
 // broadcast product and an FMA per group and output, and a scalar bias term); here the dot
 // products of eight groups are reduced into one vector and scaled, biased and accumulated with
-// one vector op each: fewer instructions per weight where a step reads every weight once.
-template <int Bits, int NB, int S>
-MLXD_QGEMV_AVX2 void block_avx2_g32(const Problem& p, int64_t n0) {
-  constexpr int64_t kChunk = 8 * 32;  // elements per eight groups
+// one vector op each: fewer instructions per weight where a step reads every weight once (groups
+// of 64 on the AVX2-only Zen 3: 7.8 GB/s per product on the per-group path, against 14.5 for 32).
+template <int Bits, int NB, int S, int GS>
+MLXD_QGEMV_AVX2 void block_avx2_groups(const Problem& p, int64_t n0) {
+  constexpr int64_t kChunk = 8 * GS;  // elements per eight groups
   constexpr int64_t kLine = 512 / Bits;  // elements per 64-byte line of packed weights
   const int64_t chunks = p.groups / 8;
   for (int j = 0; j < NB; ++j) {
@@ -341,14 +358,7 @@ MLXD_QGEMV_AVX2 void block_avx2_g32(const Problem& p, int64_t n0) {
       for (int64_t e = e0; e < e0 + kChunk; e += kLine)
         _mm_prefetch(reinterpret_cast<const char*>(wn + NB * p.words_per_row) + e * Bits / 8, _MM_HINT_T0);
       __m256i acc[8];
-      for (int g = 0; g < 8; ++g) {
-        const int64_t e = e0 + 32 * g;
-        __m256i lo, hi;
-        load_w32<Bits>(wn, e, lo, hi);
-        const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.x16 + e));
-        const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.x16 + e + 16));
-        acc[g] = _mm256_add_epi32(_mm256_madd_epi16(lo, xlo), _mm256_madd_epi16(hi, xhi));
-      }
+      for (int g = 0; g < 8; ++g) acc[g] = group_dot<Bits, GS>(p, wn, e0 + GS * g);
       const int64_t g0 = n * p.groups + 8 * c;
       const __m256 scale = _mm256_mul_ps(load8_scales<S>(scales, g0), _mm256_loadu_ps(p.x16_scales + 8 * c));
       total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums_of_8(acc)), scale, total);
@@ -356,12 +366,7 @@ MLXD_QGEMV_AVX2 void block_avx2_g32(const Problem& p, int64_t n0) {
     }
     float y = vmath::hsum8(_mm256_add_ps(total, bias));
     for (int64_t g = chunks * 8; g < p.groups; ++g) {  // the last groups % 8, one at a time
-      __m256i lo, hi;
-      load_w32<Bits>(wn, 32 * g, lo, hi);
-      const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.x16 + 32 * g));
-      const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.x16 + 32 * g + 16));
-      const __m256i acc = _mm256_add_epi32(_mm256_madd_epi16(lo, xlo), _mm256_madd_epi16(hi, xhi));
-      const float dot = static_cast<float>(vmath::hsum8(_mm256_cvtepi32_ps(acc)));
+      const float dot = static_cast<float>(vmath::hsum8(_mm256_cvtepi32_ps(group_dot<Bits, GS>(p, wn, GS * g))));
       y += dot * p.x16_scales[g] * scale_avx2<S>(scales, n * p.groups + g) +
            scale_avx2<S>(p.biases, n * p.groups + g) * p.xsums[g];
     }
@@ -369,14 +374,24 @@ MLXD_QGEMV_AVX2 void block_avx2_g32(const Problem& p, int64_t n0) {
   }
 }
 
+template <int Bits, int NB, int S, int GS>
+MLXD_QGEMV_AVX2 void rows_avx2_groups(const Problem& p, int64_t n, int64_t n1) {
+  for (; n + NB <= n1; n += NB) block_avx2_groups<Bits, NB, S, GS>(p, n);
+  for (; n < n1; ++n) block_avx2_groups<Bits, 1, S, GS>(p, n);
+}
+
 template <int Bits, int M, int S>
 MLXD_QGEMV_AVX2 void rows_avx2(const Problem& p, int64_t n0, int64_t n1) {
   constexpr int NB = kBlockRows<M>;
   int64_t n = n0;
-  if (M == 1 && p.group_size == 32 && p.x_block == 32 && g_group32_path.load(std::memory_order_relaxed)) {
-    for (; n + NB <= n1; n += NB) block_avx2_g32<Bits, NB, S>(p, n);
-    for (; n < n1; ++n) block_avx2_g32<Bits, 1, S>(p, n);
-    return;
+  // One row, a group one x block: eight groups at a time.
+  if (M == 1 && p.group_size == p.x_block && g_group32_path.load(std::memory_order_relaxed)) {
+    switch (p.group_size) {
+      case 32: return rows_avx2_groups<Bits, NB, S, 32>(p, n, n1);
+      case 64: return rows_avx2_groups<Bits, NB, S, 64>(p, n, n1);
+      case 128: return rows_avx2_groups<Bits, NB, S, 128>(p, n, n1);
+      default: break;
+    }
   }
   for (; n + NB <= n1; n += NB) block_avx2<Bits, M, NB, S>(p, n);
   for (; n < n1; ++n) block_avx2<Bits, M, 1, S>(p, n);

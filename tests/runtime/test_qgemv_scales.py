@@ -88,7 +88,8 @@ def test_reference_dequantizes_narrow_scales_exactly():
 def test_stored_scales_match_eager_kernels_off_and_portable(pair, programs, portable):
     module, buffer, inputs = programs[pair]
     tol = QUANTIZED_TOLERANCE[pair[0]]
-    method = Runtime.get().load_program(buffer).load_method("forward")
+    program = Runtime.get().load_program(buffer)  # alive while its method runs
+    method = program.load_method("forward")
     conversions = _runtime.constant_conversions()
     for x, plain in zip(inputs, portable["outputs"][pair]):
         with torch.no_grad():
@@ -118,3 +119,43 @@ def test_stored_scales_match_eager_kernels_off_and_portable(pair, programs, port
     target = torch.float32 if on_cpu_device() else pair[0]
     widened = 2 * len(LAYOUTS) if pair[1] != target else 0
     assert _runtime.constant_conversions() - conversions == widened
+
+
+# One row in groups of 64 and 128 (the layouts `--quantize int4` and torchao write): the eight-groups path
+# sums each group over two or four 32-element steps. 11 groups: one step of eight and three on their own.
+WIDE_GROUPS = (64, 128)
+
+
+def packed_groups(bits: int, n: int, group_size: int, gen: torch.Generator) -> Q.MLXQuantized:
+    k = 11 * group_size
+    u = torch.randint(0, 2**bits, (n, k), generator=gen)
+    scales = (torch.rand(n, 11, generator=gen) + 0.5) * 0.16 / 2**bits
+    biases = -(2 ** (bits - 1) + torch.randn(n, 11, generator=gen)) * scales
+    return Q.MLXQuantized(Q.pack_words(u, bits), scales, biases, group_size, bits)
+
+
+@pytest.mark.parametrize("group_size", WIDE_GROUPS)
+def test_one_row_wide_groups_match_eager_and_the_per_group_loop(group_size: int) -> None:
+    gen = torch.Generator().manual_seed(group_size)
+    module = torch.nn.ModuleList(Q.QuantizedLinear(packed_groups(bits, n, group_size, gen)) for bits, n in LAYOUTS)
+    model = type("Wide", (torch.nn.Module,), {"forward": lambda self, x: [m(x) for m in self.linears]})()
+    model.linears = module
+    x = torch.randn(1, 1, 11 * group_size, generator=gen)
+    ep = torch.export.export(model.eval(), (x,), strict=True)
+    edge = llm_export.lower(ep, partitioner=MLXPartitioner(disable={"fuse_linears"}))
+    assert delegate_summary(edge) == (1, [])
+    program = Runtime.get().load_program(edge.to_executorch().buffer)  # alive while its method runs
+    method = program.load_method("forward")
+    with torch.no_grad():
+        expected = model(x)
+    before = _runtime.cpu_kernel_calls()
+    got = method.execute([x])
+    assert _runtime.cpu_kernel_calls() - before == len(LAYOUTS) * cpu_kernels_active()
+    _runtime.set_qgemv_group32_path(False)
+    try:
+        general = method.execute([x])
+    finally:
+        _runtime.set_qgemv_group32_path(True)
+    tol = QUANTIZED_TOLERANCE[torch.float32]
+    assert_close(got, expected, *tol)
+    assert_close(got, general, *tol)
