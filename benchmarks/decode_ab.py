@@ -1,6 +1,6 @@
 """Decode tok/s of LLM programs (.pte files from `mlx_delegate.pipelines.llm.export.save_pte`), A/B in one
 process: each program, with one of the quantized GEMV's switches off and on (`--switch group32`: its one-row
-groups-of-32 path, `_runtime.set_qgemv_group32_path`; `--switch avx512`: its AVX-512 VNNI kernels,
+eight-groups path (groups of 32, 64 and 128), `_runtime.set_qgemv_group32_path`; `--switch avx512`: its AVX-512 VNNI kernels,
 `_runtime.set_qgemv_avx512_path`), runs a block of single-token steps in turn, the order reversed every
 round, so load on the shared machine hits every variant alike. Use it to compare programs of one model
 lowered differently (e.g. before / after a lowering change, GGUF blocks against `--quantize int4`).
@@ -30,7 +30,7 @@ from mlx_delegate import _runtime
 from mlx_delegate.pipelines.llm.generate import Generator
 
 # name: (the table's column, the runtime switch; each on by default)
-SWITCHES = {"group32": ("group-32 path", _runtime.set_qgemv_group32_path),
+SWITCHES = {"group32": ("eight-groups path", _runtime.set_qgemv_group32_path),
             "avx512": ("AVX-512 kernels", _runtime.set_qgemv_avx512_path),
             "spin_yield": ("helper yields", _runtime.set_pool_spin_yield),
             "sdpa_rows": ("attention row loops", _runtime.set_sdpa_row_loops)}
