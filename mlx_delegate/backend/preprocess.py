@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from pathlib import Path
 from typing import final
 
 import torch
@@ -27,6 +28,40 @@ SPILL_MIN_BYTES = 1 << 20
 SPILL_DIR_ENV = "MLX_DELEGATE_SPILL_DIR"  # where they go (default: the system temp dir)
 
 
+SPILL_PREFIX = "mlx_delegate_"
+SPILL_SUFFIX = ".const"
+STALE_SPILL_S = 3600  # a dead process's spill files are removed once this old (see `_sweep_spills`)
+_swept_dirs: set[str] = set()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. another user's process: it exists
+        pass
+    return True
+
+
+def _sweep_spills(directory: str) -> None:
+    """Remove spill files left by processes that died before their finalizers ran (killed,
+    out of memory, `os._exit`): without this, each such lowering leaves its weights in the
+    temp dir. Files are named by their process id; only those of dead processes and older than
+    `STALE_SPILL_S` go (the age guards against a pid that another namespace reuses)."""
+    if directory in _swept_dirs:
+        return
+    _swept_dirs.add(directory)
+    now = time.time()
+    for path in Path(directory).glob(f"{SPILL_PREFIX}*{SPILL_SUFFIX}"):
+        pid = path.name[len(SPILL_PREFIX):].split("_", 1)[0]
+        try:
+            if pid.isdigit() and not _pid_alive(int(pid)) and now - path.stat().st_mtime > STALE_SPILL_S:
+                path.unlink()
+        except OSError:  # gone already, or not ours to remove
+            pass
+
+
 def _named_data(tensor: torch.Tensor) -> torch.Tensor | FileBackedData:
     """What the named data store keeps for one constant: the tensor itself when
     small (the store copies it to bytes), else a file holding its bytes."""
@@ -34,7 +69,9 @@ def _named_data(tensor: torch.Tensor) -> torch.Tensor | FileBackedData:
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes < SPILL_MIN_BYTES or os.environ.get(SPILL_DIR_ENV) == "off":
         return tensor
-    fd, path = tempfile.mkstemp(prefix="mlx_delegate_", suffix=".const", dir=os.environ.get(SPILL_DIR_ENV))
+    directory = os.environ.get(SPILL_DIR_ENV) or tempfile.gettempdir()
+    _sweep_spills(directory)
+    fd, path = tempfile.mkstemp(prefix=f"{SPILL_PREFIX}{os.getpid()}_", suffix=SPILL_SUFFIX, dir=directory)
     with os.fdopen(fd, "wb") as f:
         # A byte view of the tensor's own memory: written without a copy.
         f.write(memoryview(tensor.view(torch.uint8).reshape(-1).numpy()))

@@ -1,6 +1,10 @@
 """Lowering memory: big constants reach ExecuTorch's named data store as files, not bytes."""
 
 import gc
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -62,3 +66,29 @@ def test_spilled_file_is_removed_with_its_data(tmp_path, monkeypatch):
     del data
     gc.collect()
     assert not path.exists()
+
+
+def test_spill_files_of_a_killed_process_are_swept_by_the_next_lowering(tmp_path, monkeypatch):
+    # A process that dies without running its finalizers (here `os._exit`; in use, a kill or the
+    # out-of-memory killer) leaves its spill files behind.
+    code = ("import os, torch; from mlx_delegate.backend import preprocess as p; "
+            "d = p._named_data(torch.randn(512, 1024)); os._exit(0)")
+    env = {**os.environ, preprocess.SPILL_DIR_ENV: str(tmp_path)}
+    dead = subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    (left,) = tmp_path.glob("mlx_delegate_*.const")
+    old = time.time() - preprocess.STALE_SPILL_S - 60
+    os.utime(left, (old, old))
+    recent_dead = tmp_path / left.name.replace(".const", "x.const")  # same dead pid, but recent
+    recent_dead.write_bytes(b"0")
+    alive = tmp_path / f"mlx_delegate_{os.getpid()}_old.const"  # a live process's, however old
+    alive.write_bytes(b"0")
+    os.utime(alive, (old, old))
+    other = tmp_path / "mlx_delegate_notes.const"  # not a spill file's name
+    other.write_bytes(b"0")
+    os.utime(other, (old, old))
+    assert dead.returncode == 0
+
+    monkeypatch.setenv(preprocess.SPILL_DIR_ENV, str(tmp_path))
+    data = preprocess._named_data(torch.randn(512, 1024))
+    assert not left.exists()
+    assert recent_dead.exists() and alive.exists() and other.exists() and Path(data._path).exists()
