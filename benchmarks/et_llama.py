@@ -9,12 +9,16 @@ The program's forward is (tokens [1, L], input_pos [1]) -> logits of the last po
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
 from pathlib import Path
 
 import torch
 
 from mlx_delegate.models.llama import Model
+from mlx_delegate.pipelines.cache import cache_dir
 
 # HF (our Model's) key -> Meta key, per layer where "{}" is the layer index.
 META_KEYS = {
@@ -59,20 +63,42 @@ def meta_checkpoint(model: Model) -> dict[str, torch.Tensor]:
     return out
 
 
-def export(model: Model, out_dir: Path, *, qmode: str | None = None, group_size: int = 32) -> Path:
-    """Export `model` (fp32 weights) with ExecuTorch's Llama recipe on XNNPACK; the .pte path."""
+def _cache_key(checkpoint: dict[str, torch.Tensor], params: str, qmode: str | None, group_size: int,
+               max_seq_len: int) -> str:
+    """What the exported program depends on: the weights' bytes, the config and the executorch version."""
+    from executorch import version
+
+    h = hashlib.sha256(f"{params}|{qmode}|{group_size}|{max_seq_len}|{version.__version__}".encode())
+    for key in sorted(checkpoint):
+        h.update(key.encode())
+        h.update(memoryview(checkpoint[key].contiguous().view(torch.uint8).reshape(-1).numpy()))
+    return h.hexdigest()[:16]
+
+
+def export(model: Model, out_dir: Path, *, qmode: str | None = None, group_size: int = 32,
+           cache: bool = True) -> Path:
+    """Export `model` (fp32 weights) with ExecuTorch's Llama recipe on XNNPACK; the .pte path.
+
+    The export takes 10-20 minutes on 2 cores, so with `cache` the program is kept in the package's
+    cache directory (`$MLX_DELEGATE_CACHE`), keyed by the weights' bytes and the options."""
     from executorch.examples.models.llama.export_llama_lib import export_llama
     from executorch.extension.llm.export.config.llm_config import LlmConfig
 
     a = model.args
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ckpt, params = out_dir / "checkpoint.pth", out_dir / "params.json"
-    torch.save(meta_checkpoint(model), ckpt)
-    params.write_text(json.dumps({
+    checkpoint = meta_checkpoint(model)
+    params_json = json.dumps({
         "dim": a.hidden_size, "n_layers": a.num_hidden_layers, "n_heads": a.num_attention_heads,
         "n_kv_heads": a.num_key_value_heads, "vocab_size": a.vocab_size, "hidden_dim": a.intermediate_size,
         "head_dim": a.head_dim, "norm_eps": a.rms_norm_eps, "rope_theta": a.rope_theta,
-        "use_scaled_rope": False, "use_hf_rope": False}))
+        "use_scaled_rope": False, "use_hf_rope": False})
+    cached = cache_dir() / f"et-llama-{_cache_key(checkpoint, params_json, qmode, group_size, a.max_seq_len)}.pte"
+    if cache and cached.exists():
+        return cached
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ckpt, params = out_dir / "checkpoint.pth", out_dir / "params.json"
+    torch.save(checkpoint, ckpt)
+    del checkpoint
+    params.write_text(params_json)
     cfg = LlmConfig()
     cfg.base.checkpoint, cfg.base.params = str(ckpt), str(params)
     cfg.model.use_kv_cache = cfg.model.use_sdpa_with_kv_cache = True
@@ -86,4 +112,9 @@ def export(model: Model, out_dir: Path, *, qmode: str | None = None, group_size:
         cfg.quantization.qmode, cfg.quantization.group_size = qmode, group_size
     pte = Path(export_llama(cfg))
     ckpt.unlink()
-    return pte
+    if not cache:
+        return pte
+    tmp = cached.with_suffix(f".tmp{os.getpid()}")
+    shutil.move(pte, tmp)
+    tmp.replace(cached)  # atomic: a concurrent run never reads half a file
+    return cached

@@ -17,6 +17,8 @@ Each engine runs the same `mlx_delegate.models.llama.Model` (weights shared):
 - `ET Llama XNNPACK`: ExecuTorch's own Llama export from the executorch wheel (`benchmarks/et_llama.py`:
   `examples/models/llama` with its KV cache and custom SDPA / update-cache ops, XNNPACK), on the same
   weights; fp32, and 8da4w (int8 dynamic activations, int4 weights in groups of 32) in the `gguf` rows.
+  Its export takes 10-20 minutes here, so the program is cached (`$MLX_DELEGATE_CACHE`, keyed by the
+  weights' bytes and options): its `load` column counts the export only on a first run.
 - `gguf` rows (SmolLM2): the file's own quantization (Q4_1 linears, Q8_0 embedding / tied head). The
   delegate runs the GGUF blocks as they are (`mlx_delegate.models.gguf`); `llama.cpp` is
   llama-cpp-python on the same file, same threads (an optional dependency: the row says "not

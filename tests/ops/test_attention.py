@@ -116,6 +116,18 @@ def position_mask(lq, lk, position):
     return lambda: torch.arange(lk)[None, :] <= (position + torch.arange(lq))[:, None]
 
 
+def ragged_mask(lk, ends, as_float=False):
+    """Row i sees keys 0 .. ends[i] (-1: none) but key 3: the last visible key at every offset
+    within and across 8-key words, which the kernel's search for a row's visible end skips by."""
+    def make():
+        m = torch.arange(lk)[None, :] <= torch.tensor(ends)[:, None]
+        m[:, 3] = False
+        if not as_float:
+            return m
+        return torch.where(m, torch.randn(m.shape), torch.tensor(float("-inf")))
+    return make
+
+
 def cache_slice(lq, lk, size, e=64):
     """k and v as slices of bigger caches (strided views inside the graph)."""
     def fn(q, k_cache, v_cache, mask):
@@ -184,6 +196,13 @@ FUSED = [
                      lambda: ((torch.arange(50) != 5) & (torch.arange(50) != 37))[None, :]), (torch.float32,)),
     *cases("fused_l2_s40_d32_float_mask_per_head", sdpa(enable_gqa=True),
            with_mask(qkv(hq=4, hk=2, lq=2, lk=40, e=32), float_mask((1, 4, 2, 40))), (torch.float32,)),
+    # Rows ending at keys 0 .. 70 of 71 (one row sees nothing): the kernel cuts each row at its last
+    # visible key.
+    *cases("fused_bool_mask_ragged_ends", sdpa(enable_gqa=True),
+           with_mask(qkv(hq=8, hk=2, lq=8, lk=71, e=32), ragged_mask(71, [0, 6, 7, 8, 15, -1, 64, 70])), FLOATS),
+    *cases("fused_float_mask_ragged_ends", sdpa(),
+           with_mask(qkv(hq=2, hk=2, lq=8, lk=71, e=32), ragged_mask(71, [70, 9, 16, 0, 23, 31, 32, -1], True)),
+           FLOATS),
     *cases("fused_l16", sdpa(enable_gqa=True),
            with_mask(qkv(hq=9, hk=3, lq=16, lk=64, e=64), position_mask(16, 64, 20)), (torch.float32,)),
 ]
