@@ -21,7 +21,7 @@ Llama-3.2-shaped model's `--quantize int4` program, random weights, as `benchmar
 With `--switch`, each program runs with the runtime switch off and on in turn (ABBA rounds), as in
 `decode_ab.py`. `cpu ms/token` is the process's CPU time per step (all threads).
 
-    python benchmarks/decode_split.py PROGRAM.pte ... [--rounds 6] [--block 16] [--switch pool_hold|huge_pages|arena|guided|omp_team|omp_team_always|spin_yield|torch_threads] [--probe]
+    python benchmarks/decode_split.py PROGRAM.pte ... [--rounds 6] [--block 16] [--switch pool_hold|huge_pages|arena|guided|omp_team|omp_team_always|spin_yield|torch_threads|rope_kv_packed] [--probe]
     python benchmarks/decode_split.py --export 1b-int4.pte [--layers 16]
 """
 
@@ -54,8 +54,10 @@ SWITCHES = {"none": ("-", lambda on: None, None),
             # eager torch's own threads (common.THREADS) against one: the Python binding's output tensors are
             # torch ops, whose OpenMP workers keep spinning for a while after each
             "torch_threads": (f"torch threads {common.THREADS} (off: 1)",
-                              lambda on: torch.set_num_threads(common.THREADS if on else 1), True)}
-LOAD_SWITCHES = {"huge_pages", "arena"}
+                              lambda on: torch.set_num_threads(common.THREADS if on else 1), True),
+            "rope_kv_packed": ("q / k / v read from their projection", _runtime.set_rope_kv_packed, True)}
+# Read at load or when a graph is traced: each setting loads (and warms up) the program once.
+LOAD_SWITCHES = {"huge_pages", "arena", "rope_kv_packed"}
 
 
 def export_1b(path: Path, layers: int) -> None:
@@ -145,21 +147,28 @@ def main(argv: list[str] | None = None) -> None:
     states = (None,) if args.switch == "none" else (False, True)
     variants = [(path, on) for path in args.programs for on in states]
     gens: dict[tuple[Path, bool | None], Generator] = {}
+    warmed: set[Generator] = set()
+
+    def warm_up(g: Generator) -> None:  # traces the decode graph (under the switch's setting, if a load switch)
+        g.warm_up(8, 3)
+        g._run(list(range(1, 9)), [])
+        warmed.add(g)
+
     huge_mb: dict[tuple[Path, bool | None], float] = {}  # what each load added in huge pages
     for path, on in variants:
         if args.switch in LOAD_SWITCHES:
             switch(on)
             before = anon_huge_mb()
-            gens[(path, on)] = Generator(str(path))
+            gens[(path, on)] = g = Generator(str(path))
             huge_mb[(path, on)] = anon_huge_mb() - before
+            warm_up(g)
         else:
             gens[(path, on)] = gens.get((path, None)) or Generator(str(path))
             gens[(path, None)] = gens[(path, on)]
     if args.switch in LOAD_SWITCHES:
         switch(default)
-    for g in set(gens.values()):
-        g.warm_up(8, 3)
-        g._run(list(range(1, 9)), [])
+    for g in set(gens.values()) - warmed:
+        warm_up(g)
     blocks: dict[tuple[Path, bool | None], list[dict[str, float]]] = {v: [] for v in variants}
     meta = common.machine_meta(bandwidth=False)
     probes = [common.memory_bandwidth_gbs()] if args.probe else []

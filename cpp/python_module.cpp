@@ -26,6 +26,7 @@
 #include "kernels/cpu_parallel.h"
 #include "kernels/linear_cpu.h"
 #include "kernels/qgemv_cpu.h"
+#include "kernels/rope_kv_cpu.h"
 #include "loader.h"
 #include "buffer_cache.h"
 #include "stream_wait.h"
@@ -273,6 +274,9 @@ NB_MODULE(_runtime, m) {
   m.def("set_sdpa_row_loops", &mlxd::rt::fused_sdpa_cpu_set_row_loops, nb::arg("on"),
         "Turn the decode attention's AVX-512 row loops (fp32 k / v, D a multiple of 16 up to 128) on (default) "
         "or off (the per-key loops run), from the next call on (parity tests, A/B timings).");
+  m.def("set_rope_kv_packed", &mlxd::rt::rope_kv_write_cpu_set_packed, nb::arg("on"),
+        "RoPE + cache writes read q, k and v sliced from one projection in place (on, default) or through "
+        "their slice and reshape nodes (off), for graphs built from now on (A/B timings).");
   m.def("set_qgemv_avx512_path", &mlxd::rt::qgemv_cpu_set_avx512_path, nb::arg("on"),
         "Turn the quantized GEMV's AVX-512 VNNI kernels on (default, where the CPU has them) or off (the AVX2 "
         "kernels run), from the next call on (parity tests, A/B timings).");

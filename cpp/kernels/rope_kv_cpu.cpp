@@ -7,6 +7,8 @@
 #include "kernels/rope_kv_cpu.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cstring>
 #include <stdexcept>
 #include <utility>
 #include <vector>
@@ -21,20 +23,27 @@ namespace mlxd::rt {
 namespace mx = mlx::core;
 namespace {
 
-// A rank-4 operand read by rows: first element, dtype, element strides.
+// A rank-4 operand read by rows: data, dtype, the first element's offset, element strides.
 struct Rows4 {
   const void* data;
   mx::Dtype dtype;
+  int64_t offset;
   int64_t stride[4];
 
   // a read as [B, H, L, D]: a [B, L, H, D] (seq_first) through its axes 1 and 2 swapped.
   static Rows4 of(const mx::array& a, bool seq_first) {
     const auto& st = a.strides();
-    return {a.data<void>(), a.dtype(), {st[0], st[seq_first ? 2 : 1], st[seq_first ? 1 : 2], st[3]}};
+    return {a.data<void>(), a.dtype(), 0, {st[0], st[seq_first ? 2 : 1], st[seq_first ? 1 : 2], st[3]}};
+  }
+  // The heads of D elements from `start` on x's last axis (x [B, L, N], a packed projection), read as
+  // [B, H, L, D].
+  static Rows4 packed(const mx::array& x, int64_t start, int64_t D) {
+    const auto& st = x.strides();
+    return {x.data<void>(), x.dtype(), start * st[2], {st[0], D * st[2], st[1], st[2]}};
   }
   // Row (i0, i1, i2) as float32 into dst (n elements).
   void load(int64_t i0, int64_t i1, int64_t i2, int64_t n, float* dst) const {
-    const int64_t at = i0 * stride[0] + i1 * stride[1] + i2 * stride[2];
+    const int64_t at = offset + i0 * stride[0] + i1 * stride[1] + i2 * stride[2];
     if (stride[3] == 1) return cpu_load_f32(data, dtype, at, n, dst);
     for (int64_t j = 0; j < n; ++j) cpu_load_f32(data, dtype, at + j * stride[3], 1, dst + j);
   }
@@ -102,14 +111,60 @@ void run(const Call& c) {
   });
 }
 
+// q, k and v as heads of one packed projection x [B, L, N] (the primitive's first three inputs are
+// x): each one's first element on x's last axis, and the [B, H, L, D] shape it is read as.
+struct PackedQkv {
+  int64_t start[3];
+  mx::Shape shape[3];
+  bool operator==(const PackedQkv& o) const {
+    return std::equal(start, start + 3, o.start) && std::equal(shape, shape + 3, o.shape);
+  }
+};
+
+std::atomic<bool> g_packed{true};
+
+bool has_primitive_named(const mx::array& a, const char* name) {
+  return a.has_primitive() && std::strcmp(a.primitive().name(), name) == 0;
+}
+
+// When q, k and v ([B, L, H, D], seq_first) are reshapes of last-axis slices of one [B, L, N]
+// array (a fused q/k/v projection, split by the graph), that array and where each starts: the
+// kernel reads the heads from it, so the slices and reshapes (six graph nodes a layer, each a
+// task of MLX's scheduler in every decode step) drop out of the graph.
+std::optional<std::pair<mx::array, PackedQkv>> packed_source(const mx::array& q, const mx::array& k,
+                                                             const mx::array& v, bool seq_first) {
+  if (!seq_first || !g_packed.load(std::memory_order_relaxed)) return std::nullopt;
+  std::optional<mx::array> x;
+  PackedQkv p;
+  const mx::array* parts[3] = {&q, &k, &v};
+  for (int i = 0; i < 3; ++i) {
+    const auto& a = *parts[i];
+    if (!has_primitive_named(a, "Reshape") || !has_primitive_named(a.inputs()[0], "Slice")) return std::nullopt;
+    const auto& sl = a.inputs()[0];
+    const auto& src = sl.inputs()[0];
+    if (x ? src.id() != x->id() : src.ndim() != 3) return std::nullopt;
+    // libmlx exports no type info for its primitives: matched by name above.
+    const auto [lo, hi, st] = static_cast<const mx::Slice&>(sl.primitive()).state();
+    const bool last_axis_only = st == mx::Shape{1, 1, 1} && lo[0] == 0 && lo[1] == 0 &&
+                                hi[0] == src.shape(0) && hi[1] == src.shape(1);
+    if (!last_axis_only || a.ndim() != 4 || a.shape(0) != src.shape(0) || a.shape(1) != src.shape(1) ||
+        int64_t(a.shape(2)) * a.shape(3) != hi[2] - lo[2])
+      return std::nullopt;
+    x = src;
+    p.start[i] = lo[2];
+    p.shape[i] = heads_first_shape(a, true);
+  }
+  return std::make_pair(*x, p);
+}
+
 class RopeKvWriteCpu : public mx::Primitive {
  public:
-  RopeKvWriteCpu(mx::Stream s, RopeKvWriteArgs args, bool freqs_input)
-      : mx::Primitive(s), args_(args), freqs_input_(freqs_input) {}
+  RopeKvWriteCpu(mx::Stream s, RopeKvWriteArgs args, bool freqs_input, std::optional<PackedQkv> packed)
+      : mx::Primitive(s), args_(args), freqs_input_(freqs_input), packed_(std::move(packed)) {}
 
-  // in: q, k, v, k_cache, v_cache, rope_pos, write_pos[, inv_freq (flat)]; out: q, k_cache, v_cache.
+  // in: q, k, v (or x, x, x: packed_), k_cache, v_cache, rope_pos, write_pos[, inv_freq (flat)];
+  // out: q, k_cache, v_cache.
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
-    const auto &q = in[0], &k = in[1], &v = in[2];
     // Each output holds its own copy of the input list (MLX's make_arrays), so a cache is
     // referenced once per output and never looks donatable. The outputs are being
     // evaluated now (MLX detaches them right after), so the copies that `in` is not are
@@ -133,11 +188,15 @@ class RopeKvWriteCpu : public mx::Primitive {
     for (const auto& a : in) encoder.set_input_array(a);
     for (auto& a : out) encoder.set_output_array(a);
     const bool sf = args_.seq_first;
-    Call c{Rows4::of(q, sf), Rows4::of(k, sf), Rows4::of(v, sf), out[0].data<void>(), out[1].data<void>(), out[2].data<void>(),
+    mx::Shape shapes[3];  // q, k, v as [B, H, L, D]
+    for (int i = 0; i < 3; ++i) shapes[i] = packed_ ? packed_->shape[i] : heads_first_shape(in[i], sf);
+    auto rows = [&](int i) {
+      return packed_ ? Rows4::packed(in[0], packed_->start[i], shapes[i][3]) : Rows4::of(in[i], sf);
+    };
+    Call c{rows(0), rows(1), rows(2), out[0].data<void>(), out[1].data<void>(), out[2].data<void>(),
            out[0].dtype(), out[1].dtype(), out[2].dtype(), std::move(copies[0]), std::move(copies[1]),
            in[5].data<void>(), in[5].dtype(), in[6].data<void>(), in[6].dtype(), nullptr, mx::float32, 0,
-           q.shape(0), q.shape(sf ? 2 : 1), k.shape(sf ? 2 : 1), q.shape(sf ? 1 : 2), in[3].shape(2), q.shape(3),
-           v.shape(3),
+           shapes[0][0], shapes[0][1], shapes[1][1], shapes[0][2], in[3].shape(2), shapes[0][3], shapes[2][3],
            args_.dims, args_.traditional, args_.base};
     if (freqs_input_) {
       const auto& f = in[7];
@@ -145,7 +204,7 @@ class RopeKvWriteCpu : public mx::Primitive {
       c.freqs_type = f.dtype();
       c.freqs_stride = f.ndim() ? f.strides().back() : 0;
     }
-    cpu_kernel_note_call("rope_kv_write");
+    cpu_kernel_note_call(packed_ ? "rope_kv_write_packed" : "rope_kv_write");
     encoder.dispatch([c = std::move(c)] { run(c); });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -155,15 +214,16 @@ class RopeKvWriteCpu : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const RopeKvWriteCpu&>(other);
     return args_.dims == o.args_.dims && args_.traditional == o.args_.traditional && args_.base == o.args_.base &&
-           args_.seq_first == o.args_.seq_first && freqs_input_ == o.freqs_input_;
+           args_.seq_first == o.args_.seq_first && freqs_input_ == o.freqs_input_ && packed_ == o.packed_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
-    return {heads_first_shape(in[0], args_.seq_first), in[3].shape(), in[4].shape()};
+    return {packed_ ? packed_->shape[0] : heads_first_shape(in[0], args_.seq_first), in[3].shape(), in[4].shape()};
   }
 
  private:
   RopeKvWriteArgs args_;
   bool freqs_input_;
+  std::optional<PackedQkv> packed_;
 };
 
 }  // namespace
@@ -202,10 +262,18 @@ std::array<mx::array, 3> rope_kv_write_cpu(const mx::array& q, const mx::array& 
       throw std::invalid_argument("positions must be one-element integer arrays");
   std::vector<mx::array> inputs{q, k, v, k_cache, v_cache, rope_pos, write_pos};
   if (inv_freq) inputs.push_back(mx::flatten(*inv_freq));
-  auto prim = std::make_shared<RopeKvWriteCpu>(mx::default_stream(mx::Device::cpu), args, inv_freq.has_value());
+  std::optional<PackedQkv> packed;
+  if (auto src = packed_source(q, k, v, args.seq_first)) {
+    inputs[0] = inputs[1] = inputs[2] = src->first;
+    packed = std::move(src->second);
+  }
+  auto prim = std::make_shared<RopeKvWriteCpu>(mx::default_stream(mx::Device::cpu), args, inv_freq.has_value(),
+                                               std::move(packed));
   auto outs = mx::array::make_arrays({heads_first_shape(q, args.seq_first), k_cache.shape(), v_cache.shape()},
                                      {q.dtype(), k_cache.dtype(), v_cache.dtype()}, std::move(prim), std::move(inputs));
   return {outs[0], outs[1], outs[2]};
 }
+
+void rope_kv_write_cpu_set_packed(bool on) { g_packed.store(on, std::memory_order_relaxed); }
 
 }  // namespace mlxd::rt

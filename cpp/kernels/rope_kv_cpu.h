@@ -35,12 +35,18 @@ bool rope_kv_write_cpu_applies(const mlx::core::array& q, const mlx::core::array
 // {rope(q), k_cache with rope(k) at write_pos, v_cache with v at write_pos}:
 // what mx::fast::rope at rope_pos and two slice updates at write_pos clamped
 // to [0, S - L] compute (q's result [B, Hq, L, D]). rope_pos / write_pos: one-element integer arrays, read
-// when the node runs. Any input strides; outputs row-major.
+// when the node runs. Any input strides; outputs row-major. When q, k and v (seq_first) are reshaped
+// last-axis slices of one [B, L, N] array (a fused q/k/v projection), the primitive reads them from
+// that array, and the slices and reshapes leave the graph (counter "rope_kv_write_packed").
 std::array<mlx::core::array, 3> rope_kv_write_cpu(const mlx::core::array& q, const mlx::core::array& k,
                                                   const mlx::core::array& v, const mlx::core::array& k_cache,
                                                   const mlx::core::array& v_cache, const mlx::core::array& rope_pos,
                                                   const mlx::core::array& write_pos,
                                                   const std::optional<mlx::core::array>& inv_freq,
                                                   const RopeKvWriteArgs& args);
+
+// Reading packed q / k / v from their projection: on by default; off keeps the slices and reshapes in the
+// graph (A/B timings). Read when a graph is built.
+void rope_kv_write_cpu_set_packed(bool on);
 
 }  // namespace mlxd::rt

@@ -78,6 +78,48 @@ def test_rope_kv_write_matches_eager(case) -> None:
         assert _runtime.cpu_kernel_call_counts().get("rope_kv_write", 0) > counts
 
 
+E = 24
+
+
+class ProjectedStep(AttentionStep):
+    """`AttentionStep` on q, k and v projected from one input (a Llama layer's q_proj / k_proj / v_proj,
+    grouped into one product by `fuse_linears`): the runtime reads them from that product in place."""
+
+    def __init__(self) -> None:
+        super().__init__(seq_first=True)
+        self.q_proj = torch.nn.Linear(E, HQ * D, bias=False)
+        self.k_proj = torch.nn.Linear(E, HK * D, bias=False)
+        self.v_proj = torch.nn.Linear(E, HK * D, bias=False)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        B, L, _ = x.shape
+        q, k, v = (p(x).view(B, L, -1, D) for p in (self.q_proj, self.k_proj, self.v_proj))
+        return super().forward(q, k, v, pos)
+
+
+def projected_inputs(length: int, pos: int) -> tuple:
+    return torch.randn(1, length, E), torch.tensor([pos])
+
+
+@pytest.mark.parametrize("case", [c for length in (1, 3) for c in cases(
+    f"rope_kv_write-projected-L{length}", ProjectedStep, lambda length=length: projected_inputs(length, 0),
+    (torch.float32, torch.bfloat16, torch.float16), is_module=True,
+    more_inputs=lambda length=length: [projected_inputs(length, S // 2), projected_inputs(length, S - length)])],
+    ids=str)
+def test_projections_read_in_place(case) -> None:
+    """q, k and v sliced from one grouped product: read from it (counter `rope_kv_write_packed`), not
+    through their slice and reshape nodes, with eager's results; the kernels-off run (inside
+    lower_and_compare) keeps the slices."""
+    counts = _runtime.cpu_kernel_call_counts()
+    lowered = lower_and_compare(case)
+    kinds = [type(n).__name__ for n in payload_nodes(lowered.edge)]
+    assert kinds.count("RopeKvWriteNode") == 1 and kinds.count("SliceNode") == 3, kinds
+    if _runtime.cpu_kernels_enabled():
+        after = _runtime.cpu_kernel_call_counts()
+        assert after.get("rope_kv_write_packed", 0) > counts.get("rope_kv_write_packed", 0)
+        assert after.get("rope_kv_write", 0) == counts.get("rope_kv_write", 0)
+
+
 def test_write_past_the_end_is_an_error() -> None:
     (case,) = cases("rope_kv_write-bounds", AttentionStep, lambda: step_inputs(2, 0), is_module=True)
     lowered = lower_and_compare(case)
