@@ -614,33 +614,29 @@ void rms_rows(const float* x, const float* weight, float eps, int64_t m, int64_t
 class QGemvCpu : public QuantizedProductCpu {
  public:
   // Inputs past the four operands: the residual, then the norm's weight, each where present.
-  QGemvCpu(mx::Stream s, int group_size, int bits, bool glu, int residual_at, int norm_at, float eps)
-      : QuantizedProductCpu(s, "QGemvCpu", group_size, bits),
-        glu_(glu),
-        residual_at_(residual_at),
-        norm_at_(norm_at),
-        eps_(eps) {}
+  // out: x's shape with N (or N / 2) last; view: in[0] is the array x is a reshape of.
+  QGemvCpu(mx::Stream s, int group_size, int bits, bool glu, int residual_at, int norm_at, float eps, mx::Shape out,
+           bool view)
+      : QuantizedProductCpu(s, "QGemvCpu", group_size, bits), glu_(glu), view_(view), residual_at_(residual_at),
+        norm_at_(norm_at), eps_(eps), out_(std::move(out)) {}
 
   bool is_equivalent(const mx::Primitive& other) const override {
     if (!QuantizedProductCpu::is_equivalent(other)) return false;
     const auto& o = static_cast<const QGemvCpu&>(other);
-    return o.glu_ == glu_ && o.residual_at_ == residual_at_ && o.norm_at_ == norm_at_ && o.eps_ == eps_;
+    return o.glu_ == glu_ && o.view_ == view_ && o.out_ == out_ && o.residual_at_ == residual_at_ && o.norm_at_ == norm_at_ && o.eps_ == eps_;
   }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
-    auto shape = in[0].shape();
-    shape.back() = glu_ ? in[1].shape(0) / 2 : in[1].shape(0);
-    return {shape};
-  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>&) override { return {out_}; }
 
-  // inputs: x [..., K] (float32 / bfloat16 / float16), w [N, K * bits / 32] uint32, scales and
-  // biases [N, G] (one float dtype, read as stored), optionally a residual of the output's shape;
-  // any layout. Output [..., N] float32 ([..., N / 2] with the GLU).
+  // inputs: x [..., K] (float32 / bfloat16 / float16; or an array x is a reshape of, read in order as
+  // [M, K]), w [N, K * bits / 32] uint32, scales and biases [N, G] (one float dtype, read as stored),
+  // optionally a residual of the output's shape; any layout. Output [..., N] float32 ([..., N / 2] with the GLU).
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     auto& encoder = begin_cpu_task(stream(), in, out);
-    const int64_t k = in[0].shape(-1), m = static_cast<int64_t>(in[0].size()) / k, n = in[1].shape(0);
+    const int64_t n = in[1].shape(0), k = in[1].shape(1) * 32 / bits_, m = static_cast<int64_t>(in[0].size()) / k;
     Problem p{nullptr, nullptr, nullptr, nullptr, nullptr, out.data<float>(), n, k, k / group_size_, group_size_,
               in[1].shape(1)};
     g_calls.fetch_add(1, std::memory_order_relaxed);
+    if (view_) cpu_kernel_note_call("qgemv_reshaped_input");
     encoder.dispatch([p, m, bits = bits_, glu = glu_, residual_at = residual_at_, norm_at = norm_at_, eps = eps_,
                       in]() mutable {
       CallTimer timer;
@@ -695,9 +691,10 @@ class QGemvCpu : public QuantizedProductCpu {
   }
 
  private:
-  bool glu_;
+  bool glu_, view_;
   int residual_at_, norm_at_;
   float eps_;
+  mx::Shape out_;
 };
 
 }  // namespace
@@ -738,7 +735,10 @@ mx::array qgemv_cpu(const mx::array& x, const mx::array& w, const mx::array& sca
                                 std::to_string(w.shape(0)));
   auto shape = x.shape();
   shape.back() = epilogue.glu ? w.shape(0) / 2 : w.shape(0);
-  std::vector<mx::array> inputs{x, w, scales, biases};
+  // x a reshape of y (attention's merged heads): y goes in (one graph node fewer). By name: libmlx
+  // exports no type info for its primitives.
+  const bool view = x.has_primitive() && std::strcmp(x.primitive().name(), "Reshape") == 0;
+  std::vector<mx::array> inputs{view ? x.inputs()[0] : x, w, scales, biases};
   if (epilogue.residual) {
     if (epilogue.residual->shape() != shape || !mx::issubdtype(epilogue.residual->dtype(), mx::floating) ||
         epilogue.residual->dtype() == mx::float64)
@@ -756,10 +756,9 @@ mx::array qgemv_cpu(const mx::array& x, const mx::array& w, const mx::array& sca
     norm_at = static_cast<int>(inputs.size());
     inputs.push_back(nw);
   }
-  return mx::array(std::move(shape), mx::float32,
-                   std::make_shared<QGemvCpu>(mx::default_stream(mx::Device::cpu), group_size, bits, epilogue.glu,
-                                              residual_at, norm_at, epilogue.norm_eps),
-                   std::move(inputs));
+  auto prim = std::make_shared<QGemvCpu>(mx::default_stream(mx::Device::cpu), group_size, bits, epilogue.glu,
+                                         residual_at, norm_at, epilogue.norm_eps, shape, view);
+  return mx::array(std::move(shape), mx::float32, std::move(prim), std::move(inputs));
 }
 
 uint64_t qgemv_cpu_calls() { return g_calls.load(std::memory_order_relaxed); }

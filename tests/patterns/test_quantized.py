@@ -105,6 +105,34 @@ def test_quantized_layers_fuse(dtype):
     assert not PLAIN & set(nodes) and not {"BinaryNode", "AsTypeNode"} & set(nodes)  # no dequantize + matmul
 
 
+class MergedHeads(torch.nn.Module):
+    """A quantized linear reading heads merged by a reshape (attention's output projection), of a
+    transposed array and of a contiguous one: the product reads the reshape's source in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(256, 40, bias=False)
+
+    def forward(self, x, tokens):
+        B, L = x.shape[:2]
+        heads = x.view(B, L, 4, 64) * 2  # a contiguous [B, L, 4, 64]
+        transposed = (heads.transpose(1, 2) + 1).transpose(1, 2)  # [B, L, 4, 64] through a transpose
+        return self.proj(heads.reshape(B, L, 256)), self.proj(transposed.reshape(B, L, 256))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_reshaped_input_read_in_place(dtype):
+    from mlx_delegate import _runtime
+
+    module = MergedHeads().to(dtype).eval()
+    quantize_(module, Q.torchao_config("int4", 32), filter_fn=lambda m, _: isinstance(m, torch.nn.Linear))
+    before = _runtime.cpu_kernel_call_counts().get("qgemv_reshaped_input", 0)
+    fused, _, nodes = lower_quantized(module, sample(dtype), dtype, [sample(dtype, length=1)])
+    assert fused == 2 and nodes["QuantizedLinearNode"] == 2
+    if _runtime.cpu_kernels_enabled():
+        assert _runtime.cpu_kernel_call_counts().get("qgemv_reshaped_input", 0) >= before + 4
+
+
 def test_unsupported_group_size_runs_unfused():
     """Groups of 16 are not an MLX layout: the dequantize runs as element-wise ops, the product as a linear."""
     module = LinearsAndEmbedding(k=48).eval()
