@@ -83,6 +83,9 @@ def run(args: argparse.Namespace) -> int:
     pte, _ = cached_pte(key, build, refresh=args.no_cache)
     generator = Generator(pte, loading.load_tokenizer(path))
     pieces = []
+    # torch computes nothing while the program runs, but its OpenMP worker, once woken, spins beside the
+    # delegate's threads on the same cores: one torch thread here decodes 3-6 % faster (prefill the same).
+    torch.set_num_threads(1)
     try:
         # The first call of each shape compiles: warm up so the printed tok/s is the steady-state figure.
         warm = generator.warm_up(len(generator.encode_prompt(args.prompt, chat=not args.no_chat)))
