@@ -38,13 +38,6 @@ constexpr double kOmpTeamMinEvalUs = 200;
 // GOMP_SPINCOUNT, ~10-15 ms) until the next parallel region, which only burns a core where the caller
 // sleeps between calls (a 100 Hz timer: 2.4x the CPU per call of the demo block, 2026-11-26).
 constexpr double kOmpTeamMinGapBusy = 0.5;
-// ... and only where the method's last call handed the kernel pool jobs long enough to repay the lent
-// region's closing barrier, which waits for the team's worker to be scheduled (~0.8 ms a call on the
-// 2-core machine): a decode step's many short products (SmolLM2 Q4_1: 121 jobs, ~41 us each) lost to
-// it (4.98 -> 5.89 ms a step lent on every call), the demo block's sgemm blocks (7 jobs, ~290 us each)
-// gain. The shorter of the last two calls' figures, not a smoothed one: a prefill's long jobs would
-// hold the decode steps after it above the line.
-constexpr double kOmpTeamMinJobUs = 100;
 
 // The calling thread's CPU time (0 where the clock is missing: the caller then counts as idle).
 int64_t thread_cpu_ns() {
@@ -535,7 +528,7 @@ bool choose_lend(EvalPace& pace) {
   const OmpTeam mode = pool_omp_team();
   if (mode == OmpTeam::Off || pace.eval_us < kOmpTeamMinEvalUs) return false;
   if (mode == OmpTeam::Always) return true;
-  if (pace.gap_busy < kOmpTeamMinGapBusy || (pace.job_us >= 0 && pace.job_us < kOmpTeamMinJobUs)) return false;
+  if (pace.gap_busy < kOmpTeamMinGapBusy) return false;
   // A method's first calls fill both windows, lent first: deciding on one or two samples of a mode
   // (a warm-up call's) settled a 60-call run on the slower mode, and probes grew rarer from there.
   if (pace.lent.n < EvalPace::kWindow) return true;
@@ -561,7 +554,6 @@ void eval_adaptive(std::vector<mx::array>& arrays, EvalPace& pace, bool small) {
   // A call whose evaluations lately took long enough for the kernels to split their work: the caller,
   // which only waits here, may lend its OpenMP team to the kernel pool for the call (cpu_parallel.h).
   const int64_t start = now_ns(), start_cpu = thread_cpu_ns();
-  const uint64_t jobs_before = cpu_pool_jobs();
   const bool known = pace.last_end_ns > 0;  // not a method's first call (which may build its kernels)
   if (known) {
     const double gap = (start - pace.last_end_ns) / 1e3;
@@ -573,11 +565,6 @@ void eval_adaptive(std::vector<mx::array>& arrays, EvalPace& pace, bool small) {
   if (!lent) eval_impl(arrays, &pace, small);
   pace.last_end_ns = now_ns();
   pace.last_end_cpu_ns = thread_cpu_ns();
-  if (const uint64_t jobs = cpu_pool_jobs() - jobs_before; jobs > 0) {
-    const double per_job = (pace.last_end_ns - start) / 1e3 / double(jobs);
-    pace.job_us = std::min(per_job, pace.last_job_us < 0 ? per_job : pace.last_job_us);
-    pace.last_job_us = per_job;
-  }
   // A call right after one in the other mode is not measured: after a lent call the team's worker spins
   // on (~10-15 ms) against the pool's helpers, and the first lent call may wake a sleeping worker.
   if (known && lent == pace.last_lent) (lent ? pace.lent : pace.own).add((pace.last_end_ns - start) / 1e3);

@@ -54,9 +54,6 @@ struct EvalPace {
     }
     double median() const;  // < 0 while empty
   } lent, own;
-  // wall time per job handed to the kernel pool: the shorter of the last two calls' (job_us) and the
-  // last call's; < 0 until known
-  double job_us = -1, last_job_us = -1;
   bool last_lent = false;
   int probe_left = 0, since_probe = 0, probe_every = 16;
   bool probe_lent = false;  // the mode the current probe runs

@@ -90,7 +90,6 @@ class Pool {
   int size() const { return static_cast<int>(helpers_) + 1; }
   // False in a forked child, which has none of the helper threads.
   bool owned() const { return getpid() == owner_; }
-  uint64_t jobs() const { return generation_.load(std::memory_order_relaxed); }
   // A thread of another runtime (an OpenMP team's worker) helping with jobs until `stop`.
   void lend(const std::atomic<bool>& stop) { serve(stop); }
   // Ends the lent threads' service: sets `stop` and wakes those asleep in serve().
@@ -593,7 +592,6 @@ void cpu_pool_reset_stats() {
 void cpu_parallel_parts(int parts, const std::function<void(int)>& fn) { Pool::get().run(parts, fn); }
 
 int cpu_pool_threads() { return Pool::get().size(); }
-uint64_t cpu_pool_jobs() { return Pool::get().jobs(); }
 
 void cpu_kernel_note_call(const char* name) {
   std::lock_guard<std::mutex> lock(g_counts_mutex);

@@ -72,8 +72,6 @@ constexpr int64_t kCpuMinParallel = 1 << 14;
 void cpu_parallel_parts(int parts, const std::function<void(int)>& fn);
 // Threads the pool computes with: the calling thread and its helpers.
 int cpu_pool_threads();
-// Jobs handed to the pool's helpers (or a lent OpenMP team) so far.
-uint64_t cpu_pool_jobs();
 
 // Holds the helpers awake between jobs: while at least one hold is open, a helper whose spin
 // (MLX_DELEGATE_SPIN_US) ran out keeps waiting for the next job, yielding its core at each step,

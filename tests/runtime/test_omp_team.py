@@ -46,24 +46,8 @@ with torch.no_grad():
         time.sleep(0.06)
         assert_close(method.execute([x]), [expected], 1e-4, 1e-4)
     sparse = _runtime.omp_team_stats()["calls"] - before
-    # A decode-like graph: many short pool jobs a call (a chain of small products, tens of microseconds
-    # each). Auto does not lend for them (the lent region's closing barrier costs more than they gain)
-    # even beside eager torch; always still does.
-    chain = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(40)]).eval()
-    xs = torch.randn(1, 32, 256)
-    expected_chain = chain(xs)
-    chain_method = lower(chain, (xs,)).method()
-    short = {}
-    for mode in ("auto", "always"):
-        _runtime.set_pool_omp_team(mode)
-        before = _runtime.omp_team_stats()["calls"]
-        for _ in range(30):
-            assert_close(chain_method.execute([xs]), [expected_chain], 1e-3, 1e-3)
-            model(x)
-        short[mode] = _runtime.omp_team_stats()["calls"] - before
-    _runtime.set_pool_omp_team("auto")
 print("team calls always", calls["always"], "off", calls["off"], "auto", calls["auto"], "sparse", sparse, "parts", _runtime.omp_team_stats()["parts"],
-      "threads", torch.get_num_threads(), "short_auto", short["auto"], "short_always", short["always"])
+      "threads", torch.get_num_threads())
 """
 
 
@@ -81,8 +65,7 @@ def test_omp_team_modes_match_eager() -> None:
     # Always lends on every call (but the first few, which time the evaluation) where the process may run
     # on more than one core (the pool then has helpers) and the child's torch allows more than one thread
     # (OpenMP's team size); auto's count depends on what the calls measure.
-    assert count("short_auto") <= 4, out.stdout  # the first calls (building and tracing the graph take long)
     if len(os.sched_getaffinity(0)) > 1 and count("threads") > 1:
-        assert count("always") >= 50 and count("short_always") >= 25, out.stdout
+        assert count("always") >= 50, out.stdout
     else:
         assert count("always") == count("auto") == 0, out.stdout
