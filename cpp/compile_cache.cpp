@@ -205,7 +205,7 @@ bool Handle::run_compiled(Span<EValue*> args) {
   std::vector<mx::array> updates(outs.begin() + n_results, outs.end());
   outs.erase(outs.begin() + n_results, outs.end());
   g_compiled_calls.fetch_add(1, std::memory_order_relaxed);
-  finish(args, std::move(outs), std::move(updates), graph.value_outputs);
+  finish(args, std::move(outs), std::move(updates), graph.value_outputs, graph.pace);
   return true;
 }
 

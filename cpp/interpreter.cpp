@@ -222,13 +222,13 @@ void Handle::write_outputs(Span<EValue*> args) {
   std::vector<std::optional<mx::array>> kept;
   if (program_->program->keep_intermediates()) kept = std::move(ctx_.tensors);
   ctx_.tensors.clear();
-  finish(args, std::move(results), std::move(updates), value_outputs);
+  finish(args, std::move(results), std::move(updates), value_outputs, pace_);
 }
 
 // Evaluates the results and buffer updates, keeps the new buffer states and
 // copies the results into the output tensors.
 void Handle::finish(Span<EValue*> args, std::vector<mx::array> results, std::vector<mx::array> updates,
-                    const std::vector<int64_t>& value_outputs) {
+                    const std::vector<int64_t>& value_outputs, EvalPace& pace) {
   const auto* p = program_->program;
   size_t n_in = p->inputs() ? p->inputs()->size() : 0;
   size_t n_out = p->outputs() ? p->outputs()->size() : 0;
@@ -242,7 +242,7 @@ void Handle::finish(Span<EValue*> args, std::vector<mx::array> results, std::vec
     // Spins across the hand-offs to MLX's stream thread only while calls come back to back
     // (stream_wait.h): an unconditional spin cost 2-4 ms per call after idle gaps of a few ms.
     const size_t mark = buffer_cache_mark();
-    eval_adaptive(all, pace_, program_->nodes.size() <= kSmallGraphNodes);
+    eval_adaptive(all, pace, program_->nodes.size() <= kSmallGraphNodes);
     fit_buffer_cache(mark);
   } catch (...) {
     // The old contents may have been consumed in place: start over from the

@@ -79,6 +79,9 @@ class Handle {
     GraphFn fn;    // empty until the signature comes back
     std::vector<int64_t> value_outputs;  // scalar outputs, fixed by the signature (set while tracing)
     std::vector<IndexGuard> guards;      // index checks on this call's inputs (set while tracing)
+    // How this graph's evaluations went lately (stream_wait.h): per signature, so a prefill's calls
+    // do not enter the decode steps' timings (the OpenMP team's lending compares those).
+    EvalPace pace;
   };
 
   void bind_inputs(executorch::runtime::Span<executorch::runtime::EValue*> args);
@@ -93,8 +96,9 @@ class Handle {
   void reset_buffers_unlocked();  // reset_buffers() for a caller holding mutex_
   void note_interpreted_call();  // counts it; gives up compiling when this call's trace failed
   void write_outputs(executorch::runtime::Span<executorch::runtime::EValue*> args);
+  // `pace`: the compiled graph's, or the method's (pace_) for a call run node by node.
   void finish(executorch::runtime::Span<executorch::runtime::EValue*> args, std::vector<mx::array> results,
-              std::vector<mx::array> updates, const std::vector<int64_t>& value_outputs);
+              std::vector<mx::array> updates, const std::vector<int64_t>& value_outputs, EvalPace& pace);
 
   std::shared_ptr<const LoadedProgram> program_;
   std::vector<mx::array> buffers_;
@@ -109,7 +113,7 @@ class Handle {
   std::string not_compilable_;
   std::string trace_error_;  // set when tracing failed in this call
   std::map<Signature, Graph> graphs_;
-  EvalPace pace_;  // how long this method's evaluations took lately (stream_wait.h)
+  EvalPace pace_;  // how long this method's evaluations run node by node took lately (stream_wait.h)
 };
 
 }  // namespace mlxd::rt

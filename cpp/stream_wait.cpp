@@ -534,18 +534,29 @@ bool choose_lend(EvalPace& pace) {
   if (pace.lent.n < EvalPace::kWindow) return true;
   if (pace.own.n < EvalPace::kWindow) return false;
   if (pace.probe_left > 0) {
-    --pace.probe_left;
+    pace.decide = --pace.probe_left == 0;  // this call ends the probe: decide at the next
     return pace.probe_lent;
   }
-  const bool prefer = pace.lent.median() < pace.own.median();
-  if (++pace.since_probe < pace.probe_every) return prefer;
-  pace.probe_every = prefer == pace.probe_prefer_lent ? std::min(2 * pace.probe_every, kProbeEveryMax)
-                                                      : kProbeEveryMin;
-  pace.probe_prefer_lent = prefer;
+  // The choice is made only where both windows are of one recent stretch: when they first fill, and
+  // right after a probe has refilled the other mode's. Between probes the mode in use refreshes its
+  // window every call and the other's is stale: compared on every call, a machine slowing down made the
+  // mode in use look slower than the other's old figures, and a decode loop gave up lending (~25 %
+  // faster there) for up to kProbeEveryMax calls (SmolLM2 Q4_1 through the stock runtime: 3 of 33 calls
+  // lent in a round, 102-123 tok/s against 152-180).
+  if (pace.decide || !pace.decided) {
+    const bool prefer = pace.lent.median() < pace.own.median();
+    pace.probe_every = pace.decided && prefer == pace.probe_prefer_lent
+                           ? std::min(2 * pace.probe_every, kProbeEveryMax) : kProbeEveryMin;
+    pace.probe_prefer_lent = prefer;
+    pace.decided = true;
+    pace.decide = false;
+    pace.since_probe = 0;
+  }
+  if (++pace.since_probe < pace.probe_every) return pace.probe_prefer_lent;
   pace.since_probe = 0;
-  pace.probe_lent = !prefer;
+  pace.probe_lent = !pace.probe_prefer_lent;
   pace.probe_left = kProbeCalls - 1;
-  return !prefer;
+  return pace.probe_lent;
 }
 
 }  // namespace

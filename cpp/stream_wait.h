@@ -57,7 +57,8 @@ struct EvalPace {
   bool last_lent = false;
   int probe_left = 0, since_probe = 0, probe_every = 16;
   bool probe_lent = false;  // the mode the current probe runs
-  bool probe_prefer_lent = false;
+  bool probe_prefer_lent = false;  // the choice in force between probes
+  bool decided = false, decide = false;  // a choice made yet; a probe just ended (choose again)
 };
 
 // Evaluates `arrays` (like mx::eval) with the adaptive wait above. `small`:
