@@ -20,7 +20,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "sgemm_avx2.h"
+#include "sgemm_x86.h"
 
 extern "C" {
 
@@ -47,15 +47,16 @@ static std::atomic<cblas_dgemm_fn> g_ref_dgemm{nullptr};
 static std::atomic<cblas_gemm_lowp_fn> g_gemm_lowp[2]{{nullptr}, {nullptr}};  // [0] bfloat16, [1] float16
 static std::atomic<uint64_t> g_fast_calls{0};
 static std::atomic<uint64_t> g_split_calls{0};  // sgemms cut into blocks on the runtime's pool
-// Whether single-threaded fp32 products (the pool's blocks, mlxd_sgemm_serial) run on the AVX2
-// kernel (sgemm_avx2.h) instead of MKL: by default on processors with AVX2 + FMA but not AVX-512F
-// (where it measured faster, see that header); MLX_DELEGATE_SGEMM=own / mkl chooses.
-static std::atomic<bool> g_own_sgemm{[] {
-  if (!mlxd::blas::own_sgemm_available()) return false;
+// Which tile serves single-threaded fp32 products (the pool's blocks, mlxd_sgemm_serial): 0 MKL, else
+// own_sgemm's instruction set (sgemm_x86.h). By default the widest own tile, except on Intel processors
+// with AVX-512, where MKL runs its own AVX-512 kernels; MLX_DELEGATE_SGEMM=own / own-avx2 / mkl chooses.
+static std::atomic<int> g_own_sgemm{[] {
+  const int best = mlxd::blas::own_sgemm_best();
   const char* e = std::getenv("MLX_DELEGATE_SGEMM");
-  if (e && std::strcmp(e, "own") == 0) return true;
-  if (e && std::strcmp(e, "mkl") == 0) return false;
-  return !__builtin_cpu_supports("avx512f");
+  if (e && std::strcmp(e, "own") == 0) return best;
+  if (e && std::strcmp(e, "own-avx2") == 0) return std::min(best, mlxd::blas::kOwnAvx2);
+  if (e && std::strcmp(e, "mkl") == 0) return 0;
+  return best == mlxd::blas::kOwnAvx512 && __builtin_cpu_is("intel") ? 0 : best;
 }()};
 // MKL's per-thread thread count (Fortran mkl_set_num_threads_local_, by
 // pointer): small products run on the calling thread, since waking MKL's
@@ -126,10 +127,11 @@ __attribute__((visibility("default"))) int mlxd_gemm_lowp(int dtype, int trans_a
   return 1;
 }
 
-// Single-threaded fp32 products on the AVX2 kernel (1) or MKL (0); a request for the kernel where the
-// processor lacks AVX2 + FMA leaves MKL. Returns the previous setting. For A/B runs in one process.
-__attribute__((visibility("default"))) int mlxd_blas_set_own_sgemm(int on) {
-  return g_own_sgemm.exchange(on != 0 && mlxd::blas::own_sgemm_available()) ? 1 : 0;
+// Single-threaded fp32 products on MKL (0) or an own tile (sgemm_x86.h: kOwnAvx2, kOwnAvx512); a tile
+// wider than the processor runs is capped at its widest (none: MKL). Returns the previous setting. For
+// A/B runs in one process.
+__attribute__((visibility("default"))) int mlxd_blas_set_own_sgemm(int isa) {
+  return g_own_sgemm.exchange(std::clamp(isa, 0, mlxd::blas::own_sgemm_best()));
 }
 
 // Whether mlxd_sgemm_serial is served (torch's sgemm_ was found).
@@ -205,13 +207,13 @@ struct SplitSgemm {
   void run(int i) const {
     const int extent = by_rows ? m : n, lo = bound(i, extent), hi = bound(i + 1, extent);
     if (lo >= hi) return;
-    if (g_own_sgemm.load(std::memory_order_relaxed)) {
+    if (const int isa = g_own_sgemm.load(std::memory_order_relaxed)) {
       const bool t_a = ta != CblasNoTrans, t_b = tb != CblasNoTrans;
       if (by_rows)
-        mlxd::blas::own_sgemm(t_a, t_b, hi - lo, n, k, alpha, t_a ? a + lo : a + static_cast<int64_t>(lo) * lda, lda,
+        mlxd::blas::own_sgemm(isa, t_a, t_b, hi - lo, n, k, alpha, t_a ? a + lo : a + static_cast<int64_t>(lo) * lda, lda,
                               b, ldb, beta, c + static_cast<int64_t>(lo) * ldc, ldc);
       else
-        mlxd::blas::own_sgemm(t_a, t_b, m, hi - lo, k, alpha, a, lda, t_b ? b + static_cast<int64_t>(lo) * ldb : b + lo,
+        mlxd::blas::own_sgemm(isa, t_a, t_b, m, hi - lo, k, alpha, a, lda, t_b ? b + static_cast<int64_t>(lo) * ldb : b + lo,
                               ldb, beta, c + lo, ldc);
       return;
     }
@@ -399,8 +401,8 @@ static bool split_sgemm(sgemm_fn f, int order, int ta, int tb, int m, int n, int
     }
   } else {
     g_serial_choices.fetch_add(1, std::memory_order_relaxed);
-    if (g_own_sgemm.load(std::memory_order_relaxed))
-      mlxd::blas::own_sgemm(ta != CblasNoTrans, tb != CblasNoTrans, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    if (const int isa = g_own_sgemm.load(std::memory_order_relaxed))
+      mlxd::blas::own_sgemm(isa, ta != CblasNoTrans, tb != CblasNoTrans, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     else
       SplitSgemm::serial([&] { gemm(f, order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc); });
   }
@@ -421,8 +423,9 @@ __attribute__((visibility("default"))) void cblas_sgemm(int order, int ta, int t
     // the linear kernel (a compiled graph and the node-by-node run must agree exactly). Only a large
     // product with splitting off keeps MKL's team.
     const bool one_thread = static_cast<double>(m) * n * k < kSerialMacs || g_parallel.load() != nullptr;
-    if (order == CblasRowMajor && one_thread && g_own_sgemm.load(std::memory_order_relaxed)) {
-      mlxd::blas::own_sgemm(ta != CblasNoTrans, tb != CblasNoTrans, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    const int isa = g_own_sgemm.load(std::memory_order_relaxed);
+    if (order == CblasRowMajor && one_thread && isa) {
+      mlxd::blas::own_sgemm(isa, ta != CblasNoTrans, tb != CblasNoTrans, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
       return;
     }
     sized_call(m, n, k, [&] { gemm(f, order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc); });
@@ -442,8 +445,8 @@ __attribute__((visibility("default"))) int mlxd_sgemm_serial(int trans_a, int tr
   auto f = g_sgemm.load();
   if (f == nullptr) return 0;
   g_fast_calls.fetch_add(1, std::memory_order_relaxed);
-  if (g_own_sgemm.load(std::memory_order_relaxed)) {
-    mlxd::blas::own_sgemm(trans_a != 0, trans_b != 0, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  if (const int isa = g_own_sgemm.load(std::memory_order_relaxed)) {
+    mlxd::blas::own_sgemm(isa, trans_a != 0, trans_b != 0, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return 1;
   }
   auto call = [&] {

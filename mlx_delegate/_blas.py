@@ -153,26 +153,32 @@ def split_shape() -> tuple[int, str]:
     return (code // 4, _SPLIT_AXES[code % 4])
 
 
-_SGEMM_KINDS = ("mkl", "own")
+# By the front's code (mlxd_blas_set_own_sgemm): MKL, then the own tiles (cpp/sgemm_x86.h).
+_SGEMM_KINDS = ("mkl", "avx2", "avx512")
 
 
 def sgemm_kind() -> str:
-    """Which single-threaded fp32 gemm serves the pool's product blocks (see `set_sgemm_kind`)."""
+    """Which single-threaded fp32 gemm serves the pool's product blocks: "mkl", "avx2" or "avx512"
+    (see `set_sgemm_kind`)."""
     previous = set_sgemm_kind("mkl")
     set_sgemm_kind(previous)
     return previous
 
 
 def set_sgemm_kind(kind: str) -> str:
-    """Which single-threaded fp32 gemm serves the blocks a large product is cut into: "own" (the
-    AVX2 kernel; the default on x86-64 processors with AVX2 + FMA but not AVX-512F) or "mkl"
-    (torch's MKL). `MLX_DELEGATE_SGEMM` chooses at start-up. A processor without AVX2 + FMA stays
-    on "mkl". Returns the previous kind."""
-    if kind not in _SGEMM_KINDS:
-        raise ValueError(f"sgemm kind must be one of {_SGEMM_KINDS}, got {kind!r}")
+    """Which single-threaded fp32 gemm serves the blocks a large product is cut into: "mkl" (torch's
+    MKL), "avx2" / "avx512" (the front's own register tiles), or "own" (the widest own tile this
+    processor runs). The default is the widest own tile, except on Intel processors with AVX-512, which
+    keep MKL's AVX-512 kernels. `MLX_DELEGATE_SGEMM` (mkl / own / own-avx2) chooses at start-up. A tile
+    the processor cannot run falls back to the widest it can (MKL without AVX2 + FMA). Returns the
+    previous kind."""
+    choices = (*_SGEMM_KINDS, "own")
+    if kind not in choices:
+        raise ValueError(f"sgemm kind must be one of {choices}, got {kind!r}")
     if _state["lib"] is None:
         return "mkl"
-    return _SGEMM_KINDS[_state["lib"].mlxd_blas_set_own_sgemm(_SGEMM_KINDS.index(kind))]
+    code = len(_SGEMM_KINDS) - 1 if kind == "own" else _SGEMM_KINDS.index(kind)
+    return _SGEMM_KINDS[_state["lib"].mlxd_blas_set_own_sgemm(code)]
 
 
 def serial_sgemm(a, b, trans_a: bool = False, trans_b: bool = False, alpha: float = 1.0, beta: float = 0.0, c=None):

@@ -1,5 +1,5 @@
-// See sgemm_avx2.h.
-#include "sgemm_avx2.h"
+// See sgemm_x86.h.
+#include "sgemm_x86.h"
 
 #include <algorithm>
 #include <cmath>
@@ -10,6 +10,7 @@
 #include <immintrin.h>
 #define MLXD_SGEMM_X86 1
 #define MLXD_SGEMM_AVX2 __attribute__((target("avx2,fma")))
+#define MLXD_SGEMM_AVX512 __attribute__((target("avx512f,avx2,fma")))
 #endif
 
 namespace mlxd::blas {
@@ -17,13 +18,10 @@ namespace mlxd::blas {
 #ifdef MLXD_SGEMM_X86
 namespace {
 
-constexpr int kMr = 6, kNr = 16;
-// k block: one 16-column panel of op(b) (32 KiB at 512) stays in L1 while the tiles of a row block
-// pass over it. Blocks of 384 / 512 measured 5-15 % faster than 256 on the Zen 3 (products of
-// ViT-B/16 and BERT, one core each).
-constexpr int kMaxKc = 384;
+// Shared by both register tiles: they pack op(a) / op(b) the same way and differ in panel widths.
 constexpr int kMaxMc = 144;  // rows of op(a) packed at a time (216 KiB at kc 384: within L2)
 constexpr int kNc = 1024;  // columns of op(b) packed at a time (2 MiB at kc 512: in L3)
+constexpr int kMaxKcAny = 384;  // the scratch's k extent: the larger of the tiles' k blocks
 
 // dst[p * ldd + r] = src[r * lds + p] for r < rows (r < width are written: zeros past rows), p < kc:
 // rows of a stored operand become the lanes of a panel (op(a) stored [m, k]; op(b) stored [n, k]).
@@ -59,24 +57,23 @@ MLXD_SGEMM_AVX2 void pack_gather(const float* src, int64_t lds, int rows, int kc
 // with the panel's axis contiguous (op(a) stored [k, m]; op(b) stored [k, n]).
 MLXD_SGEMM_AVX2 void pack_copy(const float* src, int64_t lds, int cols, int kc, float* dst, int ldd, int width) {
   for (int p = 0; p < kc; ++p, src += lds, dst += ldd) {
-    if (cols == 16 && width == 16) {
-      _mm256_storeu_ps(dst, _mm256_loadu_ps(src));
-      _mm256_storeu_ps(dst + 8, _mm256_loadu_ps(src + 8));
+    if (cols == width && width % 8 == 0) {
+      for (int i = 0; i < width; i += 8) _mm256_storeu_ps(dst + i, _mm256_loadu_ps(src + i));
     } else {
       for (int i = 0; i < width; ++i) dst[i] = i < cols ? src[i] : 0.f;
     }
   }
 }
 
-// Packs columns [j, j + nr) of op(b) over k in [pc, pc + kc) as one 16-wide panel (zeros past nr).
+// Packs columns [j, j + nr) of op(b) over k in [pc, pc + kc) as one nr_panel-wide panel (zeros past nr).
 MLXD_SGEMM_AVX2 void pack_b_panel(bool trans_b, const float* b, int64_t ldb, int j, int pc, int kc, int nr,
-                                  float* dst) {
-  if (trans_b) {
+                                  int nr_panel, float* dst) {
+  if (trans_b) {  // eight rows of op(b)'s storage at a time; no pointer is formed past the last row
     const float* src = b + j * ldb + pc;
-    pack_gather(src, ldb, std::min(nr, 8), kc, dst, kNr, 8);
-    pack_gather(nr > 8 ? src + 8 * ldb : src, ldb, std::max(0, nr - 8), kc, dst + 8, kNr, 8);
+    for (int q = 0; q < nr_panel; q += 8)
+      pack_gather(q < nr ? src + q * ldb : src, ldb, std::clamp(nr - q, 0, 8), kc, dst + q, nr_panel, 8);
   } else {
-    pack_copy(b + pc * ldb + j, ldb, nr, kc, dst, kNr, kNr);
+    pack_copy(b + pc * ldb + j, ldb, nr, kc, dst, nr_panel, nr_panel);
   }
 }
 
@@ -104,40 +101,83 @@ MLXD_SGEMM_AVX2 inline void put(float* c, __m256 v, __m256 alpha, float beta) {
   _mm256_storeu_ps(c, v);
 }
 
-// The 6x16 tile c = alpha a-panel . b-panel + beta c over kc steps; twelve accumulators, so each
-// step is two loads of b, six broadcasts of a and twelve independent FMAs.
-MLXD_SGEMM_AVX2 void tile(int kc, const float* a, const float* b, float* c, int64_t ldc, float alpha_s,
-                          float beta) {
-  __m256 acc[kMr][2];  // fully unrolled below, so the compiler keeps all twelve in registers
+MLXD_SGEMM_AVX512 inline void put(float* c, __m512 v, __m512 alpha, float beta) {
+  v = _mm512_mul_ps(v, alpha);
+  if (beta != 0.f) v = _mm512_fmadd_ps(_mm512_set1_ps(beta), _mm512_loadu_ps(c), v);
+  _mm512_storeu_ps(c, v);
+}
+
+// The AVX2 tile, 6 x 16: twelve accumulators, so each k step is two loads of b, six broadcasts of a
+// and twelve independent FMAs.
+struct Avx2Tile {
+  static constexpr int kMr = 6, kNr = 16;
+  // k block: one 16-column panel of op(b) (24 KiB at 384) stays in L1 while the tiles of a row block
+  // pass over it. Blocks of 384 / 512 measured 5-15 % faster than 256 on the Zen 3 (products of
+  // ViT-B/16 and BERT, one core each).
+  static constexpr int kMaxKc = 384;
+  MLXD_SGEMM_AVX2 static void tile(int kc, const float* a, const float* b, float* c, int64_t ldc, float alpha_s,
+                                   float beta) {
+    __m256 acc[kMr][2];  // fully unrolled below, so the compiler keeps all twelve in registers
 #pragma GCC unroll 6
-  for (int r = 0; r < kMr; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int p = 0; p < kc; ++p, a += kMr, b += kNr) {
-    const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+    for (int r = 0; r < kMr; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int p = 0; p < kc; ++p, a += kMr, b += kNr) {
+      const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+#pragma GCC unroll 6
+      for (int r = 0; r < kMr; ++r) {
+        const __m256 x = _mm256_broadcast_ss(a + r);
+        acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);
+      }
+    }
+    const __m256 alpha = _mm256_set1_ps(alpha_s);
 #pragma GCC unroll 6
     for (int r = 0; r < kMr; ++r) {
-      const __m256 x = _mm256_broadcast_ss(a + r);
-      acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);
+      put(c + r * ldc, acc[r][0], alpha, beta);
+      put(c + r * ldc + 8, acc[r][1], alpha, beta);
     }
   }
-  const __m256 alpha = _mm256_set1_ps(alpha_s);
-#pragma GCC unroll 6
-  for (int r = 0; r < kMr; ++r) {
-    put(c + r * ldc, acc[r][0], alpha, beta);
-    put(c + r * ldc + 8, acc[r][1], alpha, beta);
+};
+
+// The AVX-512 tile, 8 x 32: sixteen 16-lane accumulators (twice the AVX2 tile's multiply-adds per
+// instruction, where the processor runs 512-bit FMAs at full width), two loads of b and eight
+// broadcasts of a per sixteen FMAs.
+struct Avx512Tile {
+  static constexpr int kMr = 8, kNr = 32;
+  static constexpr int kMaxKc = 256;  // a 32-column panel: 32 KiB of L1 at 256
+  MLXD_SGEMM_AVX512 static void tile(int kc, const float* a, const float* b, float* c, int64_t ldc, float alpha_s,
+                                     float beta) {
+    __m512 acc[kMr][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < kMr; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int p = 0; p < kc; ++p, a += kMr, b += kNr) {
+      const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);
+#pragma GCC unroll 8
+      for (int r = 0; r < kMr; ++r) {
+        const __m512 x = _mm512_set1_ps(a[r]);
+        acc[r][0] = _mm512_fmadd_ps(x, b0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(x, b1, acc[r][1]);
+      }
+    }
+    const __m512 alpha = _mm512_set1_ps(alpha_s);
+#pragma GCC unroll 8
+    for (int r = 0; r < kMr; ++r) {
+      put(c + r * ldc, acc[r][0], alpha, beta);
+      put(c + r * ldc + 16, acc[r][1], alpha, beta);
+    }
   }
-}
+};
 
 // A tile at the right or bottom edge: computed whole into scratch (the panels are zero-padded),
 // then its mr x nr corner combined into c.
-MLXD_SGEMM_AVX2 void edge_tile(int kc, const float* a, const float* b, float* c, int64_t ldc, int mr, int nr,
-                               float alpha, float beta) {
-  alignas(32) float t[kMr * kNr];
-  tile(kc, a, b, t, kNr, alpha, 0.f);
+template <typename T>
+void edge_tile(int kc, const float* a, const float* b, float* c, int64_t ldc, int mr, int nr, float alpha,
+               float beta) {
+  alignas(64) float t[T::kMr * T::kNr];
+  T::tile(kc, a, b, t, T::kNr, alpha, 0.f);
   for (int r = 0; r < mr; ++r)
     for (int q = 0; q < nr; ++q) {
       float& out = c[r * ldc + q];
-      out = beta == 0.f ? t[r * kNr + q] : std::fma(beta, out, t[r * kNr + q]);  // as put's FMA
+      out = beta == 0.f ? t[r * T::kNr + q] : std::fma(beta, out, t[r * T::kNr + q]);  // as put's FMA
     }
 }
 
@@ -147,34 +187,24 @@ struct Scratch {
   float *a = nullptr, *b = nullptr;
   Scratch() {
     // Room for the 8-lane stores past a 6-wide panel's end, and for alignment.
-    a_mem.resize(size_t{kMaxMc} * kMaxKc + 32);
-    b_mem.resize(size_t{kNc} * kMaxKc + 32);
+    a_mem.resize(size_t{kMaxMc} * kMaxKcAny + 32);
+    b_mem.resize(size_t{kNc} * kMaxKcAny + 32);
     a = align(a_mem.data());
     b = align(b_mem.data());
   }
   static float* align(float* p) { return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63}); }
 };
 
-}  // namespace
-
-bool own_sgemm_available() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
-}
-
-void own_sgemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda,
-               const float* b, int ldb, float beta, float* c, int ldc) {
-  if (m <= 0 || n <= 0) return;
-  if (k <= 0 || alpha == 0.f) {  // c = beta c, without reading c when beta is 0
-    for (int i = 0; i < m; ++i)
-      for (int j = 0; j < n; ++j) c[int64_t{i} * ldc + j] = beta == 0.f ? 0.f : beta * c[int64_t{i} * ldc + j];
-    return;
-  }
+template <typename T>
+void blocked_sgemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda,
+                   const float* b, int ldb, float beta, float* c, int ldc) {
+  constexpr int kMr = T::kMr, kNr = T::kNr, kMaxKc = T::kMaxKc;
+  static_assert(kMaxKc <= kMaxKcAny && kNc % kNr == 0 && kMaxMc % kMr == 0);
   thread_local Scratch s;
   // Equal k blocks of at most kMaxKc (768 = 2 x 384, not 512 + 256), multiples of 8 except the last.
   const int k_blocks = (k + kMaxKc - 1) / kMaxKc;
   const int kc_step = std::min(kMaxKc, ((k + k_blocks - 1) / k_blocks + 7) / 8 * 8);
-  // Equal row blocks of at most kMaxMc, multiples of 6: 128 rows as one block, not 72 + 56.
+  // Equal row blocks of at most kMaxMc, multiples of kMr: 128 rows as one block, not 72 + 56.
   const int m_blocks = (m + kMaxMc - 1) / kMaxMc;
   const int mc_step = std::min(kMaxMc, ((m + m_blocks - 1) / m_blocks + kMr - 1) / kMr * kMr);
   for (int jc = 0; jc < n; jc += kNc) {
@@ -195,7 +225,7 @@ void own_sgemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, con
           // op(b)'s panels are packed during the first row block, each just before its tiles, so
           // reading them from memory overlaps the tiles' arithmetic (and its prefetched source) where
           // packing the whole block first left both threads waiting on memory at once.
-          if (ic == 0) pack_b_panel(trans_b, b, ldb, jc + j, pc, kc, nr, s.b + int64_t{j} * kc);
+          if (ic == 0) pack_b_panel(trans_b, b, ldb, jc + j, pc, kc, nr, kNr, s.b + int64_t{j} * kc);
           const bool fetch_next = ic == 0 && j + kNr < nc;
           const int tiles = (mc + kMr - 1) / kMr;
           for (int i = 0, t = 0; i < mc; i += kMr, ++t) {
@@ -203,8 +233,8 @@ void own_sgemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, con
             if (fetch_next) prefetch_panel(trans_b, b, ldb, jc + j + kNr, pc, kc, std::min(kNr, nc - j - kNr), t, tiles);
             float* out = c + int64_t{ic + i} * ldc + jc + j;
             const float *ap = s.a + int64_t{i} * kc, *bp = s.b + int64_t{j} * kc;
-            if (mr == kMr && nr == kNr) tile(kc, ap, bp, out, ldc, alpha, beta_here);
-            else edge_tile(kc, ap, bp, out, ldc, mr, nr, alpha, beta_here);
+            if (mr == kMr && nr == kNr) T::tile(kc, ap, bp, out, ldc, alpha, beta_here);
+            else edge_tile<T>(kc, ap, bp, out, ldc, mr, nr, alpha, beta_here);
           }
         }
       }
@@ -212,10 +242,32 @@ void own_sgemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, con
   }
 }
 
+}  // namespace
+
+int own_sgemm_best() {
+  __builtin_cpu_init();  // callable from static initializers (the front's default choice is one)
+  static const int best = !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? 0
+                          : __builtin_cpu_supports("avx512f")                                 ? kOwnAvx512
+                                                                                              : kOwnAvx2;
+  return best;
+}
+
+void own_sgemm(int isa, bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda,
+               const float* b, int ldb, float beta, float* c, int ldc) {
+  if (m <= 0 || n <= 0) return;
+  if (k <= 0 || alpha == 0.f) {  // c = beta c, without reading c when beta is 0
+    for (int i = 0; i < m; ++i)
+      for (int j = 0; j < n; ++j) c[int64_t{i} * ldc + j] = beta == 0.f ? 0.f : beta * c[int64_t{i} * ldc + j];
+    return;
+  }
+  if (isa == kOwnAvx512) blocked_sgemm<Avx512Tile>(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  else blocked_sgemm<Avx2Tile>(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
 #else  // not x86-64: the front keeps the loaded BLAS
 
-bool own_sgemm_available() { return false; }
-void own_sgemm(bool, bool, int, int, int, float, const float*, int, const float*, int, float, float*, int) {}
+int own_sgemm_best() { return 0; }
+void own_sgemm(int, bool, bool, int, int, int, float, const float*, int, const float*, int, float, float*, int) {}
 
 #endif
 

@@ -1,5 +1,5 @@
-"""The BLAS front's AVX2 fp32 gemm (cpp/sgemm_avx2.cpp) against float64 numpy and against MKL, and
-whole models with their products on it against eager torch."""
+"""The BLAS front's own fp32 gemm (cpp/sgemm_x86.cpp, its AVX2 and AVX-512 tiles) against float64
+numpy and against MKL, and whole models with their products on it against eager torch."""
 
 import sys
 
@@ -14,12 +14,12 @@ from mlx_delegate.testing import assert_close, lower
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux CPU BLAS route")
 
 
-@pytest.fixture
-def own():
-    previous = _blas.set_sgemm_kind("own")
-    if _blas.sgemm_kind() != "own":
+@pytest.fixture(params=["avx2", "avx512"])
+def own(request):
+    previous = _blas.set_sgemm_kind(request.param)
+    if _blas.sgemm_kind() != request.param:
         _blas.set_sgemm_kind(previous)
-        pytest.skip("this processor has no AVX2 + FMA")
+        pytest.skip(f"this processor does not run the {request.param} tile")
     yield
     _blas.set_sgemm_kind(previous)
 
@@ -34,9 +34,10 @@ def _operands(rng, m, n, k, ta, tb, pad):
     return a, b, (a.T if ta else a).astype(np.float64), (b.T if tb else b).astype(np.float64)
 
 
-# Edge tiles (m not a multiple of 6, n not of 16), k below / at / past one 512 block, k below
-# the 8-wide transpose, and one-element products.
-SHAPES = [(1, 1, 1), (5, 7, 3), (6, 16, 8), (7, 17, 9), (13, 33, 520), (73, 1030, 1025), (130, 96, 771), (64, 40, 1)]
+# Edge tiles (m not a multiple of 6 / 8, n not of 16 / 32), k below / at / past one k block (256,
+# 384), k below the 8-wide transpose, n past a 1024-column block, and one-element products.
+SHAPES = [(1, 1, 1), (5, 7, 3), (6, 16, 8), (7, 17, 9), (8, 32, 256), (9, 33, 257), (13, 33, 520), (73, 1030, 1025),
+          (130, 96, 771), (64, 40, 1), (150, 100, 60)]
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
@@ -100,7 +101,7 @@ def encoder_layer():
     return layer, x, lower(layer, (x,)).buffer  # lowered once for both kinds
 
 
-@pytest.mark.parametrize("kind", ["own", "mkl"])
+@pytest.mark.parametrize("kind", ["avx2", "avx512", "mkl"])
 def test_encoder_layer_through_the_stock_runtime(encoder_layer, kind):
     """nn.TransformerEncoderLayer exported the standard way, loaded by the stock runtime from
     bytes: its linears (the runtime's linear kernel) and attention products run on the chosen
@@ -111,7 +112,7 @@ def test_encoder_layer_through_the_stock_runtime(encoder_layer, kind):
     previous = _blas.set_sgemm_kind(kind)
     try:
         if _blas.sgemm_kind() != kind:
-            pytest.skip("this processor has no AVX2 + FMA")
+            pytest.skip(f"this processor does not run {kind}")
         program = Runtime.get().load_program(buffer)
         method = program.load_method("forward")
         before = _blas.fast_calls()

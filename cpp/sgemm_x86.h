@@ -1,0 +1,31 @@
+// A single-threaded fp32 GEMM for x86-64 (AVX2 + FMA, and AVX-512F), inside the BLAS front
+// (libmlxd_blas.so).
+//
+// Why: the front cuts large products into blocks, one per pool thread, each a single-threaded sgemm.
+// MKL's single-threaded sgemm is slow on AMD processors: on an AVX2-only EPYC (Zen 3) it ran ViT-B/16's
+// product blocks at 41-55 GFLOP/s per core, where MKL's own team reached 60 and the AVX2 tile here
+// 65-77; on an AVX-512 EPYC (Zen 5) MKL stays on 256-bit code (~110 GFLOP/s a core), where the
+// AVX-512 tile here runs at full width (docs/cpu-backend.md). On Intel processors with AVX-512, MKL's
+// own AVX-512 kernels keep the blocks by default.
+//
+// The classic blocked layout: the operands are packed per block (op(b) in panels as wide as the
+// tile, op(a) in panels as tall as it, k cut into equal blocks) and a register tile of accumulators
+// takes one broadcast of a per row and two loads of b per k step: 6 x 16 with AVX2, 8 x 32 with
+// AVX-512.
+#pragma once
+
+namespace mlxd::blas {
+
+// Instruction sets of own_sgemm's tile (0: none, the processor lacks AVX2 + FMA).
+constexpr int kOwnAvx2 = 1, kOwnAvx512 = 2;
+
+// The widest tile this processor runs (kOwnAvx512, kOwnAvx2 or 0).
+int own_sgemm_best();
+
+// Row-major c[m, n] = alpha op(a) op(b) + beta c on the calling thread with the `isa` tile, op
+// transposing where trans_* is set (a stored [k, m] / b stored [n, k]); beta 0 never reads c.
+// Requires 0 < isa <= own_sgemm_best().
+void own_sgemm(int isa, bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda,
+               const float* b, int ldb, float beta, float* c, int ldc);
+
+}  // namespace mlxd::blas
