@@ -147,8 +147,8 @@ def _node_by_node(engine: Engine) -> Engine:
 
 def _mkl_blocks(engine: Engine) -> Engine:
     """`engine` with the blocks of its large fp32 products on MKL's single-threaded sgemm during its
-    calls (`_blas.set_sgemm_kind("mkl")`), where the default on AVX2-only processors is the runtime's
-    own AVX2 gemm."""
+    calls (`_blas.set_sgemm_kind("mkl")`), where the default (except on Intel processors with AVX-512)
+    is the runtime's own gemm."""
     from mlx_delegate import _blas
 
     return switched(engine, _blas.sgemm_kind, _blas.set_sgemm_kind, "mkl")

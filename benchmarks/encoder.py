@@ -36,7 +36,7 @@ lowered with `disable={"fuse_linear_activation"}`: a linear's bias add and GELU 
 `_runtime.set_linear_kernel(False)` while its graphs are built; by default the CPU linear kernel adds
 each output block's bias and residual in cache) and `two-blocks` (split products cut into two blocks per pool thread instead of one:
 `_blas.set_split_shape(2)`) and `mkl-blocks` (the blocks of split products on MKL's single-threaded
-sgemm, `_blas.set_sgemm_kind("mkl")`, where AVX2-only processors default to the runtime's own gemm).
+sgemm, `_blas.set_sgemm_kind("mkl")`, where processors other than Intel's with AVX-512 default to the runtime's own gemm).
 Each is checked against
 eager torch, then the engines take turns call by call (interleaved rounds, the order rotating). Every
 row shows wall time and process CPU time per call (all threads, so 2 busy cores give CPU = 2 x wall).
