@@ -448,35 +448,42 @@ constexpr int64_t kTileFloats = int64_t{1} << 17;
 // ones (deep layers, whose im2col is small anyway) keep the whole-image product.
 constexpr int64_t kTileMaxWeights = int64_t{1} << 18;
 
-// Output rows per tile when the tiled path applies to this per-image
-// product, else 0. `direct`: a 1x1 product on the input planes (no im2col).
-int tile_rows(const Geometry& g, bool direct) {
+// Tiles per image (output-row bands) when the tiled path applies to this per-image product, else 0.
+// `direct`: a 1x1 product on the input planes (no im2col). The tile count is rounded up so that the
+// images' tiles together divide evenly among the pool's threads, and the bands are of equal height
+// (within a row): ResNet-50's 256->1024 1x1 convolution at 14x14 was two tiles of 9 and 5 rows, one
+// per thread, its 128->512 at 28x28 four tiles of 9, 9, 9 and 1 rows.
+int tile_count(const Geometry& g, bool direct) {
   const int64_t K = int64_t{g.Cg()} * g.KH * g.KW;
   if (!tiles_flag().load(std::memory_order_relaxed) || serial_sgemm() == nullptr) return 0;
   const int64_t per_column = direct ? g.Og() : K;  // what a tile holds per output column
   if (K * g.Og() > kTileMaxWeights || per_column * g.P() <= kTileFloats) return 0;  // one tile: nothing to gain
-  return static_cast<int>(std::clamp<int64_t>(kTileFloats / (per_column * g.OW), 1, g.OH));
+  const int64_t rows = std::clamp<int64_t>(kTileFloats / (per_column * g.OW), 1, g.OH);
+  const int64_t others = int64_t{g.N} * g.groups, threads = cpu_pool_threads();
+  int64_t tiles = (g.OH + rows - 1) / rows;
+  while ((others * tiles) % threads != 0 && tiles < g.OH) ++tiles;
+  return static_cast<int>(tiles);
 }
 
-// One image's product in tiles of `rows` output rows, each on one thread:
+// One image's product in `tiles` bands of output rows, each on one thread:
 // im2col of the tile into a per-thread buffer (unless `direct`), the bias /
 // residual written into the tile's output columns, a single-threaded sgemm
 // adding onto them, then the clamp. The whole [K, OH * OW] im2col matrix (9x
 // the input for a 3x3 convolution) never goes through memory, and the output
 // is written once instead of once per pass.
-void run_tiled(const Geometry& g, int rows, bool direct, const float* x, const float* w, int64_t w_image,
+void run_tiled(const Geometry& g, int tiles, bool direct, const float* x, const float* w, int64_t w_image,
                const float* bias, const float* residual, float* y) {
   const int K = g.Cg() * g.KH * g.KW, M = g.Og();
   const int64_t P = g.P();
-  const int tiles = (g.OH + rows - 1) / rows;
   const SerialSgemmFn gemm = serial_sgemm();
   const int64_t items = int64_t{g.N} * g.groups * tiles;
-  cpu_parallel_for(items, int64_t{K} * M * rows * g.OW, 1, [&](int64_t begin, int64_t end) {
+  const int max_rows = (g.OH + tiles - 1) / tiles;
+  cpu_parallel_for(items, int64_t{K} * M * max_rows * g.OW, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> cols;
     for (int64_t t = begin; t < end; ++t) {
       const int tile = static_cast<int>(t % tiles), gi = static_cast<int>(t / tiles % g.groups);
       const int n = static_cast<int>(t / tiles / g.groups);
-      const int oh0 = tile * rows, oh1 = std::min(g.OH, oh0 + rows);
+      const int oh0 = tile * g.OH / tiles, oh1 = (tile + 1) * g.OH / tiles;
       const int T = (oh1 - oh0) * g.OW;
       const float* xg = x + (int64_t{n} * g.C + int64_t{gi} * g.Cg()) * g.H * g.W;
       if (!direct) {
@@ -590,10 +597,10 @@ void run_conv(const ConvCall& c) {
     const int64_t P = g.P();
     // Per-image weights (a folded input scale) rule out sharing one product between images.
     const int nb = w_image ? 1 : static_cast<int>(std::min<int64_t>(g.N, std::max<int64_t>(1, (batch_columns() + P - 1) / P)));
-    const int rows = nb != 1 ? 0 : tile_rows(g, direct);
-    if (rows > 0) {
+    const int tiles = nb != 1 ? 0 : tile_count(g, direct);
+    if (tiles > 0) {
       cpu_kernel_note_call("conv_tiled");
-      run_tiled(g, rows, direct, x, w, w_image, bias, residual, y);
+      run_tiled(g, tiles, direct, x, w, w_image, bias, residual, y);
     } else if (nb == 1) {  // per image: the sgemm writes the result in place
       if (!direct) cols.resize(int64_t{K} * P);
       // Blocks of output channels, each on one thread (init, product, clamp in one task): one

@@ -4,7 +4,7 @@ residual, sgemm and clamp on one thread; and its blocked path for one-image prod
 (counter "conv_row_blocks": blocks of output channels, each block's bias / residual, sgemm and
 clamp on one thread). They match eager torch, the whole-image path
 (`_runtime.set_conv_tiles(False)`) and MLX's own convolution (kernels off) in float32, bfloat16 and
-float16, at odd sizes (a partial last tile), stride 2, dilation, groups, asymmetric padding, a
+float16, at odd sizes (bands of unequal heights), stride 2, dilation, groups, asymmetric padding, a
 fused residual + ReLU, a fused ReLU6 on a 1x1 convolution, batch 2 and batch 1 (the stride-2
 convolution: at batch 2 its images would share one whole-image product). One program per dtype."""
 
@@ -35,7 +35,7 @@ class Tiled(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.res = nn.Conv2d(C, C, 3, padding=1)                          # relu(res(x) + x): residual + clamp
-        self.strided = nn.Conv2d(8, 8, 7, stride=2, padding=3, bias=False)  # on z: 4 tiles of 9 rows, the last 7
+        self.strided = nn.Conv2d(8, 8, 7, stride=2, padding=3, bias=False)  # on z: 4 bands of 8 or 9 rows
         self.dilated = nn.Conv2d(C, 6, 3, padding=2, dilation=2)
         self.grouped = nn.Conv2d(C, 8, 5, padding=(2, 1), groups=2)         # narrower output than input
         self.wide = nn.Conv2d(C, 128, 1)                                    # 1x1 on the input planes, ReLU6
