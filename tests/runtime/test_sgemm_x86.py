@@ -35,9 +35,10 @@ def _operands(rng, m, n, k, ta, tb, pad):
 
 
 # Edge tiles (m not a multiple of 6 / 8, n not of 16 / 32), k below / at / past one k block (256,
-# 384), k below the 8-wide transpose, n past a 1024-column block, and one-element products.
+# 384), k below the 8-wide transpose, n past a 1024-column block, one-element products, and few
+# columns under many rows (64 x 17, 256 x 49: computed transposed, c^T into scratch).
 SHAPES = [(1, 1, 1), (5, 7, 3), (6, 16, 8), (7, 17, 9), (8, 32, 256), (9, 33, 257), (13, 33, 520), (73, 1030, 1025),
-          (130, 96, 771), (64, 40, 1), (150, 100, 60)]
+          (130, 96, 771), (64, 40, 1), (150, 100, 60), (64, 17, 40), (256, 49, 300)]
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
@@ -51,9 +52,10 @@ def test_matches_float64_at_odd_shapes_and_strides(own, m, n, k, ta, tb):
 
 
 @pytest.mark.parametrize("alpha,beta", [(0.75, 0.0), (1.0, 1.0), (-2.0, 0.5), (0.0, 0.5)])
-def test_alpha_beta_and_an_unread_output_when_beta_is_zero(own, alpha, beta):
+@pytest.mark.parametrize("m,n", [(19, 45), (256, 17)])  # 256 x 17: computed transposed
+def test_alpha_beta_and_an_unread_output_when_beta_is_zero(own, alpha, beta, m, n):
     rng = np.random.default_rng(3)
-    m, n, k = 19, 45, 600  # two k blocks: the second adds to the first's alpha-scaled result
+    k = 600  # two k blocks: the second adds to the first's alpha-scaled result
     a, b, a64, b64 = _operands(rng, m, n, k, False, True, pad=0)
     wide = np.full((m, n + 5), np.nan if beta == 0 else 1.5, np.float32)
     if beta != 0:
