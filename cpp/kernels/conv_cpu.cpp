@@ -616,7 +616,14 @@ void run_conv(const ConvCall& c) {
           const float* bmat = direct ? xg : cols.data();
           const float* wg = w + n * w_image + int64_t{gi} * M * K;
           if (blocked) {  // one pass over blocks of output channels: bias / residual, sgemm, clamp
-            cpu_parallel_for(M, int64_t{K} * P, 16, [&](int64_t lo, int64_t hi) {
+            // One block per pool thread: each block's sgemm packs the whole [K, P] operand again (at a
+            // 7x7 map about as much as its weights); four blocks a thread read it four times over.
+            const int parts = int64_t{M} * K * P >= kCpuMinParallel ? cpu_pool_threads() : 1;
+            cpu_parallel_parts(parts, [&](int part) {
+              int64_t lo = int64_t{M} * part / parts, hi = int64_t{M} * (part + 1) / parts;
+              lo -= lo % 16;  // blocks of whole 16-channel groups, the last to M
+              hi = part + 1 == parts ? M : hi - hi % 16;
+              if (lo >= hi) return;
               for (int64_t o = lo; o < hi; ++o)
                 init_plane(g, yg + o * P, bias ? bias[gi * M + o] : 0.f,
                            residual ? residual + first + o * P : nullptr);
