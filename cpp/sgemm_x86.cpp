@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -94,76 +95,65 @@ inline void prefetch_panel(bool trans_b, const float* b, int64_t ldb, int j, int
   }
 }
 
-// c = alpha v + beta c (beta 0: c is not read).
-MLXD_SGEMM_AVX2 inline void put(float* c, __m256 v, __m256 alpha, float beta) {
-  v = _mm256_mul_ps(v, alpha);
-  if (beta != 0.f) v = _mm256_fmadd_ps(_mm256_set1_ps(beta), _mm256_loadu_ps(c), v);
-  _mm256_storeu_ps(c, v);
+// The register tile's body, one for both instruction sets: V is a GCC vector of kNr / 2 floats, so the
+// same code becomes AVX2 (ymm) or AVX-512 (zmm) instructions in the tile it is inlined into. Mr rows of
+// two accumulators each: per k step two loads of b, Mr broadcasts of a and 2 Mr independent FMAs (the
+// multiply-adds contract: the library builds as GNU C++). Then c = alpha acc + beta c (beta 0: c is not
+// read).
+template <typename V, int Mr, int Nr>
+__attribute__((always_inline)) inline void tile_body(int kc, const float* a, const float* b, float* c, int64_t ldc,
+                                                     float alpha, float beta) {
+  constexpr int kLanes = sizeof(V) / sizeof(float);
+  static_assert(Nr == 2 * kLanes);
+  V acc[Mr][2] = {};  // fully unrolled below, so the compiler keeps them all in registers
+  for (int p = 0; p < kc; ++p, a += Mr, b += Nr) {
+    V b0, b1;
+    std::memcpy(&b0, b, sizeof(V));
+    std::memcpy(&b1, b + kLanes, sizeof(V));
+#pragma GCC unroll 8
+    for (int r = 0; r < Mr; ++r) {
+      acc[r][0] += b0 * a[r];  // a[r] broadcast (an FMA's memory operand on AVX-512)
+      acc[r][1] += b1 * a[r];
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < Mr; ++r)
+    for (int h = 0; h < 2; ++h) {
+      float* out = c + r * ldc + h * kLanes;
+      V v = acc[r][h] * alpha;
+      if (beta != 0.f) {
+        V old;
+        std::memcpy(&old, out, sizeof(V));
+        v = beta * old + v;
+      }
+      std::memcpy(out, &v, sizeof(V));
+    }
 }
 
-MLXD_SGEMM_AVX512 inline void put(float* c, __m512 v, __m512 alpha, float beta) {
-  v = _mm512_mul_ps(v, alpha);
-  if (beta != 0.f) v = _mm512_fmadd_ps(_mm512_set1_ps(beta), _mm512_loadu_ps(c), v);
-  _mm512_storeu_ps(c, v);
-}
+typedef float Floats8 __attribute__((vector_size(32)));
+typedef float Floats16 __attribute__((vector_size(64)));
 
-// The AVX2 tile, 6 x 16: twelve accumulators, so each k step is two loads of b, six broadcasts of a
-// and twelve independent FMAs.
+// The AVX2 tile, 6 x 16: twelve 8-lane accumulators.
 struct Avx2Tile {
   static constexpr int kMr = 6, kNr = 16;
   // k block: one 16-column panel of op(b) (24 KiB at 384) stays in L1 while the tiles of a row block
   // pass over it. Blocks of 384 / 512 measured 5-15 % faster than 256 on the Zen 3 (products of
   // ViT-B/16 and BERT, one core each).
   static constexpr int kMaxKc = 384;
-  MLXD_SGEMM_AVX2 static void tile(int kc, const float* a, const float* b, float* c, int64_t ldc, float alpha_s,
+  MLXD_SGEMM_AVX2 static void tile(int kc, const float* a, const float* b, float* c, int64_t ldc, float alpha,
                                    float beta) {
-    __m256 acc[kMr][2];  // fully unrolled below, so the compiler keeps all twelve in registers
-#pragma GCC unroll 6
-    for (int r = 0; r < kMr; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int p = 0; p < kc; ++p, a += kMr, b += kNr) {
-      const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
-#pragma GCC unroll 6
-      for (int r = 0; r < kMr; ++r) {
-        const __m256 x = _mm256_broadcast_ss(a + r);
-        acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);
-      }
-    }
-    const __m256 alpha = _mm256_set1_ps(alpha_s);
-#pragma GCC unroll 6
-    for (int r = 0; r < kMr; ++r) {
-      put(c + r * ldc, acc[r][0], alpha, beta);
-      put(c + r * ldc + 8, acc[r][1], alpha, beta);
-    }
+    tile_body<Floats8, kMr, kNr>(kc, a, b, c, ldc, alpha, beta);
   }
 };
 
-// The AVX-512 tile, 8 x 32: sixteen 16-lane accumulators (twice the AVX2 tile's multiply-adds per
-// instruction, where the processor runs 512-bit FMAs at full width), two loads of b and eight
-// broadcasts of a per sixteen FMAs.
+// The AVX-512 tile, 8 x 32: sixteen 16-lane accumulators, twice the AVX2 tile's multiply-adds per
+// instruction where the processor runs 512-bit FMAs at full width.
 struct Avx512Tile {
   static constexpr int kMr = 8, kNr = 32;
   static constexpr int kMaxKc = 256;  // a 32-column panel: 32 KiB of L1 at 256
-  MLXD_SGEMM_AVX512 static void tile(int kc, const float* a, const float* b, float* c, int64_t ldc, float alpha_s,
+  MLXD_SGEMM_AVX512 static void tile(int kc, const float* a, const float* b, float* c, int64_t ldc, float alpha,
                                      float beta) {
-    __m512 acc[kMr][2];
-#pragma GCC unroll 8
-    for (int r = 0; r < kMr; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int p = 0; p < kc; ++p, a += kMr, b += kNr) {
-      const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);
-#pragma GCC unroll 8
-      for (int r = 0; r < kMr; ++r) {
-        const __m512 x = _mm512_set1_ps(a[r]);
-        acc[r][0] = _mm512_fmadd_ps(x, b0, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(x, b1, acc[r][1]);
-      }
-    }
-    const __m512 alpha = _mm512_set1_ps(alpha_s);
-#pragma GCC unroll 8
-    for (int r = 0; r < kMr; ++r) {
-      put(c + r * ldc, acc[r][0], alpha, beta);
-      put(c + r * ldc + 16, acc[r][1], alpha, beta);
-    }
+    tile_body<Floats16, kMr, kNr>(kc, a, b, c, ldc, alpha, beta);
   }
 };
 
@@ -177,7 +167,7 @@ void edge_tile(int kc, const float* a, const float* b, float* c, int64_t ldc, in
   for (int r = 0; r < mr; ++r)
     for (int q = 0; q < nr; ++q) {
       float& out = c[r * ldc + q];
-      out = beta == 0.f ? t[r * T::kNr + q] : std::fma(beta, out, t[r * T::kNr + q]);  // as put's FMA
+      out = beta == 0.f ? t[r * T::kNr + q] : std::fma(beta, out, t[r * T::kNr + q]);  // as the tile's FMA
     }
 }
 
@@ -263,7 +253,7 @@ void tiled_sgemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, c
       for (int j = 0; j < n; ++j) {
         float& out = c[int64_t{i} * ldc + j];
         const float v = ct[size_t(j) * m + i];
-        out = beta == 0.f ? v : std::fma(beta, out, v);  // as put's FMA
+        out = beta == 0.f ? v : std::fma(beta, out, v);  // as the tile's FMA
       }
     return;
   }
