@@ -263,10 +263,11 @@ void tiled_sgemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, c
 }  // namespace
 
 int own_sgemm_best() {
-  __builtin_cpu_init();  // callable from static initializers (the front's default choice is one)
-  static const int best = !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? 0
-                          : __builtin_cpu_supports("avx512f")                                 ? kOwnAvx512
-                                                                                              : kOwnAvx2;
+  static const int best = [] {
+    __builtin_cpu_init();  // callable from static initializers (the front's default choice is one)
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return 0;
+    return __builtin_cpu_supports("avx512f") ? kOwnAvx512 : kOwnAvx2;
+  }();
   return best;
 }
 
