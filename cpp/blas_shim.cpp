@@ -465,6 +465,39 @@ __attribute__((visibility("default"))) int mlxd_sgemm_serial(int trans_a, int tr
   return 1;
 }
 
+// Weights laid out once for mlxd_sgemm_serial's own tile (sgemm_x86.h, own_pack_a): the floats a pack
+// of op(a) [m, k] takes, 0 when MKL serves the products (nothing to pack for).
+__attribute__((visibility("default"))) int64_t mlxd_sgemm_pack_a_floats(int m, int k) {
+  return g_own_sgemm.load(std::memory_order_relaxed) ? mlxd::blas::own_pack_a_floats(m, k) : 0;
+}
+
+// Packs op(a) for the current tile into dst (mlxd_sgemm_pack_a_floats floats); returns 0 when MKL
+// serves the products (nothing written).
+__attribute__((visibility("default"))) int mlxd_sgemm_pack_a(int m, int k, int m_hint, int n_hint, const float* a,
+                                                             int lda, float* dst) {
+  const int isa = g_own_sgemm.load(std::memory_order_relaxed);
+  if (isa) mlxd::blas::own_pack_a(isa, m, k, m_hint, n_hint, a, lda, dst);
+  return isa;
+}
+
+// The multiple a packed product's first row must be.
+__attribute__((visibility("default"))) int mlxd_sgemm_pack_align(const float* pack) {
+  return mlxd::blas::own_pack_a_align(pack);
+}
+
+// mlxd_sgemm_serial with op(a) packed by mlxd_sgemm_pack_a, rows [r0, r0 + m) of it. Returns 0 (doing
+// nothing) when the pack was made for another tile than the one serving products now (the kind was
+// switched since): the caller runs mlxd_sgemm_serial on the plain weights.
+__attribute__((visibility("default"))) int mlxd_sgemm_serial_packed(const float* pack, int r0, int m, int trans_b,
+                                                                    int n, float alpha, const float* b, int ldb,
+                                                                    float beta, float* c, int ldc) {
+  const int isa = g_own_sgemm.load(std::memory_order_relaxed);
+  if (isa == 0 || mlxd::blas::own_pack_a_isa(pack) != isa) return 0;
+  if (!mlxd::blas::own_sgemm_packed_a(pack, r0, m, trans_b != 0, n, alpha, b, ldb, beta, c, ldc)) return 0;
+  g_fast_calls.fetch_add(1, std::memory_order_relaxed);
+  return 1;
+}
+
 __attribute__((visibility("default"))) void cblas_dgemm(int order, int ta, int tb, int m, int n, int k, double alpha,
                                                         const double* a, int lda, const double* b, int ldb,
                                                         double beta, double* c, int ldc) {

@@ -160,14 +160,14 @@ struct Avx512Tile {
 // A tile at the right or bottom edge: computed whole into scratch (the panels are zero-padded),
 // then its mr x nr corner combined into c.
 template <typename T>
-void edge_tile(int kc, const float* a, const float* b, float* c, int64_t ldc, int mr, int nr, float alpha,
+MLXD_SGEMM_AVX2 void edge_tile(int kc, const float* a, const float* b, float* c, int64_t ldc, int mr, int nr, float alpha,
                float beta) {
   alignas(64) float t[T::kMr * T::kNr];
   T::tile(kc, a, b, t, T::kNr, alpha, 0.f);
   for (int r = 0; r < mr; ++r)
     for (int q = 0; q < nr; ++q) {
       float& out = c[r * ldc + q];
-      out = beta == 0.f ? t[r * T::kNr + q] : std::fma(beta, out, t[r * T::kNr + q]);  // as the tile's FMA
+      out = beta == 0.f ? t[r * T::kNr + q] : __builtin_fmaf(beta, out, t[r * T::kNr + q]);  // as the tile's FMA
     }
 }
 
@@ -185,15 +185,30 @@ struct Scratch {
   static float* align(float* p) { return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63}); }
 };
 
+// Equal k blocks of at most T::kMaxKc (768 = 2 x 384, not 512 + 256), multiples of 8 except the last.
+template <typename T>
+int kc_step_for(int k) {
+  const int k_blocks = (k + T::kMaxKc - 1) / T::kMaxKc;
+  return std::min(T::kMaxKc, ((k + k_blocks - 1) / k_blocks + 7) / 8 * 8);
+}
+
+// An operand packed ahead of the call (own_pack_a): k block pc's panels start at base + pc * stride
+// (stride: the packed extent, rows or columns, rounded up to whole panels), and within it the panel
+// of row (or column) r0 + r at r * kc. base null: packed per call into the scratch.
+struct Prepacked {
+  const float* base = nullptr;
+  int64_t stride = 0;
+  int r0 = 0;
+  const float* at(int pc, int r, int kc) const { return base + pc * stride + int64_t{r0 + r} * kc; }
+};
+
 template <typename T>
 void blocked_sgemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda,
-                   const float* b, int ldb, float beta, float* c, int ldc) {
+                   const float* b, int ldb, float beta, float* c, int ldc, Prepacked pa = {}, Prepacked pb = {}) {
   constexpr int kMr = T::kMr, kNr = T::kNr, kMaxKc = T::kMaxKc;
   static_assert(kMaxKc <= kMaxKcAny && kNc % kNr == 0 && kMaxMc % kMr == 0);
   thread_local Scratch s;
-  // Equal k blocks of at most kMaxKc (768 = 2 x 384, not 512 + 256), multiples of 8 except the last.
-  const int k_blocks = (k + kMaxKc - 1) / kMaxKc;
-  const int kc_step = std::min(kMaxKc, ((k + k_blocks - 1) / k_blocks + 7) / 8 * 8);
+  const int kc_step = kc_step_for<T>(k);
   // Equal row blocks of at most kMaxMc, multiples of kMr: 128 rows as one block, not 72 + 56.
   const int m_blocks = (m + kMaxMc - 1) / kMaxMc;
   const int mc_step = std::min(kMaxMc, ((m + m_blocks - 1) / m_blocks + kMr - 1) / kMr * kMr);
@@ -204,7 +219,7 @@ void blocked_sgemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha,
       const float beta_here = pc == 0 ? beta : 1.f;  // later k blocks add to the first's result
       for (int ic = 0; ic < m; ic += mc_step) {
         const int mc = std::min(mc_step, m - ic);
-        for (int i = 0; i < mc; i += kMr) {
+        for (int i = 0; i < mc && !pa.base; i += kMr) {
           const int mr = std::min(kMr, mc - i);
           float* dst = s.a + int64_t{i} * kc;
           if (trans_a) pack_copy(a + int64_t{pc} * lda + ic + i, lda, mr, kc, dst, kMr, kMr);
@@ -215,14 +230,15 @@ void blocked_sgemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha,
           // op(b)'s panels are packed during the first row block, each just before its tiles, so
           // reading them from memory overlaps the tiles' arithmetic (and its prefetched source) where
           // packing the whole block first left both threads waiting on memory at once.
-          if (ic == 0) pack_b_panel(trans_b, b, ldb, jc + j, pc, kc, nr, kNr, s.b + int64_t{j} * kc);
-          const bool fetch_next = ic == 0 && j + kNr < nc;
+          if (ic == 0 && !pb.base) pack_b_panel(trans_b, b, ldb, jc + j, pc, kc, nr, kNr, s.b + int64_t{j} * kc);
+          const bool fetch_next = ic == 0 && j + kNr < nc && !pb.base;
           const int tiles = (mc + kMr - 1) / kMr;
           for (int i = 0, t = 0; i < mc; i += kMr, ++t) {
             const int mr = std::min(kMr, mc - i);
             if (fetch_next) prefetch_panel(trans_b, b, ldb, jc + j + kNr, pc, kc, std::min(kNr, nc - j - kNr), t, tiles);
             float* out = c + int64_t{ic + i} * ldc + jc + j;
-            const float *ap = s.a + int64_t{i} * kc, *bp = s.b + int64_t{j} * kc;
+            const float* ap = pa.base ? pa.at(pc, ic + i, kc) : s.a + int64_t{i} * kc;
+            const float* bp = pb.base ? pb.at(pc, jc + j, kc) : s.b + int64_t{j} * kc;
             if (mr == kMr && nr == kNr) T::tile(kc, ap, bp, out, ldc, alpha, beta_here);
             else edge_tile<T>(kc, ap, bp, out, ldc, mr, nr, alpha, beta_here);
           }
@@ -238,26 +254,86 @@ double tile_use(int m, int n) {
   return double(m) * n / (double((m + T::kMr - 1) / T::kMr * T::kMr) * ((n + T::kNr - 1) / T::kNr * T::kNr));
 }
 
-// Products of few columns and many rows run transposed (c^T = op(b)^T op(a)^T into scratch, then
+// Whether products of m rows and n columns run transposed (c^T = op(b)^T op(a)^T into scratch, then
 // written back across): a 7x7 map's 49 output columns fill 49 / 64 of two 32-column panels, but 49 /
 // 56 of seven 8-row panels (one thread, 512 x 49 x 2048: 144 -> 165 GFLOP/s on the Zen 5). Only
 // where that wastes clearly less and c^T is small.
 template <typename T>
+bool runs_transposed(int m, int n) {
+  return int64_t{m} * n <= (int64_t{1} << 16) && tile_use<T>(n, m) > 1.08 * tile_use<T>(m, n);
+}
+
+// c[m, n] = ct^T + beta c, ct [n, m] (the transposed products' scratch).
+MLXD_SGEMM_AVX2 void add_transposed(const float* ct, int m, int n, float beta, float* c, int ldc) {
+  for (int i = 0; i < m; ++i)
+    for (int j = 0; j < n; ++j) {
+      float& out = c[int64_t{i} * ldc + j];
+      const float v = ct[size_t(j) * m + i];
+      out = beta == 0.f ? v : __builtin_fmaf(beta, out, v);  // as the tile's FMA
+    }
+}
+
+// The transposed products' scratch, per thread, kept.
+float* transposed_scratch(int m, int n) {
+  thread_local std::vector<float> ct;
+  ct.resize(size_t(m) * n);
+  return ct.data();
+}
+
+template <typename T>
 void tiled_sgemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda,
                  const float* b, int ldb, float beta, float* c, int ldc) {
-  if (int64_t{m} * n <= (int64_t{1} << 16) && tile_use<T>(n, m) > 1.08 * tile_use<T>(m, n)) {
-    thread_local std::vector<float> ct;
-    ct.resize(size_t(m) * n);
-    blocked_sgemm<T>(!trans_b, !trans_a, n, m, k, alpha, b, ldb, a, lda, 0.f, ct.data(), m);
-    for (int i = 0; i < m; ++i)
-      for (int j = 0; j < n; ++j) {
-        float& out = c[int64_t{i} * ldc + j];
-        const float v = ct[size_t(j) * m + i];
-        out = beta == 0.f ? v : std::fma(beta, out, v);  // as the tile's FMA
-      }
+  if (runs_transposed<T>(m, n)) {
+    float* ct = transposed_scratch(m, n);
+    blocked_sgemm<T>(!trans_b, !trans_a, n, m, k, alpha, b, ldb, a, lda, 0.f, ct, m);
+    add_transposed(ct, m, n, beta, c, ldc);
     return;
   }
   blocked_sgemm<T>(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+// c = beta c, without reading c when beta is 0 (no product to add: k 0 or alpha 0).
+void scale_c(int m, int n, float beta, float* c, int ldc) {
+  for (int i = 0; i < m; ++i)
+    for (int j = 0; j < n; ++j) c[int64_t{i} * ldc + j] = beta == 0.f ? 0.f : beta * c[int64_t{i} * ldc + j];
+}
+
+// A packed op(a)'s header (kPackHeader floats, so the panels stay 64-byte aligned where the buffer is).
+struct PackHeader {
+  int32_t magic, isa, transposed, m, k, width;
+};
+constexpr int32_t kPackMagic = 0x4b50584d;  // "MXPK"
+constexpr int64_t kPackHeader = 16;
+
+template <typename T>
+void pack_a_as(int isa, int m, int k, int m_hint, int n_hint, const float* a, int lda, float* dst) {
+  const bool transposed = runs_transposed<T>(m_hint, n_hint);
+  const int width = transposed ? T::kNr : T::kMr, kc_step = kc_step_for<T>(k);
+  const PackHeader h{kPackMagic, isa, transposed, m, k, width};
+  std::memcpy(dst, &h, sizeof h);
+  float* panels = dst + kPackHeader;
+  const int64_t stride = int64_t{(m + width - 1) / width} * width;
+  for (int pc = 0; pc < k; pc += kc_step) {
+    const int kc = std::min(kc_step, k - pc);
+    for (int r = 0; r < m; r += width) {
+      float* out = panels + pc * stride + int64_t{r} * kc;
+      if (transposed) pack_b_panel(true, a, lda, r, pc, kc, std::min(width, m - r), width, out);
+      else pack_gather(a + int64_t{r} * lda + pc, lda, std::min(width, m - r), kc, out, width, width);
+    }
+  }
+}
+
+template <typename T>
+void packed_sgemm(const PackHeader& h, const float* panels, int r0, int m, bool trans_b, int n, float alpha,
+                  const float* b, int ldb, float beta, float* c, int ldc) {
+  const Prepacked p{panels, int64_t{(h.m + h.width - 1) / h.width} * h.width, r0};
+  if (h.transposed) {
+    float* ct = transposed_scratch(m, n);
+    blocked_sgemm<T>(!trans_b, false, n, m, h.k, alpha, b, ldb, nullptr, 0, 0.f, ct, m, {}, p);
+    add_transposed(ct, m, n, beta, c, ldc);
+  } else {
+    blocked_sgemm<T>(false, trans_b, m, n, h.k, alpha, nullptr, 0, b, ldb, beta, c, ldc, p, {});
+  }
 }
 
 }  // namespace
@@ -274,19 +350,65 @@ int own_sgemm_best() {
 void own_sgemm(int isa, bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda,
                const float* b, int ldb, float beta, float* c, int ldc) {
   if (m <= 0 || n <= 0) return;
-  if (k <= 0 || alpha == 0.f) {  // c = beta c, without reading c when beta is 0
-    for (int i = 0; i < m; ++i)
-      for (int j = 0; j < n; ++j) c[int64_t{i} * ldc + j] = beta == 0.f ? 0.f : beta * c[int64_t{i} * ldc + j];
+  if (k <= 0 || alpha == 0.f) {
+    scale_c(m, n, beta, c, ldc);
     return;
   }
   if (isa == kOwnAvx512) tiled_sgemm<Avx512Tile>(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   else tiled_sgemm<Avx2Tile>(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
+int64_t own_pack_a_floats(int m, int k) {
+  const int64_t widest = std::max({Avx2Tile::kMr, Avx2Tile::kNr, Avx512Tile::kMr, Avx512Tile::kNr});
+  // + 8: pack_gather's vector stores run two floats past a 6-wide panel's end.
+  return kPackHeader + (m + widest - 1) / widest * widest * int64_t{k} + 8;
+}
+
+void own_pack_a(int isa, int m, int k, int m_hint, int n_hint, const float* a, int lda, float* dst) {
+  if (isa == kOwnAvx512) pack_a_as<Avx512Tile>(isa, m, k, m_hint, n_hint, a, lda, dst);
+  else pack_a_as<Avx2Tile>(isa, m, k, m_hint, n_hint, a, lda, dst);
+}
+
+int own_pack_a_isa(const float* pack) {
+  PackHeader h;
+  std::memcpy(&h, pack, sizeof h);
+  return h.magic == kPackMagic ? h.isa : 0;
+}
+
+int own_pack_a_align(const float* pack) {
+  PackHeader h;
+  std::memcpy(&h, pack, sizeof h);
+  return h.width;
+}
+
+bool own_sgemm_packed_a(const float* pack, int r0, int m, bool trans_b, int n, float alpha, const float* b, int ldb,
+                        float beta, float* c, int ldc) {
+  PackHeader h;
+  std::memcpy(&h, pack, sizeof h);
+  if (h.magic != kPackMagic || h.isa <= 0 || h.isa > own_sgemm_best() || r0 < 0 || m < 0 || r0 + m > h.m ||
+      r0 % h.width != 0)
+    return false;
+  if (m == 0 || n <= 0) return true;
+  if (h.k <= 0 || alpha == 0.f) {
+    scale_c(m, n, beta, c, ldc);
+    return true;
+  }
+  if (h.isa == kOwnAvx512) packed_sgemm<Avx512Tile>(h, pack + kPackHeader, r0, m, trans_b, n, alpha, b, ldb, beta, c, ldc);
+  else packed_sgemm<Avx2Tile>(h, pack + kPackHeader, r0, m, trans_b, n, alpha, b, ldb, beta, c, ldc);
+  return true;
+}
+
 #else  // not x86-64: the front keeps the loaded BLAS
 
 int own_sgemm_best() { return 0; }
 void own_sgemm(int, bool, bool, int, int, int, float, const float*, int, const float*, int, float, float*, int) {}
+int64_t own_pack_a_floats(int, int) { return 0; }
+void own_pack_a(int, int, int, int, int, const float*, int, float*) {}
+int own_pack_a_isa(const float*) { return 0; }
+int own_pack_a_align(const float*) { return 1; }
+bool own_sgemm_packed_a(const float*, int, int, bool, int, float, const float*, int, float, float*, int) {
+  return false;
+}
 
 #endif
 

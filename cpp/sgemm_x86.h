@@ -14,6 +14,8 @@
 // AVX-512.
 #pragma once
 
+#include <cstdint>
+
 namespace mlxd::blas {
 
 // Instruction sets of own_sgemm's tile (0: none, the processor lacks AVX2 + FMA).
@@ -27,5 +29,21 @@ int own_sgemm_best();
 // Requires 0 < isa <= own_sgemm_best().
 void own_sgemm(int isa, bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda,
                const float* b, int ldb, float beta, float* c, int ldc);
+
+// op(a) laid out once for many products (a layer's weights, stored row-major [m, k]) in the panels the
+// `isa` tile reads, so the products skip packing it: as the tile's rows, or, where own_sgemm would run
+// products of m_hint rows and n_hint columns transposed (few columns), as the columns of the
+// transposed product. own_pack_a_floats(m, k) floats at dst (any tile, either form); a header records
+// the tile and the form.
+int64_t own_pack_a_floats(int m, int k);
+void own_pack_a(int isa, int m, int k, int m_hint, int n_hint, const float* a, int lda, float* dst);
+// The tile a pack was made for (0: not a pack), and the multiple its row ranges must start at.
+int own_pack_a_isa(const float* pack);
+int own_pack_a_align(const float* pack);
+// c[m, n] = alpha a[r0 : r0 + m, :] op(b) + beta c with a packed by own_pack_a (its tile, its k), on
+// the calling thread. False, doing nothing, when `pack` is not one or the rows are outside it or
+// not aligned.
+bool own_sgemm_packed_a(const float* pack, int r0, int m, bool trans_b, int n, float alpha, const float* b, int ldb,
+                        float beta, float* c, int ldc);
 
 }  // namespace mlxd::blas

@@ -58,6 +58,20 @@ mlx::core::array conv_cpu(const mlx::core::array& x, const mlx::core::array& w,
                           const std::optional<mlx::core::array>& residual = std::nullopt,
                           std::optional<UnaryKernel> act = std::nullopt,
                           const std::optional<mlx::core::array>& in_scale = std::nullopt,
-                          const std::optional<mlx::core::array>& winograd_w = std::nullopt);
+                          const std::optional<mlx::core::array>& winograd_w = std::nullopt,
+                          const std::optional<mlx::core::array>& packed_w = std::nullopt);
+
+// The weights laid out once (a constant's: ExecContext::derived_constant) in the panels the serial
+// sgemm's own tile reads, for the per-image products (bands of output rows, blocks of output
+// channels), which then skip packing them on each call: conv_cpu's `packed_w`. conv_pack_hints: the
+// rows and columns those products will have for this input, or std::nullopt where conv_cpu would
+// not run them (Winograd, depthwise, images sharing one product, an input scale, the tiled paths off).
+// conv_pack_weights: one pack per group ([groups, floats]); empty ([groups, 0]) where the products run on
+// MKL. Costs a copy of the weights.
+std::optional<std::pair<int, int>> conv_pack_hints(const mlx::core::array& x, const mlx::core::array& w,
+                                                   const std::vector<int>& stride, const std::vector<int>& padding,
+                                                   const std::vector<int>& padding_hi,
+                                                   const std::vector<int>& dilation, int groups, bool has_in_scale);
+mlx::core::array conv_pack_weights(const mlx::core::array& w, int groups, std::pair<int, int> hints);
 
 }  // namespace mlxd::rt

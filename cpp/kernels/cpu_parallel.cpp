@@ -684,6 +684,57 @@ SerialSgemmFn serial_sgemm() {
   return f;
 }
 
+namespace {
+
+// The shim's packing entry points (blas_shim.cpp), resolved once; null without the shim.
+struct PackFns {
+  int64_t (*floats)(int, int) = nullptr;
+  int (*pack)(int, int, int, int, const float*, int, float*) = nullptr;
+  int (*align)(const float*) = nullptr;
+  int (*packed)(const float*, int, int, int, int, float, const float*, int, float, float*, int) = nullptr;
+};
+
+const PackFns& pack_fns() {
+  static const PackFns f = [] {
+    PackFns p;
+    if (serial_sgemm() == nullptr) return p;
+    p.floats = reinterpret_cast<decltype(p.floats)>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_pack_a_floats"));
+    p.pack = reinterpret_cast<decltype(p.pack)>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_pack_a"));
+    p.align = reinterpret_cast<decltype(p.align)>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_pack_align"));
+    p.packed = reinterpret_cast<decltype(p.packed)>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_serial_packed"));
+    if (!p.floats || !p.pack || !p.align || !p.packed) p = {};
+    return p;
+  }();
+  return f;
+}
+
+}  // namespace
+
+std::optional<mlx::core::array> serial_sgemm_pack(const float* a, int count, int m, int k, int m_hint, int n_hint) {
+  const PackFns& f = pack_fns();
+  const int64_t per = f.floats ? f.floats(m, k) : 0;
+  if (per <= 0 || count <= 0) return std::nullopt;
+  std::vector<float> packed(static_cast<size_t>(count * per));
+  for (int i = 0; i < count; ++i)
+    if (f.pack(m, k, m_hint, n_hint, a + int64_t{i} * m * k, k, packed.data() + i * per) == 0) return std::nullopt;
+  return mlx::core::array(packed.begin(), mlx::core::Shape{count, static_cast<int>(per)}, mlx::core::float32);
+}
+
+const float* serial_sgemm_pack_at(const mlx::core::array& pack, int index) {
+  return pack.data<float>() + int64_t{index} * pack.shape(1);
+}
+
+bool serial_sgemm_packed(const float* pack, int r0, int m, bool trans_b, int n, float alpha, const float* b, int ldb,
+                         float beta, float* c, int ldc) {
+  const PackFns& f = pack_fns();
+  return pack && f.packed && f.packed(pack, r0, m, trans_b, n, alpha, b, ldb, beta, c, ldc) == 1;
+}
+
+int serial_sgemm_pack_align(const float* pack) {
+  const PackFns& f = pack_fns();
+  return pack && f.align ? f.align(pack) : 1;
+}
+
 mlx::core::cpu::CommandEncoder& begin_cpu_task(const mlx::core::Stream& s, const std::vector<mlx::core::array>& in,
                                                mlx::core::array& out, bool has_buffer) {
   if (!has_buffer) out.set_data(mlx::core::allocator::malloc(out.nbytes()));

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -195,5 +196,18 @@ class F32RowMajor {
 using SerialSgemmFn = int (*)(int trans_a, int trans_b, int m, int n, int k, float alpha, const float* a, int lda,
                               const float* b, int ldb, float beta, float* c, int ldc);
 SerialSgemmFn serial_sgemm();
+
+// `count` matrices op(a) [m, k] (row-major, consecutive) laid out once for serial_sgemm's tile (the
+// BLAS shim's own gemm: mlxd_sgemm_pack_a), for products of about m_hint rows and n_hint columns: a
+// float32 array [count, floats per matrix]. std::nullopt where the products run on MKL or without the shim.
+std::optional<mlx::core::array> serial_sgemm_pack(const float* a, int count, int m, int k, int m_hint, int n_hint);
+// Matrix `index` of such a pack.
+const float* serial_sgemm_pack_at(const mlx::core::array& pack, int index);
+// serial_sgemm's c = alpha a[r0 : r0 + m] op(b) + beta c with a from a pack. False, doing nothing,
+// where the pack no longer fits (the shim's tile was switched since, or r0 is not a multiple of
+// serial_sgemm_pack_align): the caller runs serial_sgemm on the plain operand.
+bool serial_sgemm_packed(const float* pack, int r0, int m, bool trans_b, int n, float alpha, const float* b, int ldb,
+                         float beta, float* c, int ldc);
+int serial_sgemm_pack_align(const float* pack);
 
 }  // namespace mlxd::rt

@@ -332,16 +332,18 @@ mx::array conv_forward(const mx::array& x, const mx::array& w, const mx::array* 
                        const std::vector<int>& padding, const std::vector<int>& padding_hi,
                        const std::vector<int>& dilation, int groups, std::optional<std::pair<float, float>> clamp,
                        const mx::array* residual, const mx::array* in_scale = nullptr,
-                       std::optional<mlxd::UnaryOp> act = std::nullopt, const mx::array* winograd_w = nullptr) {
+                       std::optional<mlxd::UnaryOp> act = std::nullopt, const mx::array* winograd_w = nullptr,
+                       const mx::array* packed_w = nullptr) {
   // The activation inside the CPU kernel's epilogue when it has one, else after the convolution.
   const std::optional<UnaryKernel> act_kernel = act ? cpu_kernel_for(*act) : std::nullopt;
   if (conv_cpu_applies(x, w, bias, groups, residual, in_scale)) {  // channels-first, no transposes
-    std::optional<mx::array> b, r, s, u;
+    std::optional<mx::array> b, r, s, u, p;
     if (bias) b = *bias;
     if (residual) r = *residual;
     if (in_scale) s = *in_scale;
     if (winograd_w) u = *winograd_w;
-    auto y = conv_cpu(x, w, b, stride, padding, dilation, groups, clamp, padding_hi, r, act_kernel, s, u);
+    if (packed_w) p = *packed_w;
+    auto y = conv_cpu(x, w, b, stride, padding, dilation, groups, clamp, padding_hi, r, act_kernel, s, u, p);
     return act && !act_kernel ? unary_op(*act, y) : y;
   }
   mx::Shape scale_shape(x.ndim(), 1);
@@ -384,6 +386,9 @@ StageAct stage_act(mlxd::BlockActivation kind, float lo, float hi, const char* w
 
 }  // namespace
 
+// derived_constant's key for a convolution's packed weights (Winograd's are under their tile, 2 or 4).
+constexpr int kConvPackKey = 16;
+
 void exec_ConvNode(const mlxd::ConvNode& n, ExecContext& ctx) {
   const auto& x = ctx.in(n.x());
   const auto& w = ctx.in(n.weight());
@@ -407,12 +412,17 @@ void exec_ConvNode(const mlxd::ConvNode& n, ExecContext& ctx) {
   if (n.act()) act = n.act_op();
   if (!n.transpose()) {
     // A constant 3x3 weight the CPU kernel will run as a Winograd convolution: transformed once per program.
-    std::optional<mx::array> wino;
-    if (conv_cpu_applies(x, w, bias, groups, residual, in_scale))
+    // Else a constant weight laid out once for the serial sgemm's tile (the per-image products).
+    std::optional<mx::array> wino, pack;
+    if (conv_cpu_applies(x, w, bias, groups, residual, in_scale)) {
       if (const int m = winograd_tile_for(x, w, stride, padding, padding_hi, dilation, groups, in_scale != nullptr))
         wino = ctx.derived_constant(n.weight(), m, [m](const mx::array& a) { return winograd_weights(a, m); });
+      else if (auto hints = conv_pack_hints(x, w, stride, padding, padding_hi, dilation, groups, in_scale != nullptr))
+        pack = ctx.derived_constant(n.weight(), kConvPackKey,
+                                    [&](const mx::array& a) { return conv_pack_weights(a, groups, *hints); });
+    }
     ctx.set(n.out(), conv_forward(x, w, bias, stride, padding, padding_hi, dilation, groups, clamp, residual,
-                                  in_scale, act, wino ? &*wino : nullptr));
+                                  in_scale, act, wino ? &*wino : nullptr, pack ? &*pack : nullptr));
     return;
   }
   mx::array y = channels_first(conv_transpose(channels_last(x), w, stride, padding, dilation,
