@@ -181,16 +181,24 @@ def set_sgemm_kind(kind: str) -> str:
     return _SGEMM_KINDS[_state["lib"].mlxd_blas_set_own_sgemm(code)]
 
 
+def _ld(x) -> int:
+    """The row stride (floats) of a float32 matrix with unit column stride, for the front's calls."""
+    if x.dtype.name != "float32" or x.ndim != 2 or (x.size and (x.strides[1] != 4 or x.strides[0] % 4)):
+        raise ValueError("the front's sgemms take float32 matrices with unit column stride")
+    return max(1, x.strides[0] // 4 if x.size else x.shape[1])
+
+
+def _front():
+    if _state["lib"] is None:
+        raise RuntimeError("the BLAS front is not installed")
+    return _state["lib"]
+
+
 def serial_sgemm(a, b, trans_a: bool = False, trans_b: bool = False, alpha: float = 1.0, beta: float = 0.0, c=None):
     """alpha op(a) @ op(b) + beta c on the calling thread through the front's single-threaded sgemm
     (what the pool's blocks call), for tests: a, b (and c) C-contiguous float32 numpy matrices, or
     row-strided views of them; returns the result (c, written in place, when given)."""
     import numpy as np
-
-    def ld(x):
-        if x.dtype != np.float32 or x.ndim != 2 or (x.size and (x.strides[1] != 4 or x.strides[0] % 4)):
-            raise ValueError("serial_sgemm takes float32 matrices with unit column stride")
-        return max(1, x.strides[0] // 4 if x.size else x.shape[1])
 
     m, k = (a.shape[1], a.shape[0]) if trans_a else a.shape
     n = b.shape[0] if trans_b else b.shape[1]
@@ -199,12 +207,50 @@ def serial_sgemm(a, b, trans_a: bool = False, trans_b: bool = False, alpha: floa
     out = np.zeros((m, n), np.float32) if c is None else c
     if out.shape != (m, n):
         raise ValueError(f"c has shape {out.shape}, expected {(m, n)}")
-    lib = _state["lib"]
-    if lib is None:
-        raise RuntimeError("the BLAS front is not installed")
-    f = lib.mlxd_sgemm_serial
+    f = _front().mlxd_sgemm_serial
     f.argtypes = [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                        ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
-    f(int(trans_a), int(trans_b), m, n, k, alpha, a.ctypes.data, ld(a), b.ctypes.data, ld(b), beta,
-      out.ctypes.data, ld(out))
+    f(int(trans_a), int(trans_b), m, n, k, alpha, a.ctypes.data, _ld(a), b.ctypes.data, _ld(b), beta,
+      out.ctypes.data, _ld(out))
     return out
+
+
+def pack_a(a, hints: tuple[int, int]):
+    """a [m, k] (float32, unit column stride) laid out once for the current own tile, as the
+    convolutions' weights are (products of about hints = (rows, columns)): a numpy float32 buffer for
+    `packed_sgemm`, or None where MKL serves the products (nothing is packed). For tests."""
+    import numpy as np
+
+    lib = _front()
+    lib.mlxd_sgemm_pack_a_floats.restype = ctypes.c_int64
+    lib.mlxd_sgemm_pack_a_floats.argtypes = [ctypes.c_int, ctypes.c_int]
+    m, k = a.shape
+    size = lib.mlxd_sgemm_pack_a_floats(m, k)
+    if size == 0:
+        return None
+    pack = np.empty(size, np.float32)
+    lib.mlxd_sgemm_pack_a.argtypes = [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    lib.mlxd_sgemm_pack_a(m, k, hints[0], hints[1], a.ctypes.data, _ld(a), pack.ctypes.data)
+    return pack
+
+
+def pack_align(pack) -> int:
+    """The multiple `packed_sgemm`'s first row must be for this pack."""
+    lib = _front()
+    lib.mlxd_sgemm_pack_align.argtypes = [ctypes.c_void_p]
+    return lib.mlxd_sgemm_pack_align(pack.ctypes.data)
+
+
+def packed_sgemm(pack, r0: int, b, trans_b: bool = False, alpha: float = 1.0, beta: float = 0.0, c=None,
+                 rows: int | None = None) -> bool:
+    """c = alpha a[r0 : r0 + rows] @ op(b) + beta c with a from `pack_a`, on the calling thread, for
+    tests; c is written in place. False (c untouched) where the pack does not fit: made for another
+    tile than the current one, rows outside it, or r0 not a multiple of `pack_align`."""
+    lib = _front()
+    n = b.shape[0] if trans_b else b.shape[1]
+    m = c.shape[0] if rows is None else rows
+    f = lib.mlxd_sgemm_serial_packed
+    f.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
+                                                           ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+    return f(pack.ctypes.data, r0, m, int(trans_b), n, alpha, b.ctypes.data, _ld(b), beta, c.ctypes.data,
+             _ld(c)) == 1

@@ -86,6 +86,62 @@ def test_same_products_as_mkl(own):
     np.testing.assert_allclose(mine, mkl, rtol=1e-4, atol=1e-4)
 
 
+# Weights laid out once (the convolutions' per-image products): as the tile's rows, or, where the hinted
+# products have few columns, as the columns of the transposed product (256 x 49 at 128 rows, 64 x 17);
+# k past one block; row ranges from panel boundaries, as the channel blocks use them.
+@pytest.mark.parametrize("m,n,k,hints", [(37, 45, 300, (37, 45)), (256, 49, 600, (128, 49)),
+                                         (130, 1030, 771, (130, 1030)), (64, 17, 40, (64, 17)), (5, 3, 1, (5, 3))])
+@pytest.mark.parametrize("tb", [False, True])
+def test_packed_weights_match_float64_over_row_ranges(own, m, n, k, hints, tb):
+    rng = np.random.default_rng(m * 31 + k)
+    a, b, a64, b64 = _operands(rng, m, n, k, False, tb, pad=3)
+    pack = _blas.pack_a(a, hints)
+    align = _blas.pack_align(pack)
+    split = m // 2 // align * align
+    for r0, r1 in [(0, m), (0, split), (split, m)]:
+        if r1 <= r0:
+            continue
+        wide = np.full((r1 - r0, n + 4), np.nan, np.float32)
+        c = wide[:, :n]
+        assert _blas.packed_sgemm(pack, r0, b, tb, c=c)
+        np.testing.assert_allclose(c, a64[r0:r1] @ b64, rtol=1e-5, atol=2e-6 * np.sqrt(k) * 8)
+        assert np.isnan(wide[:, n:]).all()  # only c's own columns are written
+
+
+@pytest.mark.parametrize("alpha,beta", [(0.75, 0.0), (1.0, 1.0), (-2.0, 0.5), (0.0, 0.5)])
+@pytest.mark.parametrize("hints", [(19, 45), (256, 17)])  # (256, 17): packed for the transposed product
+def test_packed_weights_alpha_beta(own, alpha, beta, hints):
+    rng = np.random.default_rng(4)
+    m, n, k = hints[0], hints[1], 600
+    a, b, a64, b64 = _operands(rng, m, n, k, False, False, pad=0)
+    c = rng.standard_normal((m, n)).astype(np.float32)
+    expected = alpha * (a64 @ b64) + beta * c.astype(np.float64)
+    assert _blas.packed_sgemm(_blas.pack_a(a, hints), 0, b, alpha=alpha, beta=beta, c=c)
+    np.testing.assert_allclose(c, expected, rtol=1e-5, atol=1e-3)
+
+
+def test_a_pack_that_does_not_fit_is_refused_untouched(own):
+    """Row ranges outside the pack or off a panel boundary, a buffer that is not a pack, and a pack
+    made for another tile than the one serving products now (the kind switched since): refused,
+    c untouched, so the caller runs the plain weights."""
+    rng = np.random.default_rng(6)
+    a, b = rng.standard_normal((40, 64)).astype(np.float32), rng.standard_normal((64, 20)).astype(np.float32)
+    pack = _blas.pack_a(a, (40, 20))
+    c = np.full((8, 20), 7.0, np.float32)
+    assert not _blas.packed_sgemm(pack, 1, b, c=c)  # off a panel boundary (panels of 6, 8, 16 or 32)
+    assert not _blas.packed_sgemm(pack, 32, b, c=c, rows=16)  # past the pack's 40 rows
+    assert not _blas.packed_sgemm(np.zeros_like(pack), 0, b, c=c)  # no header
+    other = "avx2" if _blas.sgemm_kind() == "avx512" else "mkl"
+    previous = _blas.set_sgemm_kind(other)
+    try:
+        assert not _blas.packed_sgemm(pack, 0, b, c=c)
+    finally:
+        _blas.set_sgemm_kind(previous)
+    assert (c == 7.0).all()
+    assert _blas.packed_sgemm(pack, 0, b, c=c)  # its own tile again
+    np.testing.assert_allclose(c, a[:8].astype(np.float64) @ b, rtol=1e-5, atol=1e-4)
+
+
 def test_rejects_operands_it_cannot_describe():
     with pytest.raises(ValueError, match="float32"):
         _blas.serial_sgemm(np.zeros((3, 4)), np.zeros((4, 5), np.float32))
