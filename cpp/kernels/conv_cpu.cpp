@@ -186,7 +186,7 @@ int block_parts(int M, int K, int64_t P) {
 // the input for a 3x3 convolution) never goes through memory, and the output
 // is written once instead of once per pass.
 void run_tiled(const Geometry& g, int tiles, bool direct, const float* x, const float* w, int64_t w_image,
-               const float* bias, const float* residual, float* y, const mx::array* pack) {
+               const float* bias, const float* residual, float* y, const mx::array* pack, std::atomic<bool>& packed) {
   const int K = g.Cg() * g.KH * g.KW, M = g.Og();
   const int64_t P = g.P();
   const SerialSgemmFn gemm = serial_sgemm();
@@ -222,8 +222,10 @@ void run_tiled(const Geometry& g, int tiles, bool direct, const float* x, const 
       // direct: the input's planes are B in place (row stride P), from the tile's first column.
       const float* b = direct ? xg + int64_t{oh0} * g.OW : cols.data();
       const int ldb = direct ? static_cast<int>(P) : T;
-      if (!(pack && serial_sgemm_packed(serial_sgemm_pack_at(*pack, gi), 0, M, false, T, 1.f, b, ldb, 1.f, yt,
-                                        static_cast<int>(P))))
+      if (pack && serial_sgemm_packed(serial_sgemm_pack_at(*pack, gi), 0, M, false, T, 1.f, b, ldb, 1.f, yt,
+                                      static_cast<int>(P)))
+        packed.store(true, std::memory_order_relaxed);
+      else
         gemm(0, 0, M, T, K, 1.f, w + n * w_image + int64_t{gi} * M * K, K, b, ldb, 1.f, yt, static_cast<int>(P));
       if (has_epilogue(g))
         for (int o = 0; o < M; ++o) finish(g, yt + o * P, T);
@@ -316,9 +318,10 @@ void run_conv(const ConvCall& c) {
     const int tiles = nb != 1 ? 0 : tile_count(g, direct);
     // The packed weights serve the per-image products when the weights are shared by the images.
     const mx::array* pack = c.pack && !w_image ? &*c.pack : nullptr;
+    std::atomic<bool> packed{false};  // whether a product ran on them (a stale pack is skipped)
     if (tiles > 0) {
       cpu_kernel_note_call("conv_tiled");
-      run_tiled(g, tiles, direct, x, w, w_image, bias, residual, y, pack);
+      run_tiled(g, tiles, direct, x, w, w_image, bias, residual, y, pack, packed);
     } else if (nb == 1) {  // per image: the sgemm writes the result in place
       if (!direct) cols.resize(int64_t{K} * P);
       // Blocks of output channels, each on one thread (init, product, clamp in one task): one
@@ -337,9 +340,9 @@ void run_conv(const ConvCall& c) {
             // One block per pool thread: each block's sgemm packs the whole [K, P] operand again (at a
             // 7x7 map about as much as its weights); four blocks a thread read it four times over.
             const int parts = block_parts(M, K, P);
-            const float* packed = pack ? serial_sgemm_pack_at(*pack, gi) : nullptr;
+            const float* panels = pack ? serial_sgemm_pack_at(*pack, gi) : nullptr;
             // Blocks of whole panels of the packed weights (else 16-channel groups), the last to M.
-            const int align = packed ? serial_sgemm_pack_align(packed) : 16;
+            const int align = panels ? serial_sgemm_pack_align(panels) : 16;
             cpu_parallel_parts(parts, [&](int part) {
               int64_t lo = int64_t{M} * part / parts, hi = int64_t{M} * (part + 1) / parts;
               lo -= lo % align;
@@ -349,8 +352,10 @@ void run_conv(const ConvCall& c) {
                 init_plane(g, yg + o * P, bias ? bias[gi * M + o] : 0.f,
                            residual ? residual + first + o * P : nullptr);
               const int rows = static_cast<int>(hi - lo);
-              if (!(packed && serial_sgemm_packed(packed, static_cast<int>(lo), rows, false, static_cast<int>(P), 1.f,
-                                                  bmat, static_cast<int>(P), 1.f, yg + lo * P, static_cast<int>(P))))
+              if (panels && serial_sgemm_packed(panels, static_cast<int>(lo), rows, false, static_cast<int>(P), 1.f,
+                                                bmat, static_cast<int>(P), 1.f, yg + lo * P, static_cast<int>(P)))
+                packed.store(true, std::memory_order_relaxed);
+              else
                 serial_sgemm()(0, 0, rows, static_cast<int>(P), K, 1.f, wg + lo * K, K, bmat, static_cast<int>(P), 1.f,
                                yg + lo * P, static_cast<int>(P));
               finish(g, yg + lo * P, (hi - lo) * P);
@@ -372,7 +377,9 @@ void run_conv(const ConvCall& c) {
             cpu_parallel_for(M, P, 1, [&](int64_t b, int64_t e) { finish(g, yg + b * P, (e - b) * P); });
         }
       }
-    } else {  // nb images per sgemm into z [M, nb * P]; one pass moves it to NCHW with bias, residual, clamp
+    }
+    if (packed.load(std::memory_order_relaxed)) cpu_kernel_note_call("conv_packed_weights");
+    if (nb != 1) {  // nb images per sgemm into z [M, nb * P]; one pass moves it to NCHW with bias, residual, clamp
       cols.resize(int64_t{K} * nb * P);
       std::vector<float> z(int64_t{M} * nb * P);
       for (int n0 = 0; n0 < g.N; n0 += nb) {

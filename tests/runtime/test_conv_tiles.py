@@ -2,7 +2,8 @@
 large im2col products and 1x1 products cut into tiles of output rows, each tile's im2col, bias /
 residual, sgemm and clamp on one thread; and its blocked path for one-image products below a tile
 (counter "conv_row_blocks": blocks of output channels, each block's bias / residual, sgemm and
-clamp on one thread). They match eager torch, the whole-image path
+clamp on one thread). Both run on the weights laid out once for the own gemm's tile (counter
+"conv_packed_weights"), and on the plain weights when another tile serves the products since. They match eager torch, the whole-image path
 (`_runtime.set_conv_tiles(False)`) and MLX's own convolution (kernels off) in float32, bfloat16 and
 float16, at odd sizes (bands of unequal heights), stride 2, dilation, groups, asymmetric padding, a
 fused residual + ReLU, a fused ReLU6 on a 1x1 convolution, batch 2 and batch 1 (the stride-2
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mlx_delegate import _runtime
+from mlx_delegate import _blas, _runtime
 from mlx_delegate.testing import (
     CALLS_TO_REPLAY, FP32_REFERENCE_TOLERANCE, assert_close, cpu_kernels_active, fp32_tolerance, lower,
     runtime_switches,
@@ -58,9 +59,10 @@ def conv_tiles(on: bool) -> Iterator[None]:
         _runtime.set_conv_tiles(was)
 
 
-def tiled_calls() -> tuple[int, int]:
+def tiled_calls() -> tuple[int, int, int]:
+    """Calls of the tiled path, of the blocked path, and of either with the weights packed once."""
     counts = _runtime.cpu_kernel_call_counts()
-    return counts.get("conv_tiled", 0), counts.get("conv_row_blocks", 0)
+    return counts.get("conv_tiled", 0), counts.get("conv_row_blocks", 0), counts.get("conv_packed_weights", 0)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +96,20 @@ def test_tiled_conv_matches_eager_whole_image_and_kernels_off(model: Tiled, dtyp
             assert_close([g.float() for g in got], reference, rtol, atol)
         if cpu_kernels_active():  # five convolutions took the tiled path and two the blocked one, every call
             after = tiled_calls()
-            assert (after[0] - before[0], after[1] - before[1]) == (5 * CALLS_TO_REPLAY, 2 * CALLS_TO_REPLAY)
+            # All seven on their weights packed once for the own gemm's tile (none where MKL serves them).
+            packed = 7 * CALLS_TO_REPLAY if _blas.sgemm_kind() != "mkl" else 0
+            assert tuple(a - b for a, b in zip(after, before)) == (5 * CALLS_TO_REPLAY, 2 * CALLS_TO_REPLAY, packed)
+
+    if _blas.sgemm_kind() != "mkl":  # packed for this tile; another serves products now: the plain weights
+        other = "avx2" if _blas.sgemm_kind() == "avx512" else "mkl"
+        previous = _blas.set_sgemm_kind(other)
+        try:
+            count = tiled_calls()[2]
+            stale = method.execute(inputs)
+            assert tiled_calls()[2] == count
+        finally:
+            _blas.set_sgemm_kind(previous)
+        assert_close([g.float() for g in stale], reference, rtol, atol)
 
     with conv_tiles(False):  # the whole-image im2col / GEMM path (neither tiles nor blocks), same program
         count = tiled_calls()
