@@ -141,6 +141,41 @@ std::atomic<bool>& tiles_flag() {
   return on;
 }
 
+#ifdef MLXD_CPU_X86
+MLXD_AVX2 void add_clamp_avx2(float* y, int64_t n, float bias, const float* residual, float lo, float hi) {
+  const __m256 b = _mm256_set1_ps(bias), l = _mm256_set1_ps(lo), h = _mm256_set1_ps(hi);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_add_ps(_mm256_loadu_ps(y + i), b);
+    if (residual) v = _mm256_add_ps(v, _mm256_loadu_ps(residual + i));
+    _mm256_storeu_ps(y + i, _mm256_min_ps(h, _mm256_max_ps(l, v)));  // max(lo, v) keeps a NaN, as the scalar loop
+  }
+  for (; i < n; ++i) y[i] = std::min(std::max(y[i] + bias + (residual ? residual[i] : 0.f), lo), hi);
+}
+#endif
+
+// After a product written with beta 0: `rows` rows of `count` results (row stride ld) get their
+// output channel's bias (bias[r], when given), the residual at the same positions (when given), the
+// clamp and the activation, in one pass while they are in cache.
+void finish_rows(const Geometry& g, float* y, int64_t ld, int rows, int64_t count, const float* bias,
+                 const float* residual) {
+  const float lo = g.clamp ? g.lo : -INFINITY, hi = g.clamp ? g.hi : INFINITY;
+  for (int r = 0; r < rows; ++r) {
+    float* row = y + r * ld;
+    const float b = bias ? bias[r] : 0.f;
+    const float* res = residual ? residual + r * ld : nullptr;
+#ifdef MLXD_CPU_X86
+    if (cpu_use_avx2()) {
+      if (bias || res || g.clamp) add_clamp_avx2(row, count, b, res, lo, hi);
+      activate(g, row, count);
+      continue;
+    }
+#endif
+    for (int64_t i = 0; i < count; ++i) row[i] = row[i] + b + (res ? res[i] : 0.f);  // as the vector loop
+    finish(g, row, count);
+  }
+}
+
 // Floats per tile (512 KB): a tile's im2col columns (none for a 1x1 stride-1
 // convolution, which reads the input in place) and its output block stay in a
 // core's L2 from the copy through the product to the clamp.
@@ -209,26 +244,15 @@ void run_tiled(const Geometry& g, int tiles, bool direct, const float* x, const 
       }
       const int64_t first = (int64_t{n} * g.O + int64_t{gi} * M) * P + int64_t{oh0} * g.OW;
       float* yt = y + first;
-      for (int o = 0; o < M; ++o) {
-        float* dst = yt + o * P;
-        const float bv = bias ? bias[gi * M + o] : 0.f;
-        if (residual) {
-          const float* res = residual + first + o * P;
-          for (int q = 0; q < T; ++q) dst[q] = res[q] + bv;
-        } else {
-          std::fill(dst, dst + T, bv);
-        }
-      }
       // direct: the input's planes are B in place (row stride P), from the tile's first column.
       const float* b = direct ? xg + int64_t{oh0} * g.OW : cols.data();
       const int ldb = direct ? static_cast<int>(P) : T;
-      if (pack && serial_sgemm_packed(serial_sgemm_pack_at(*pack, gi), 0, M, false, T, 1.f, b, ldb, 1.f, yt,
+      if (pack && serial_sgemm_packed(serial_sgemm_pack_at(*pack, gi), 0, M, false, T, 1.f, b, ldb, 0.f, yt,
                                       static_cast<int>(P)))
         packed.store(true, std::memory_order_relaxed);
       else
-        gemm(0, 0, M, T, K, 1.f, w + n * w_image + int64_t{gi} * M * K, K, b, ldb, 1.f, yt, static_cast<int>(P));
-      if (has_epilogue(g))
-        for (int o = 0; o < M; ++o) finish(g, yt + o * P, T);
+        gemm(0, 0, M, T, K, 1.f, w + n * w_image + int64_t{gi} * M * K, K, b, ldb, 0.f, yt, static_cast<int>(P));
+      finish_rows(g, yt, P, M, T, bias ? bias + gi * M : nullptr, residual ? residual + first : nullptr);
     }
   });
 }
@@ -336,9 +360,7 @@ void run_conv(const ConvCall& c) {
           if (!direct) im2col(g, x, n, 1, gi, cols.data(), P);
           const float* bmat = direct ? xg : cols.data();
           const float* wg = w + n * w_image + int64_t{gi} * M * K;
-          if (blocked) {  // one pass over blocks of output channels: bias / residual, sgemm, clamp
-            // One block per pool thread: each block's sgemm packs the whole [K, P] operand again (at a
-            // 7x7 map about as much as its weights); four blocks a thread read it four times over.
+          if (blocked) {  // one pass over blocks of output channels: sgemm, then bias / residual and clamp
             const int parts = block_parts(M, K, P);
             const float* panels = pack ? serial_sgemm_pack_at(*pack, gi) : nullptr;
             // Blocks of whole panels of the packed weights (else 16-channel groups), the last to M.
@@ -348,17 +370,15 @@ void run_conv(const ConvCall& c) {
               lo -= lo % align;
               hi = part + 1 == parts ? M : hi - hi % align;
               if (lo >= hi) return;
-              for (int64_t o = lo; o < hi; ++o)
-                init_plane(g, yg + o * P, bias ? bias[gi * M + o] : 0.f,
-                           residual ? residual + first + o * P : nullptr);
               const int rows = static_cast<int>(hi - lo);
               if (panels && serial_sgemm_packed(panels, static_cast<int>(lo), rows, false, static_cast<int>(P), 1.f,
-                                                bmat, static_cast<int>(P), 1.f, yg + lo * P, static_cast<int>(P)))
+                                                bmat, static_cast<int>(P), 0.f, yg + lo * P, static_cast<int>(P)))
                 packed.store(true, std::memory_order_relaxed);
               else
-                serial_sgemm()(0, 0, rows, static_cast<int>(P), K, 1.f, wg + lo * K, K, bmat, static_cast<int>(P), 1.f,
+                serial_sgemm()(0, 0, rows, static_cast<int>(P), K, 1.f, wg + lo * K, K, bmat, static_cast<int>(P), 0.f,
                                yg + lo * P, static_cast<int>(P));
-              finish(g, yg + lo * P, (hi - lo) * P);
+              finish_rows(g, yg + lo * P, P, rows, P, bias ? bias + gi * M + lo : nullptr,
+                          residual ? residual + first + lo * P : nullptr);
             });
             continue;
           }
