@@ -24,6 +24,22 @@ constexpr int kMaxMc = 144;  // rows of op(a) packed at a time (216 KiB at kc 38
 constexpr int kNc = 1024;  // columns of op(b) packed at a time (2 MiB at kc 512: in L3)
 constexpr int kMaxKcAny = 384;  // the scratch's k extent: the larger of the tiles' k blocks
 
+// out[q] lane i = r[i] lane q: an 8 x 8 transpose in registers.
+MLXD_SGEMM_AVX2 inline void transpose8(const __m256 r[8], __m256 out[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  out[0] = _mm256_permute2f128_ps(u0, u4, 0x20), out[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  out[2] = _mm256_permute2f128_ps(u2, u6, 0x20), out[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  out[4] = _mm256_permute2f128_ps(u0, u4, 0x31), out[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  out[6] = _mm256_permute2f128_ps(u2, u6, 0x31), out[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
 // dst[p * ldd + r] = src[r * lds + p] for r < rows (r < width are written: zeros past rows), p < kc:
 // rows of a stored operand become the lanes of a panel (op(a) stored [m, k]; op(b) stored [n, k]).
 // Eight k at a time by an 8x8 transpose in registers; the vector stores write eight lanes, so a
@@ -33,20 +49,9 @@ MLXD_SGEMM_AVX2 void pack_gather(const float* src, int64_t lds, int rows, int kc
   int p = 0;
   if (rows > 0) {
     for (; p + 8 <= kc; p += 8) {
-      __m256 r[8];
+      __m256 r[8], out[8];
       for (int i = 0; i < 8; ++i) r[i] = i < rows ? _mm256_loadu_ps(src + i * lds + p) : _mm256_setzero_ps();
-      const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-      const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-      const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-      const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-      const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-      const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-      const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-      const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-      const __m256 out[8] = {_mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
-                             _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
-                             _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
-                             _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
+      transpose8(r, out);
       for (int q = 0; q < 8; ++q) _mm256_storeu_ps(dst + int64_t{p + q} * ldd, out[q]);
     }
   }
@@ -263,13 +268,26 @@ bool runs_transposed(int m, int n) {
   return int64_t{m} * n <= (int64_t{1} << 16) && tile_use<T>(n, m) > 1.08 * tile_use<T>(m, n);
 }
 
-// c[m, n] = ct^T + beta c, ct [n, m] (the transposed products' scratch).
+// c[m, n] = ct^T + beta c, ct [n, m] (the transposed products' scratch): 8 x 8 blocks transposed in
+// registers, the edges one by one.
 MLXD_SGEMM_AVX2 void add_transposed(const float* ct, int m, int n, float beta, float* c, int ldc) {
+  const __m256 vb = _mm256_set1_ps(beta);
+  const int m8 = m / 8 * 8, n8 = n / 8 * 8;
+  for (int j = 0; j < n8; j += 8)
+    for (int i = 0; i < m8; i += 8) {
+      __m256 r[8], t[8];
+      for (int q = 0; q < 8; ++q) r[q] = _mm256_loadu_ps(ct + size_t(j + q) * m + i);
+      transpose8(r, t);  // t[q]: row i + q of c, columns j .. j + 7
+      for (int q = 0; q < 8; ++q) {
+        float* out = c + int64_t{i + q} * ldc + j;
+        _mm256_storeu_ps(out, beta == 0.f ? t[q] : _mm256_fmadd_ps(vb, _mm256_loadu_ps(out), t[q]));  // as the tile's FMA
+      }
+    }
   for (int i = 0; i < m; ++i)
-    for (int j = 0; j < n; ++j) {
+    for (int j = i < m8 ? n8 : 0; j < n; ++j) {
       float& out = c[int64_t{i} * ldc + j];
       const float v = ct[size_t(j) * m + i];
-      out = beta == 0.f ? v : __builtin_fmaf(beta, out, v);  // as the tile's FMA
+      out = beta == 0.f ? v : __builtin_fmaf(beta, out, v);
     }
 }
 
