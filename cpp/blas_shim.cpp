@@ -485,15 +485,16 @@ __attribute__((visibility("default"))) int mlxd_sgemm_pack_align(const float* pa
   return mlxd::blas::own_pack_a_align(pack);
 }
 
-// mlxd_sgemm_serial with op(a) packed by mlxd_sgemm_pack_a, rows [r0, r0 + m) of it. Returns 0 (doing
-// nothing) when the pack was made for another tile than the one serving products now (the kind was
-// switched since): the caller runs mlxd_sgemm_serial on the plain weights.
-__attribute__((visibility("default"))) int mlxd_sgemm_serial_packed(const float* pack, int r0, int m, int trans_b,
-                                                                    int n, float alpha, const float* b, int ldb,
-                                                                    float beta, float* c, int ldc) {
+// mlxd_sgemm_serial with op(a) [., k] packed by mlxd_sgemm_pack_a, rows [r0, r0 + m) of it. Returns 0
+// (doing nothing) when the pack does not fit (another k, rows outside it) or was made for another tile
+// than the one serving products now (the kind was switched since): the caller runs mlxd_sgemm_serial
+// on the plain weights.
+__attribute__((visibility("default"))) int mlxd_sgemm_serial_packed(const float* pack, int r0, int m, int k,
+                                                                    int trans_b, int n, float alpha, const float* b,
+                                                                    int ldb, float beta, float* c, int ldc) {
   const int isa = g_own_sgemm.load(std::memory_order_relaxed);
   if (isa == 0 || mlxd::blas::own_pack_a_isa(pack) != isa) return 0;
-  if (!mlxd::blas::own_sgemm_packed_a(pack, r0, m, trans_b != 0, n, alpha, b, ldb, beta, c, ldc)) return 0;
+  if (!mlxd::blas::own_sgemm_packed_a(pack, r0, m, k, trans_b != 0, n, alpha, b, ldb, beta, c, ldc)) return 0;
   g_fast_calls.fetch_add(1, std::memory_order_relaxed);
   return 1;
 }

@@ -399,12 +399,12 @@ int own_pack_a_align(const float* pack) {
   return h.width;
 }
 
-bool own_sgemm_packed_a(const float* pack, int r0, int m, bool trans_b, int n, float alpha, const float* b, int ldb,
-                        float beta, float* c, int ldc) {
+bool own_sgemm_packed_a(const float* pack, int r0, int m, int k, bool trans_b, int n, float alpha, const float* b,
+                        int ldb, float beta, float* c, int ldc) {
   PackHeader h;
   std::memcpy(&h, pack, sizeof h);
-  if (h.magic != kPackMagic || h.isa <= 0 || h.isa > own_sgemm_best() || r0 < 0 || m < 0 || r0 + m > h.m ||
-      r0 % h.width != 0)
+  if (h.magic != kPackMagic || h.isa <= 0 || h.isa > own_sgemm_best() || h.k != k || r0 < 0 || m < 0 ||
+      r0 + m > h.m || r0 % h.width != 0)
     return false;
   if (m == 0 || n <= 0) return true;
   if (h.k <= 0 || alpha == 0.f) {
@@ -424,7 +424,7 @@ int64_t own_pack_a_floats(int, int) { return 0; }
 void own_pack_a(int, int, int, int, int, const float*, int, float*) {}
 int own_pack_a_isa(const float*) { return 0; }
 int own_pack_a_align(const float*) { return 1; }
-bool own_sgemm_packed_a(const float*, int, int, bool, int, float, const float*, int, float, float*, int) {
+bool own_sgemm_packed_a(const float*, int, int, int, bool, int, float, const float*, int, float, float*, int) {
   return false;
 }
 

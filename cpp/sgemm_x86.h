@@ -40,10 +40,10 @@ void own_pack_a(int isa, int m, int k, int m_hint, int n_hint, const float* a, i
 // The tile a pack was made for (0: not a pack), and the multiple its row ranges must start at.
 int own_pack_a_isa(const float* pack);
 int own_pack_a_align(const float* pack);
-// c[m, n] = alpha a[r0 : r0 + m, :] op(b) + beta c with a packed by own_pack_a (its tile, its k), on
-// the calling thread. False, doing nothing, when `pack` is not one or the rows are outside it or
-// not aligned.
-bool own_sgemm_packed_a(const float* pack, int r0, int m, bool trans_b, int n, float alpha, const float* b, int ldb,
-                        float beta, float* c, int ldc);
+// c[m, n] = alpha a[r0 : r0 + m, :] op(b) + beta c with a [., k] packed by own_pack_a (its tile), on
+// the calling thread. False, doing nothing, when `pack` is not one, holds another k, or the rows are
+// outside it or not aligned.
+bool own_sgemm_packed_a(const float* pack, int r0, int m, int k, bool trans_b, int n, float alpha, const float* b,
+                        int ldb, float beta, float* c, int ldc);
 
 }  // namespace mlxd::blas

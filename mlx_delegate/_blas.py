@@ -245,12 +245,12 @@ def packed_sgemm(pack, r0: int, b, trans_b: bool = False, alpha: float = 1.0, be
                  rows: int | None = None) -> bool:
     """c = alpha a[r0 : r0 + rows] @ op(b) + beta c with a from `pack_a`, on the calling thread, for
     tests; c is written in place. False (c untouched) where the pack does not fit: made for another
-    tile than the current one, rows outside it, or r0 not a multiple of `pack_align`."""
+    tile than the current one, another k (b's), rows outside it, or r0 not a multiple of `pack_align`."""
     lib = _front()
-    n = b.shape[0] if trans_b else b.shape[1]
+    n, k = (b.shape[0], b.shape[1]) if trans_b else (b.shape[1], b.shape[0])
     m = c.shape[0] if rows is None else rows
     f = lib.mlxd_sgemm_serial_packed
-    f.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
+    f.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
                                                            ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
-    return f(pack.ctypes.data, r0, m, int(trans_b), n, alpha, b.ctypes.data, _ld(b), beta, c.ctypes.data,
+    return f(pack.ctypes.data, r0, m, k, int(trans_b), n, alpha, b.ctypes.data, _ld(b), beta, c.ctypes.data,
              _ld(c)) == 1

@@ -247,7 +247,7 @@ void run_tiled(const Geometry& g, int tiles, bool direct, const float* x, const 
       // direct: the input's planes are B in place (row stride P), from the tile's first column.
       const float* b = direct ? xg + int64_t{oh0} * g.OW : cols.data();
       const int ldb = direct ? static_cast<int>(P) : T;
-      if (pack && serial_sgemm_packed(serial_sgemm_pack_at(*pack, gi), 0, M, false, T, 1.f, b, ldb, 0.f, yt,
+      if (pack && serial_sgemm_packed(serial_sgemm_pack_at(*pack, gi), 0, M, K, false, T, 1.f, b, ldb, 0.f, yt,
                                       static_cast<int>(P)))
         packed.store(true, std::memory_order_relaxed);
       else
@@ -330,7 +330,9 @@ void run_conv(const ConvCall& c) {
       made.resize(size_t(m + 2) * (m + 2) * g.O * g.C);
       winograd_weights(w, g.O, g.C, m, made.data());
     }
-    winograd_conv(wg, m, x, given ? static_cast<const float*>(c.wino->data) : made.data(), bias, residual, y);
+    const float* u = given ? static_cast<const float*>(c.wino->data) : made.data();
+    if (winograd_conv(wg, m, x, u, bias, residual, y, given && c.pack ? &*c.pack : nullptr))
+      cpu_kernel_note_call("conv_packed_weights");
   } else if (g.Cg() == 1) {
     depthwise(g, x, w, w_image, bias, residual, y);
   } else {
@@ -341,7 +343,7 @@ void run_conv(const ConvCall& c) {
     const int nb = images_per_product(g, w_image != 0);
     const int tiles = nb != 1 ? 0 : tile_count(g, direct);
     // The packed weights serve the per-image products when the weights are shared by the images.
-    const mx::array* pack = c.pack && !w_image ? &*c.pack : nullptr;
+    const mx::array* pack = c.pack && c.pack->shape(0) == g.groups && !w_image ? &*c.pack : nullptr;
     std::atomic<bool> packed{false};  // whether a product ran on them (a stale pack is skipped)
     if (tiles > 0) {
       cpu_kernel_note_call("conv_tiled");
@@ -371,7 +373,7 @@ void run_conv(const ConvCall& c) {
               hi = part + 1 == parts ? M : hi - hi % align;
               if (lo >= hi) return;
               const int rows = static_cast<int>(hi - lo);
-              if (panels && serial_sgemm_packed(panels, static_cast<int>(lo), rows, false, static_cast<int>(P), 1.f,
+              if (panels && serial_sgemm_packed(panels, static_cast<int>(lo), rows, K, false, static_cast<int>(P), 1.f,
                                                 bmat, static_cast<int>(P), 0.f, yg + lo * P, static_cast<int>(P)))
                 packed.store(true, std::memory_order_relaxed);
               else
@@ -561,9 +563,11 @@ mx::array conv_cpu(const mx::array& x, const mx::array& w, const std::optional<m
   if (winograd_w && winograd_weights_tile(*winograd_w, g.O, g.C) == 0)
     throw std::invalid_argument("conv: Winograd weights of another shape than the convolution's");
   if (winograd_w) inputs.push_back(*winograd_w);
-  // A pack of other weights (or none: the products run on MKL) is left out.
+  // The pack: one per group (the per-image products), or one per Winograd element (the Winograd
+  // weights' products); anything else (or no floats: the products run on MKL) is left out.
+  const int packs = winograd_w ? winograd_w->shape(0) : groups;
   const bool pack = packed_w && packed_w->dtype() == mx::float32 && packed_w->ndim() == 2 &&
-                    packed_w->shape(0) == groups && packed_w->size() > 0;
+                    packed_w->shape(0) == packs && packed_w->size() > 0;
   if (pack) inputs.push_back(*packed_w);
   auto prim = std::make_shared<ConvCpu>(mx::default_stream(mx::Device::cpu), g, bias.has_value(), residual.has_value(),
                                         in_scale.has_value(), winograd_w.has_value(), pack);

@@ -67,7 +67,7 @@ mlx::core::array conv_cpu(const mlx::core::array& x, const mlx::core::array& w,
 // rows and columns those products will have for this input, or std::nullopt where conv_cpu would
 // not run them (Winograd, depthwise, images sharing one product, an input scale, the tiled paths off).
 // conv_pack_weights: one pack per group ([groups, floats]); empty ([groups, 0]) where the products run on
-// MKL. Costs a copy of the weights.
+// MKL. Costs a copy of the weights. With `winograd_w`, packed_w is winograd_packed_weights' instead.
 std::optional<std::pair<int, int>> conv_pack_hints(const mlx::core::array& x, const mlx::core::array& w,
                                                    const std::vector<int>& stride, const std::vector<int>& padding,
                                                    const std::vector<int>& padding_hi,

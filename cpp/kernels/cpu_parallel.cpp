@@ -691,7 +691,7 @@ struct PackFns {
   int64_t (*floats)(int, int) = nullptr;
   int (*pack)(int, int, int, int, const float*, int, float*) = nullptr;
   int (*align)(const float*) = nullptr;
-  int (*packed)(const float*, int, int, int, int, float, const float*, int, float, float*, int) = nullptr;
+  int (*packed)(const float*, int, int, int, int, int, float, const float*, int, float, float*, int) = nullptr;
 };
 
 const PackFns& pack_fns() {
@@ -724,10 +724,10 @@ const float* serial_sgemm_pack_at(const mlx::core::array& pack, int index) {
   return pack.data<float>() + int64_t{index} * pack.shape(1);
 }
 
-bool serial_sgemm_packed(const float* pack, int r0, int m, bool trans_b, int n, float alpha, const float* b, int ldb,
-                         float beta, float* c, int ldc) {
+bool serial_sgemm_packed(const float* pack, int r0, int m, int k, bool trans_b, int n, float alpha, const float* b,
+                         int ldb, float beta, float* c, int ldc) {
   const PackFns& f = pack_fns();
-  return pack && f.packed && f.packed(pack, r0, m, trans_b, n, alpha, b, ldb, beta, c, ldc) == 1;
+  return pack && f.packed && f.packed(pack, r0, m, k, trans_b, n, alpha, b, ldb, beta, c, ldc) == 1;
 }
 
 int serial_sgemm_pack_align(const float* pack) {

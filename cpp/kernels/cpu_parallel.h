@@ -203,11 +203,11 @@ SerialSgemmFn serial_sgemm();
 std::optional<mlx::core::array> serial_sgemm_pack(const float* a, int count, int m, int k, int m_hint, int n_hint);
 // Matrix `index` of such a pack.
 const float* serial_sgemm_pack_at(const mlx::core::array& pack, int index);
-// serial_sgemm's c = alpha a[r0 : r0 + m] op(b) + beta c with a from a pack. False, doing nothing,
-// where the pack no longer fits (the shim's tile was switched since, or r0 is not a multiple of
-// serial_sgemm_pack_align): the caller runs serial_sgemm on the plain operand.
-bool serial_sgemm_packed(const float* pack, int r0, int m, bool trans_b, int n, float alpha, const float* b, int ldb,
-                         float beta, float* c, int ldc);
+// serial_sgemm's c = alpha a[r0 : r0 + m] op(b) + beta c with a [., k] from a pack. False, doing
+// nothing, where the pack does not fit (another k, the shim's tile switched since, r0 not a multiple
+// of serial_sgemm_pack_align): the caller runs serial_sgemm on the plain operand.
+bool serial_sgemm_packed(const float* pack, int r0, int m, int k, bool trans_b, int n, float alpha, const float* b,
+                         int ldb, float beta, float* c, int ldc);
 int serial_sgemm_pack_align(const float* pack);
 
 }  // namespace mlxd::rt

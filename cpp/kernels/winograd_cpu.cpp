@@ -120,6 +120,8 @@ struct Plan {
   int rows;    // tile rows per group (a group may run across images)
   const float *x, *u, *bias, *residual;
   float* y;
+  const mx::array* pack = nullptr;  // u laid out for the serial sgemm's tile (winograd_packed_weights), or null
+  std::atomic<bool> packed{false};  // whether a product ran on the pack
   int64_t tile_rows() const { return int64_t{g.N} * TH; }
 };
 
@@ -203,13 +205,20 @@ template <int M>
 }
 
 // The products of elements [e0, e1): Mt[e] = U[e] [O, C] x V[e] [C, T].
-void group_gemm(const Plan& p, int e0, int e1, const float* V, float* Mt, int64_t T) {
+void group_gemm(Plan& p, int e0, int e1, const float* V, float* Mt, int64_t T) {
   const WinogradGeometry& g = p.g;
   const SerialSgemmFn gemm = serial_sgemm();
   const int64_t oc = int64_t{g.O} * g.C;
-  for (int e = e0; e < e1; ++e)
-    gemm(0, 0, g.O, static_cast<int>(T), g.C, 1.f, p.u + e * oc, g.C, V + e * int64_t{g.C} * T, static_cast<int>(T),
-         0.f, Mt + e * int64_t{g.O} * T, static_cast<int>(T));
+  for (int e = e0; e < e1; ++e) {
+    const float* v = V + e * int64_t{g.C} * T;
+    float* mt = Mt + e * int64_t{g.O} * T;
+    if (p.pack && serial_sgemm_packed(serial_sgemm_pack_at(*p.pack, e), 0, g.O, g.C, false, static_cast<int>(T), 1.f, v,
+                                      static_cast<int>(T), 0.f, mt, static_cast<int>(T)))
+      p.packed.store(true, std::memory_order_relaxed);
+    else
+      gemm(0, 0, g.O, static_cast<int>(T), g.C, 1.f, p.u + e * oc, g.C, v, static_cast<int>(T), 0.f, mt,
+           static_cast<int>(T));
+  }
 }
 
 // Output channels [o0, o1) of the group's tile rows [r0, r1) from Mt: per
@@ -296,16 +305,21 @@ int64_t group_floats() {
 
 constexpr int64_t kMinTiles = 64;
 
+// Tile rows per group of the convolution's tiles. Groups of at least kMinTiles tiles (where the map has
+// them): narrower products run the sgemm far below its peak, and each group reads all the weights again.
+int group_rows(const WinogradGeometry& g, int m) {
+  const int A = m + 2, TW = (g.OW + m - 1) / m, TH = (g.OH + m - 1) / m;
+  const int64_t per_tile = A * A * (int64_t{g.C} + g.O);
+  const int64_t fit = group_floats() / (per_tile * TW), least = (kMinTiles + TW - 1) / TW;
+  return static_cast<int>(std::clamp<int64_t>(std::max(fit, least), 1, int64_t{g.N} * TH));
+}
+
 template <int M>
 void run(Plan& p) {
   constexpr int A2 = (M + 2) * (M + 2);
   const Work<M> k = work<M>();
   const WinogradGeometry& g = p.g;
-  const int64_t per_tile = A2 * (int64_t{g.C} + g.O);
-  // Groups of at least kMinTiles tiles (where the map has them): narrower products run the sgemm far
-  // below its peak, and each group reads all the weights again.
-  const int64_t fit = group_floats() / (per_tile * p.TW), least = (kMinTiles + p.TW - 1) / p.TW;
-  p.rows = static_cast<int>(std::clamp<int64_t>(std::max(fit, least), 1, p.tile_rows()));
+  p.rows = group_rows(g, M);
   const int64_t groups = (p.tile_rows() + p.rows - 1) / p.rows;
   const int threads = cpu_pool_threads();
   auto bounds = [&](int64_t gi) { return std::make_pair(gi * p.rows, std::min(p.tile_rows(), (gi + 1) * p.rows)); };
@@ -402,11 +416,17 @@ int winograd_tile_for(const mx::array& x, const mx::array& w, const std::vector<
   if (x.ndim() != 4 || w.ndim() != 4 || w.shape(2) != 3 || w.shape(3) != 3 || groups != 1 || has_in_scale ||
       !ones(stride) || !ones(dilation) || padding.size() != 2 || hi.size() != 2)
     return 0;
-  const int OH = x.shape(2) + padding[0] + hi[0] - 2, OW = x.shape(3) + padding[1] + hi[1] - 2;
-  if (OH < 1 || OW < 1 || w.shape(1) != x.shape(1)) return 0;
-  const WinogradGeometry g{x.shape(0), x.shape(1), x.shape(2), x.shape(3), w.shape(0), OH, OW,
-                           padding[0], padding[1], false, 0.f, 0.f, -1};
+  const WinogradGeometry g = winograd_geometry(x, w, padding, padding_hi);
+  if (g.OH < 1 || g.OW < 1 || w.shape(1) != x.shape(1)) return 0;
   return winograd_tile(g, true);
+}
+
+WinogradGeometry winograd_geometry(const mx::array& x, const mx::array& w, const std::vector<int>& padding,
+                                   const std::vector<int>& padding_hi) {
+  const std::vector<int>& hi = padding_hi.empty() ? padding : padding_hi;
+  const int OH = x.shape(2) + padding[0] + hi[0] - 2, OW = x.shape(3) + padding[1] + hi[1] - 2;
+  return {x.shape(0), x.shape(1), x.shape(2), x.shape(3), w.shape(0), OH, OW, padding[0], padding[1], false, 0.f, 0.f,
+          -1};
 }
 
 void winograd_weights(const float* w, int O, int C, int m, float* u) {
@@ -429,11 +449,21 @@ int winograd_weights_tile(const mx::array& u, int O, int C) {
   return u.shape(0) == 16 ? 2 : u.shape(0) == 36 ? 4 : 0;
 }
 
-void winograd_conv(const WinogradGeometry& g, int m, const float* x, const float* u, const float* bias,
-                   const float* residual, float* y) {
+bool winograd_conv(const WinogradGeometry& g, int m, const float* x, const float* u, const float* bias,
+                   const float* residual, float* y, const mx::array* pack) {
   if (m != 2 && m != 4) throw std::invalid_argument("winograd_conv: tile must be 2 or 4");
   Plan p{g, (g.OW + m - 1) / m, (g.OH + m - 1) / m, 1, x, u, bias, residual, y};
+  if (pack && pack->ndim() == 2 && pack->shape(0) == (m + 2) * (m + 2) && pack->shape(1) > 0) p.pack = pack;
   m == 2 ? run<2>(p) : run<4>(p);
+  return p.packed.load(std::memory_order_relaxed);
+}
+
+mx::array winograd_packed_weights(const mx::array& w, int m, const WinogradGeometry& g) {
+  const mx::array u = winograd_weights(w, m);
+  const int64_t T = int64_t{group_rows(g, m)} * ((g.OW + m - 1) / m);
+  auto pack = serial_sgemm_pack(u.data<float>(), (m + 2) * (m + 2), g.O, g.C, g.O,
+                                static_cast<int>(std::min<int64_t>(T, 1 << 30)));
+  return pack ? *pack : mx::zeros({(m + 2) * (m + 2), 0}, mx::float32);
 }
 
 }  // namespace mlxd::rt

@@ -48,6 +48,10 @@ int winograd_tile_for(const mlx::core::array& x, const mlx::core::array& w, cons
                       const std::vector<int>& padding, const std::vector<int>& padding_hi,
                       const std::vector<int>& dilation, int groups, bool has_in_scale);
 
+// The geometry of such a convolution (after winograd_tile_for took it), without the epilogue.
+WinogradGeometry winograd_geometry(const mlx::core::array& x, const mlx::core::array& w,
+                                   const std::vector<int>& padding, const std::vector<int>& padding_hi);
+
 // w [O, C, 3, 3] (float32, row-major) as U [(m + 2)^2, O, C]: element e of
 // tile position (u, v) is U[e = u * (m + 2) + v] = (G w G^T)[u][v], computed in
 // float64. `u` holds (m + 2)^2 * O * C floats.
@@ -60,7 +64,12 @@ int winograd_weights_tile(const mlx::core::array& u, int O, int C);
 
 // y [N, O, OH, OW] = conv(x [N, C, H, W], w) + bias [O] (optional) + residual
 // (optional, y's shape), clamped, then the activation; u from winograd_weights.
-void winograd_conv(const WinogradGeometry& g, int m, const float* x, const float* u, const float* bias,
-                   const float* residual, float* y);
+// `pack`: u laid out for the serial sgemm's tile (winograd_packed_weights), used
+// where it still fits that tile; returns whether a product ran on it.
+bool winograd_conv(const WinogradGeometry& g, int m, const float* x, const float* u, const float* bias,
+                   const float* residual, float* y, const mlx::core::array* pack = nullptr);
+// A constant weight's u laid out once for the serial sgemm's tile (serial_sgemm_pack), for this
+// geometry's products: [(m + 2)^2, floats]; no floats where MKL serves the products.
+mlx::core::array winograd_packed_weights(const mlx::core::array& w, int m, const WinogradGeometry& g);
 
 }  // namespace mlxd::rt

@@ -386,7 +386,8 @@ StageAct stage_act(mlxd::BlockActivation kind, float lo, float hi, const char* w
 
 }  // namespace
 
-// derived_constant's key for a convolution's packed weights (Winograd's are under their tile, 2 or 4).
+// derived_constant's keys for a convolution's packed weights (+ the tile m for the Winograd weights',
+// which are under m itself).
 constexpr int kConvPackKey = 16;
 
 void exec_ConvNode(const mlxd::ConvNode& n, ExecContext& ctx) {
@@ -415,9 +416,12 @@ void exec_ConvNode(const mlxd::ConvNode& n, ExecContext& ctx) {
     // Else a constant weight laid out once for the serial sgemm's tile (the per-image products).
     std::optional<mx::array> wino, pack;
     if (conv_cpu_applies(x, w, bias, groups, residual, in_scale)) {
-      if (const int m = winograd_tile_for(x, w, stride, padding, padding_hi, dilation, groups, in_scale != nullptr))
+      if (const int m = winograd_tile_for(x, w, stride, padding, padding_hi, dilation, groups, in_scale != nullptr)) {
         wino = ctx.derived_constant(n.weight(), m, [m](const mx::array& a) { return winograd_weights(a, m); });
-      else if (auto hints = conv_pack_hints(x, w, stride, padding, padding_hi, dilation, groups, in_scale != nullptr))
+        const WinogradGeometry g = winograd_geometry(x, w, padding, padding_hi);
+        pack = ctx.derived_constant(n.weight(), kConvPackKey + m,
+                                    [&](const mx::array& a) { return winograd_packed_weights(a, m, g); });
+      } else if (auto hints = conv_pack_hints(x, w, stride, padding, padding_hi, dilation, groups, in_scale != nullptr))
         pack = ctx.derived_constant(n.weight(), kConvPackKey,
                                     [&](const mx::array& a) { return conv_pack_weights(a, groups, *hints); });
     }

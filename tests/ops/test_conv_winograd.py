@@ -6,7 +6,7 @@ program with the switch off (im2col + sgemm) against the Winograd result, and th
 counters prove which path ran. Shapes: odd map sizes (tiles crossing the edges), odd channel counts,
 padding 1, 0 and an asymmetric pad (a folded zero pad), batch 1 and 3, bias / residual / ReLU /
 hard-swish epilogues, weights as a program input (transformed on each call) and as a constant
-(transformed once), a map large enough for the per-thread tile groups, and the half types."""
+(transformed and laid out for the own gemm's tile once), a map large enough for the per-thread tile groups, and the half types."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mlx_delegate import _runtime
+from mlx_delegate import _blas, _runtime
 from mlx_delegate.testing import (
     FLOATS, assert_close, cases, cpu_kernels_active, fp32_tolerance, lower, lower_and_compare,
 )
@@ -101,10 +101,14 @@ def test_winograd_parity(case, tile: int) -> None:
     with winograd(tile):
         lowered = lower_and_compare(case)
         ran = calls(f"conv_winograd{tile}") - before.get(f"conv_winograd{tile}", 0)
+        packed = calls("conv_packed_weights") - before.get("conv_packed_weights", 0)
         inputs = case.inputs()
         got = lowered.fresh_method().execute(list(inputs))
     if cpu_kernels_active():
         assert ran > 0, "the Winograd path did not run"
+        # A constant weight's products run on it laid out once for the own gemm's tile (not on MKL, and
+        # not for a weight given as an input).
+        assert (packed > 0) == (_blas.sgemm_kind() != "mkl" and not case.name.startswith("weight_input")), packed
     with winograd(0):  # the same program on im2col + sgemm
         before = _runtime.cpu_kernel_call_counts()
         expected = lowered.fresh_method().execute(list(inputs))

@@ -121,7 +121,7 @@ def test_packed_weights_alpha_beta(own, alpha, beta, hints):
 
 
 def test_a_pack_that_does_not_fit_is_refused_untouched(own):
-    """Row ranges outside the pack or off a panel boundary, a buffer that is not a pack, and a pack
+    """Row ranges outside the pack or off a panel boundary, another k, a buffer that is not a pack, and a pack
     made for another tile than the one serving products now (the kind switched since): refused,
     c untouched, so the caller runs the plain weights."""
     rng = np.random.default_rng(6)
@@ -131,6 +131,7 @@ def test_a_pack_that_does_not_fit_is_refused_untouched(own):
     assert not _blas.packed_sgemm(pack, 1, b, c=c)  # off a panel boundary (panels of 6, 8, 16 or 32)
     assert not _blas.packed_sgemm(pack, 32, b, c=c, rows=16)  # past the pack's 40 rows
     assert not _blas.packed_sgemm(np.zeros_like(pack), 0, b, c=c)  # no header
+    assert not _blas.packed_sgemm(pack, 0, b[:48], c=c)  # another k
     other = "avx2" if _blas.sgemm_kind() == "avx512" else "mkl"
     previous = _blas.set_sgemm_kind(other)
     try:
