@@ -83,7 +83,20 @@ void act_map(const BlockActivation& a, float* v, int64_t n) {
 struct Call {
   const float *x, *we, *be, *wd, *bd, *wp, *bp, *res, *wr, *br, *wx, *bx;
   float* y;
+  const float *pe, *pp;  // the expand / project weights laid out for the serial sgemm's tile, or null
+  std::atomic<bool>* packed;  // set when a product ran on a pack
 };
+
+// Rows [r0, r0 + m) of a 1x1 weight [., k] (`rows`: row r0's values) times b into c (beta 0 or 1): on
+// the weight's pack where it has one that fits (serial_sgemm_packed), else on the plain rows.
+void weight_gemm(const Call& call, const float* pack, const float* rows, int r0, int m, int k, int n, const float* b,
+                 int ldb, float beta, float* c, int ldc) {
+  if (pack && serial_sgemm_packed(pack, r0, m, k, false, n, 1.f, b, ldb, beta, c, ldc)) {
+    call.packed->store(true, std::memory_order_relaxed);
+    return;
+  }
+  serial_sgemm()(0, 0, m, n, k, 1.f, rows, k, b, ldb, beta, c, ldc);
+}
 
 // Buffers a thread reuses from call to call (no page faults per call).
 struct Scratch {
@@ -324,7 +337,6 @@ bool expand_in_place(const BlockActivation& a, const float* bias, int channels, 
 
 // Output rows [R0, R1) of image n.
 void run_band(const Geometry& g, const Call& c, int n, int R0, int R1) {
-  const SerialSgemmFn gemm = serial_sgemm();
   const int64_t Wp = padded_width(g), HW = int64_t{g.H} * g.W;
   // The largest tile (output rows) whose buffers fit the budget; at least one row.
   auto bytes = [&](int t) {
@@ -366,8 +378,8 @@ void run_band(const Geometry& g, const Call& c, int n, int R0, int R1) {
     if (ih1 > ih0) {
       const int64_t cols = int64_t{ih1 - ih0} * g.W;
       if (g.expand)
-        gemm(0, 0, g.E, static_cast<int>(cols), g.C, 1.f, c.we, g.C, xn + int64_t{ih0} * g.W, static_cast<int>(HW),
-             0.f, s.gemm.data(), static_cast<int>(cols));
+        weight_gemm(c, c.pe, c.we, 0, g.E, g.C, static_cast<int>(cols), xn + int64_t{ih0} * g.W, static_cast<int>(HW),
+                    0.f, s.gemm.data(), static_cast<int>(cols));
       const bool done = g.expand && expand_in_place(g.ea, c.be, g.E, s.gemm.data(), cols);
       for (int e = 0; e < g.E; ++e) {
         const float b = c.be ? c.be[e] : 0.f;
@@ -397,8 +409,8 @@ void run_band(const Geometry& g, const Call& c, int n, int R0, int R1) {
     // Output rows: bias + residual, then the project product added on.
     const int64_t span = int64_t{count} * g.OW, at = int64_t{r0} * g.OW;
     const bool init = init_rows(g, c, rn, yn, 0, g.O, at, span);
-    gemm(0, 0, g.O, static_cast<int>(span), g.E, 1.f, c.wp, g.E, s.dw.data(), static_cast<int>(ldd), init ? 1.f : 0.f,
-         yn + at, static_cast<int>(g.P()));
+    weight_gemm(c, c.pp, c.wp, 0, g.O, g.E, static_cast<int>(span), s.dw.data(), static_cast<int>(ldd), init ? 1.f : 0.f,
+                yn + at, static_cast<int>(g.P()));
   }
 }
 
@@ -424,23 +436,27 @@ void run_channels(const Geometry& g, const Call& c) {
   std::vector<float> gate(g.S ? g.E : 0), shares(g.S ? int64_t{eparts} * g.S : 0), t(g.S);
   const bool scale_dw = g.S && P < g.O;  // E x P multiplies instead of O x E
   const float inv_p = 1.f / static_cast<float>(P);
-  auto range = [](int total, int parts, int part) {
-    return std::make_pair(static_cast<int>(int64_t{total} * part / parts),
-                          static_cast<int>(int64_t{total} * (part + 1) / parts));
+  // Part `part` of `parts` of [0, total), cut at multiples of `align` (a pack's panels) where every
+  // part still gets some; elsewhere the parts off a panel boundary run on the plain weight.
+  auto range = [](int total, int parts, int part, int align) {
+    if (total / parts < align) align = 1;
+    auto cut = [&](int q) { return q == parts ? total : static_cast<int>(int64_t{total} * q / parts) / align * align; };
+    return std::make_pair(cut(part), cut(part + 1));
   };
+  const int e_align = c.pe ? serial_sgemm_pack_align(c.pe) : 1, o_align = c.pp ? serial_sgemm_pack_align(c.pp) : 1;
   for (int n = 0; n < g.N; ++n) {
     const float* xn = c.x + int64_t{n} * g.C * HW;
     float* yn = c.y + int64_t{n} * g.O * P;
     const float* rn = c.res ? c.res + int64_t{n} * g.O * P : nullptr;
     cpu_parallel_parts(eparts, [&](int part) {
-      const auto [e0, e1] = range(g.E, eparts, part);
+      const auto [e0, e1] = range(g.E, eparts, part, e_align);
       Scratch& s = scratch();
       s.rows.assign((Hp + int64_t{kDwBlockRows} * g.sh) * Wp, 0.f);  // borders and slack stay zero
       bool done = false;  // the expand's activation applied in place
       if (g.expand) {
         s.gemm.resize(int64_t{e1 - e0} * HW);
-        gemm(0, 0, e1 - e0, static_cast<int>(HW), g.C, 1.f, c.we + int64_t{e0} * g.C, g.C, xn, static_cast<int>(HW),
-             0.f, s.gemm.data(), static_cast<int>(HW));
+        weight_gemm(c, c.pe, c.we + int64_t{e0} * g.C, e0, e1 - e0, g.C, static_cast<int>(HW), xn, static_cast<int>(HW), 0.f, s.gemm.data(),
+                    static_cast<int>(HW));
         done = expand_in_place(g.ea, c.be ? c.be + e0 : nullptr, e1 - e0, s.gemm.data(), HW);
       }
       const int rows = static_cast<int>(std::min<int64_t>(g.H, Hp - g.ph));
@@ -476,7 +492,7 @@ void run_channels(const Geometry& g, const Call& c) {
       // hand-off to the pool would cost more than the product.
       const int gparts = int64_t{g.E} * g.S >= (1 << 15) ? eparts : 1;
       cpu_parallel_parts(gparts, [&](int part) {
-        const auto [e0, e1] = range(g.E, gparts, part);
+        const auto [e0, e1] = range(g.E, gparts, part, 1);
         gemm(0, 0, e1 - e0, 1, g.S, 1.f, c.wx + int64_t{e0} * g.S, g.S, t.data(), 1, 0.f, gate.data() + e0, 1);
         for (int e = e0; e < e1; ++e) gate[e] = activate(g.xa, gate[e] + (c.bx ? c.bx[e] : 0.f));
         act_map(g.xa, gate.data() + e0, e1 - e0);
@@ -489,7 +505,7 @@ void run_channels(const Geometry& g, const Call& c) {
       });
     }
     cpu_parallel_parts(oparts, [&](int part) {
-      const auto [o0, o1] = range(g.O, oparts, part);
+      const auto [o0, o1] = range(g.O, oparts, part, o_align);
       const bool init = init_rows(g, c, rn, yn, o0, o1, 0, P);
       const float* w = c.wp + int64_t{o0} * g.E;
       if (g.S && !scale_dw) {  // the gate folded into this block's rows of the project weight
@@ -502,8 +518,10 @@ void run_channels(const Geometry& g, const Call& c) {
         }
         w = ws.data();
       }
-      gemm(0, 0, o1 - o0, static_cast<int>(P), g.E, 1.f, w, g.E, dw.data(), static_cast<int>(P),
-           init ? 1.f : 0.f, yn + o0 * P, static_cast<int>(P));
+      // The pack holds the plain weight: not where the gate was folded into it.
+      weight_gemm(c, w == c.wp + int64_t{o0} * g.E ? c.pp : nullptr, w, o0, o1 - o0, g.E,
+                  static_cast<int>(P), dw.data(), static_cast<int>(P), init ? 1.f : 0.f, yn + o0 * P,
+                  static_cast<int>(P));
     });
   }
 }
@@ -522,7 +540,9 @@ void run_block(const Geometry& g, const std::vector<mx::array>& in, const std::v
     ys.resize(int64_t{g.N} * g.O * g.P());
     y = ys.data();
   }
-  const Call c{at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7), at(8), at(9), at(10), at(11), y};
+  std::atomic<bool> packed{false};
+  const Call c{at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7), at(8), at(9), at(10), at(11), y, at(12),
+               at(13), &packed};
   if (g.S > 0 || int64_t{g.E} * g.H * g.W * 4 <= channel_split_limit()) {
     cpu_kernel_note_call("inverted_residual_channels");
     run_channels(g, c);
@@ -530,6 +550,7 @@ void run_block(const Geometry& g, const std::vector<mx::array>& in, const std::v
     cpu_kernel_note_call("inverted_residual_rows");
     run_bands(g, c);
   }
+  if (packed.load(std::memory_order_relaxed)) cpu_kernel_note_call("inverted_residual_packed_weights");
   if (out_dtype != mx::float32) cpu_store_f32(y, out_dtype, 0, static_cast<int64_t>(ys.size()), out);
 }
 
@@ -545,7 +566,7 @@ void run_bands(const Geometry& g, const Call& c) {
 class BlockCpu : public mx::UnaryPrimitive {
  public:
   // slot: the input index of x, expand w / b, dw w / b, project w / b, residual, squeeze-excite
-  // reduce w / b and expand w / b (-1: absent).
+  // reduce w / b and expand w / b, the expand and project packs (-1: absent).
   BlockCpu(mx::Stream s, Geometry g, std::vector<int> slot) : mx::UnaryPrimitive(s), g_(g), slot_(std::move(slot)) {}
 
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
@@ -614,8 +635,10 @@ bool block_cpu_applies(const BlockOperands& ops, const BlockParams& p) {
   return ops.dw_w.ndim() == 4 && ops.dw_w.shape(2) * ops.dw_w.shape(3) <= kMaxTaps && ops.dw_w.shape(2) <= 7;
 }
 
-mx::array block_cpu(const BlockOperands& ops, const BlockParams& p) {
-  if (!block_cpu_applies(ops, p)) throw std::invalid_argument("inverted_residual: operands the CPU kernel does not take");
+namespace {
+
+// The block's geometry; throws std::invalid_argument on operands of mismatched shapes.
+Geometry block_geometry(const BlockOperands& ops, const BlockParams& p) {
   const auto& x = ops.x;
   need(x.ndim() == 4, "x must be [N, C, H, W], got " + shape_str(x));
   const int C = x.shape(1), E = ops.expand_w ? ops.expand_w->shape(0) : C;
@@ -663,8 +686,18 @@ mx::array block_cpu(const BlockOperands& ops, const BlockParams& p) {
   if (ops.residual)
     need(ops.residual->shape() == mx::Shape({g.N, O, g.OH, g.OW}),
          "residual " + shape_str(*ops.residual) + " does not have the output's shape");
+  return g;
+}
+
+}  // namespace
+
+mx::array block_cpu(const BlockOperands& ops, const BlockParams& p) {
+  if (!block_cpu_applies(ops, p)) throw std::invalid_argument("inverted_residual: operands the CPU kernel does not take");
+  const auto& x = ops.x;
+  const Geometry g = block_geometry(ops, p);
+  const int O = g.O;
   std::vector<mx::array> inputs{x};
-  std::vector<int> slot(12, -1);
+  std::vector<int> slot(14, -1);
   slot[0] = 0;
   auto add = [&](int i, const std::optional<mx::array>& a) {
     if (!a) return;
@@ -682,8 +715,33 @@ mx::array block_cpu(const BlockOperands& ops, const BlockParams& p) {
   add(9, ops.se_reduce_b);
   add(10, ops.se_expand_w);
   add(11, ops.se_expand_b);
+  // Packs of other shapes than [1, floats] (none: the products run on MKL) are left out.
+  auto pack = [](const std::optional<mx::array>& a) {
+    return a && a->dtype() == mx::float32 && a->ndim() == 2 && a->shape(0) == 1 && a->size() > 0 ? a : std::nullopt;
+  };
+  add(12, ops.expand_w ? pack(ops.expand_pack) : std::nullopt);
+  add(13, pack(ops.project_pack));
   auto prim = std::make_shared<BlockCpu>(mx::default_stream(mx::Device::cpu), g, slot);
   return mx::array({g.N, O, g.OH, g.OW}, x.dtype(), std::move(prim), std::move(inputs));
+}
+
+std::optional<std::pair<int, int>> block_pack_hints(const BlockOperands& ops, const BlockParams& p, bool project) {
+  if (!block_cpu_applies(ops, p) || (!project && !ops.expand_w)) return std::nullopt;
+  Geometry g;
+  try {
+    g = block_geometry(ops, p);
+  } catch (const std::invalid_argument&) {
+    return std::nullopt;  // block_cpu reports it
+  }
+  const int threads = cpu_pool_threads();
+  const int64_t HW = int64_t{g.H} * g.W, P = g.P();
+  if (g.S > 0 || int64_t{g.E} * HW * 4 <= channel_split_limit()) {  // run_channels' products
+    if (project && g.S && P >= g.O) return std::nullopt;  // the gate folded into the project weight per call
+    const int parts = std::max(1, std::min(threads, (project ? g.O : g.E) / 8));
+    return std::make_pair((project ? g.O : g.E) / parts, static_cast<int>(project ? P : HW));
+  }
+  const int bands = std::max(1, std::min(g.OH, (threads + g.N - 1) / g.N));  // run_bands' (tiles of a band)
+  return std::make_pair(project ? g.O : g.E, static_cast<int>((project ? P : HW) / bands));
 }
 
 }  // namespace mlxd::rt

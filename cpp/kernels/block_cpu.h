@@ -43,6 +43,9 @@ struct BlockOperands {
   // + bias + act -> expand [E, S, 1, 1] + bias + act: the gate multiplying the project's input.
   std::optional<mlx::core::array> se_reduce_w = std::nullopt, se_reduce_b = std::nullopt;
   std::optional<mlx::core::array> se_expand_w = std::nullopt, se_expand_b = std::nullopt;
+  // The expand / project weights laid out once for the serial sgemm's tile (conv_pack_weights with
+  // block_pack_hints' hints; a constant's), used where they fit: the products skip packing them.
+  std::optional<mlx::core::array> expand_pack = std::nullopt, project_pack = std::nullopt;
 };
 
 struct BlockParams {
@@ -62,6 +65,11 @@ bool block_cpu_applies(const BlockOperands& ops, const BlockParams& p);
 // walked in tiles whose buffers take at most `tile` per thread. A negative
 // `channels` / non-positive `tile` keeps that one. For A/B runs and tests.
 std::pair<int64_t, int64_t> set_block_tiling(int64_t channels, int64_t tile);
+
+// The rows and columns of the expand's (project's) products for this input, the hints its pack is
+// made for (conv_pack_weights(w, 1, hints)); std::nullopt where block_cpu would not run it on a
+// constant weight's pack (no expand, the squeeze-excite gate folded into the project weight per call).
+std::optional<std::pair<int, int>> block_pack_hints(const BlockOperands& ops, const BlockParams& p, bool project);
 
 // The block's output [N, O, OH, OW] in x's dtype; math in float32 (the
 // expanded and depthwise activations are not rounded to x's dtype in between).

@@ -484,6 +484,14 @@ void exec_InvertedResidualNode(const mlxd::InvertedResidualNode& n, ExecContext&
   BlockParams p{stride[0], stride[1], padding[0], padding[1], padding_hi[0], padding_hi[1],
                 ea.cpu, da.cpu, ra.cpu, xa.cpu};
   if (ea.cpu_ok && da.cpu_ok && ra.cpu_ok && xa.cpu_ok && block_cpu_applies(ops, p)) {
+    // Constant 1x1 weights laid out once for the serial sgemm's tile.
+    auto pack = [&](const mlxd::Tid* tid, bool project) -> std::optional<mx::array> {
+      const auto hints = block_pack_hints(ops, p, project);
+      if (!hints) return std::nullopt;
+      return ctx.derived_constant(tid, kConvPackKey, [&](const mx::array& a) { return conv_pack_weights(a, 1, *hints); });
+    };
+    if (we) ops.expand_pack = pack(n.expand_weight(), false);
+    ops.project_pack = pack(n.project_weight(), true);
     try {
       ctx.set(n.out(), block_cpu(ops, p));
     } catch (const std::invalid_argument& e) {

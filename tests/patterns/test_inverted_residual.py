@@ -1,6 +1,7 @@
 """`fuse_inverted_residual`: MobileNet-style blocks (1x1 expand + BatchNorm + ReLU6, depthwise + BatchNorm +
 ReLU6, 1x1 project + BatchNorm, + the input) become one InvertedResidualNode, run on the CPU by one
-kernel (kernels/block_cpu.cpp) and elsewhere as three convolutions; matched against eager torch on every
+kernel (kernels/block_cpu.cpp; its 1x1 products on the weights laid out once for the own gemm's tile)
+and elsewhere as three convolutions; matched against eager torch on every
 runtime path (node by node, compiled, CPU kernels off) in float32, bfloat16 and float16: stride 1 with
 the residual, stride 2 without, a block without the expand (MobileNetV2's first), a 5x5 ReLU block,
 odd H / W and channel counts that are not multiples of 8. A look-alike whose expanded activation is
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 from torch.export import Dim
 
-from mlx_delegate import _runtime
+from mlx_delegate import _blas, _runtime
 from mlx_delegate.ir import nodes as N
 from mlx_delegate.testing import cases, cpu_kernels_active, delegate_payload, fp32_tolerance, lower_and_compare
 
@@ -122,6 +123,7 @@ RUNS = [(case, tiling) for case in CASES for tiling in TILINGS] + [(DYNAMIC[0], 
 def test_inverted_residual_blocks(case, tiling: str) -> None:
     counter = "inverted_residual_" + tiling
     before = _runtime.cpu_kernel_call_counts().get(counter, 0)
+    packed = _runtime.cpu_kernel_call_counts().get("inverted_residual_packed_weights", 0)
     previous = _runtime.set_block_tiling(*TILINGS[tiling])
     try:
         lowered = lower_and_compare(case)
@@ -134,6 +136,9 @@ def test_inverted_residual_blocks(case, tiling: str) -> None:
     assert kinds["BatchNormNode"] == 0
     if cpu_kernels_active():
         assert _runtime.cpu_kernel_call_counts().get(counter, 0) > before
+        # The 1x1 products ran on the weights laid out once for the own gemm's tile (none on MKL).
+        ran = _runtime.cpu_kernel_call_counts().get("inverted_residual_packed_weights", 0) > packed
+        assert ran == (_blas.sgemm_kind() != "mkl")
 
 
 class SqueezeExcite(nn.Module):
