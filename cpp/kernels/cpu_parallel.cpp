@@ -711,6 +711,9 @@ const PackFns& pack_fns() {
 }  // namespace
 
 std::optional<mlx::core::array> serial_sgemm_pack(const float* a, int count, int m, int k, int m_hint, int n_hint) {
+  // Read at each pack (a program's first call): A/B runs load one program with packs and one without.
+  const char* off = std::getenv("MLX_DELEGATE_WEIGHT_PACKS");
+  if (off && std::strcmp(off, "0") == 0) return std::nullopt;
   const PackFns& f = pack_fns();
   const int64_t per = f.floats ? f.floats(m, k) : 0;
   if (per <= 0 || count <= 0) return std::nullopt;

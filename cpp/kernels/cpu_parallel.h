@@ -199,7 +199,8 @@ SerialSgemmFn serial_sgemm();
 
 // `count` matrices op(a) [m, k] (row-major, consecutive) laid out once for serial_sgemm's tile (the
 // BLAS shim's own gemm: mlxd_sgemm_pack_a), for products of about m_hint rows and n_hint columns: a
-// float32 array [count, floats per matrix]. std::nullopt where the products run on MKL or without the shim.
+// float32 array [count, floats per matrix]. std::nullopt where the products run on MKL or without the shim,
+// or MLX_DELEGATE_WEIGHT_PACKS=0 (read at each call: A/B runs in one process).
 std::optional<mlx::core::array> serial_sgemm_pack(const float* a, int count, int m, int k, int m_hint, int n_hint);
 // Matrix `index` of such a pack.
 const float* serial_sgemm_pack_at(const mlx::core::array& pack, int index);
