@@ -120,3 +120,40 @@ def test_tiled_conv_matches_eager_whole_image_and_kernels_off(model: Tiled, dtyp
     with runtime_switches(cpu_kernels=False):  # MLX's own convolution
         off = lowered.fresh_method().execute(inputs)
     assert_close([g.float() for g in got], [o.float() for o in off], rtol, atol)
+
+
+class Shared(nn.Module):
+    """Small maps at batch 3: the images' im2col columns side by side in one product per group (the
+    batched path), here on the packed weights in column blocks; a residual + ReLU and a grouped
+    convolution."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(16, 40, 3, padding=1)
+        self.grouped = nn.Conv2d(16, 24, 3, padding=1, groups=2)
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> list[torch.Tensor]:
+        return [torch.relu(self.conv(x) + r), self.grouped(x)]
+
+
+def test_images_sharing_a_product_match_eager_and_the_plain_weights() -> None:
+    torch.manual_seed(2)
+    module = Shared().eval()
+    gen = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(3, 16, 9, 11, generator=gen), torch.randn(3, 40, 9, 11, generator=gen)]
+    lowered = lower(module, tuple(inputs))
+    with torch.no_grad():
+        reference = module(*inputs)
+    rtol, atol = fp32_tolerance(16 * 9)
+    before = tiled_calls()[2]
+    method = lowered.fresh_method()
+    for _ in range(CALLS_TO_REPLAY):
+        assert_close(method.execute(inputs), reference, rtol, atol)
+    if cpu_kernels_active():
+        packed = 2 * CALLS_TO_REPLAY if _blas.sgemm_kind() != "mkl" else 0
+        assert tiled_calls()[2] - before == packed
+    previous = _blas.set_sgemm_kind("mkl")  # the pack no longer fits: the plain weights on MKL's blocks
+    try:
+        assert_close(method.execute(inputs), reference, rtol, atol)
+    finally:
+        _blas.set_sgemm_kind(previous)
