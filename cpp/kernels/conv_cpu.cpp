@@ -400,38 +400,22 @@ void run_conv(const ConvCall& c) {
         }
       }
     }
+    if (packed.load(std::memory_order_relaxed)) cpu_kernel_note_call("conv_packed_weights");
     if (nb != 1) {  // nb images per sgemm into z [M, nb * P]; one pass moves it to NCHW with bias, residual, clamp
       cols.resize(int64_t{K} * nb * P);
-      thread_local std::vector<float> kept;  // the sgemm writes all of it
-      kept.resize(int64_t{M} * nb * P);
-      float* z = kept.data();  // (the pool's threads read it: not the thread_local's name, theirs)
-      const mx::array* shared_pack = c.pack && c.pack->shape(0) == g.groups ? &*c.pack : nullptr;
+      std::vector<float> z(int64_t{M} * nb * P);
       for (int n0 = 0; n0 < g.N; n0 += nb) {
         const int count = std::min(nb, g.N - n0);
         const int64_t ld = count * P;
         for (int gi = 0; gi < g.groups; ++gi) {
           im2col(g, x, n0, count, gi, cols.data(), ld);
-          const float* wg = w + int64_t{gi} * M * K;
-          if (shared_pack) {  // the packed weights: column blocks, one per pool thread, each on all rows
-            const float* panels = serial_sgemm_pack_at(*shared_pack, gi);
-            const int parts = block_parts(M, K, ld);
-            cpu_parallel_parts(parts, [&](int part) {
-              const int64_t j0 = ld * part / parts, j1 = ld * (part + 1) / parts;
-              const int n = static_cast<int>(j1 - j0), ldi = static_cast<int>(ld);
-              if (serial_sgemm_packed(panels, 0, M, K, false, n, 1.f, cols.data() + j0, ldi, 0.f, z + j0, ldi))
-                packed.store(true, std::memory_order_relaxed);
-              else
-                serial_sgemm()(0, 0, M, n, K, 1.f, wg, K, cols.data() + j0, ldi, 0.f, z + j0, ldi);
-            });
-          } else {
-            sgemm()(kRowMajor, kNoTrans, kNoTrans, M, static_cast<int>(ld), K, 1.f, wg, K, cols.data(),
-                    static_cast<int>(ld), 0.f, z, static_cast<int>(ld));
-          }
+          sgemm()(kRowMajor, kNoTrans, kNoTrans, M, static_cast<int>(ld), K, 1.f, w + int64_t{gi} * M * K, K,
+                  cols.data(), static_cast<int>(ld), 0.f, z.data(), static_cast<int>(ld));
           cpu_parallel_for(int64_t{count} * M, residual ? 3 * P : 2 * P, 1, [&](int64_t b, int64_t e) {
             for (int64_t t = b; t < e; ++t) {
               const int64_t image = t / M, o = t % M;
               const int64_t at = ((n0 + image) * g.O + int64_t{gi} * M + o) * P;
-              const float* src = z + o * ld + image * P;
+              const float* src = z.data() + o * ld + image * P;
               float* dst = y + at;
               const float bv = bias ? bias[gi * M + o] : 0.f;
               if (residual) {
@@ -445,7 +429,6 @@ void run_conv(const ConvCall& c) {
         }
       }
     }
-    if (packed.load(std::memory_order_relaxed)) cpu_kernel_note_call("conv_packed_weights");
   }
   if (c.out_dtype != mx::float32) cpu_store_f32(y, c.out_dtype, 0, out_n, c.y);
 }
@@ -605,14 +588,10 @@ std::optional<std::pair<int, int>> conv_pack_hints(const mx::array& x, const mx:
   }
   const WinogradGeometry wg{g.N, g.C, g.H, g.W, g.O, g.OH, g.OW, g.ph, g.pw, false, 0.f, 0.f, -1};
   const bool wino_ok = g.KH == 3 && g.KW == 3 && g.sh == 1 && g.sw == 1 && g.dh == 1 && g.dw == 1 && g.groups == 1;
-  if (g.Cg() == 1 || winograd_tile(wg, wino_ok)) return std::nullopt;
+  if (g.Cg() == 1 || winograd_tile(wg, wino_ok) || images_per_product(g, false) != 1) return std::nullopt;
   const bool direct = g.KH == 1 && g.KW == 1 && g.sh == 1 && g.sw == 1 && g.ph == 0 && g.pw == 0 && g.OH == g.H &&
                       g.OW == g.W;
   const int M = g.Og(), K = g.Cg() * g.KH * g.KW;
-  if (const int nb = images_per_product(g, false); nb != 1) {  // column blocks of the images' shared product
-    const int64_t columns = nb * g.P();
-    return std::make_pair(M, static_cast<int>(columns / block_parts(M, K, columns)));
-  }
   if (const int tiles = tile_count(g, direct)) return std::make_pair(M, (g.OH + tiles - 1) / tiles * g.OW);
   if (!tiles_flag().load(std::memory_order_relaxed) || serial_sgemm() == nullptr) return std::nullopt;
   return std::make_pair(M / block_parts(M, K, g.P()), static_cast<int>(g.P()));
