@@ -403,19 +403,21 @@ void run_conv(const ConvCall& c) {
     if (packed.load(std::memory_order_relaxed)) cpu_kernel_note_call("conv_packed_weights");
     if (nb != 1) {  // nb images per sgemm into z [M, nb * P]; one pass moves it to NCHW with bias, residual, clamp
       cols.resize(int64_t{K} * nb * P);
-      std::vector<float> z(int64_t{M} * nb * P);
+      thread_local std::vector<float> kept;  // not zeroed per call: the sgemm writes all of it
+      kept.resize(int64_t{M} * nb * P);
+      float* z = kept.data();  // (the pool's threads read it: not through the thread_local's name, theirs)
       for (int n0 = 0; n0 < g.N; n0 += nb) {
         const int count = std::min(nb, g.N - n0);
         const int64_t ld = count * P;
         for (int gi = 0; gi < g.groups; ++gi) {
           im2col(g, x, n0, count, gi, cols.data(), ld);
           sgemm()(kRowMajor, kNoTrans, kNoTrans, M, static_cast<int>(ld), K, 1.f, w + int64_t{gi} * M * K, K,
-                  cols.data(), static_cast<int>(ld), 0.f, z.data(), static_cast<int>(ld));
+                  cols.data(), static_cast<int>(ld), 0.f, z, static_cast<int>(ld));
           cpu_parallel_for(int64_t{count} * M, residual ? 3 * P : 2 * P, 1, [&](int64_t b, int64_t e) {
             for (int64_t t = b; t < e; ++t) {
               const int64_t image = t / M, o = t % M;
               const int64_t at = ((n0 + image) * g.O + int64_t{gi} * M + o) * P;
-              const float* src = z.data() + o * ld + image * P;
+              const float* src = z + o * ld + image * P;
               float* dst = y + at;
               const float bv = bias ? bias[gi * M + o] : 0.f;
               if (residual) {
