@@ -87,6 +87,47 @@ struct Call {
   std::atomic<bool>* packed;  // set when a product ran on a pack
 };
 
+#ifdef MLXD_CPU_X86
+// Four rows at a time, eight lanes each, the tail of each row one by one.
+MLXD_AVX2 void dot_rows_avx2(const float* w, int64_t ld, int rows, int len, const float* x, float* y) {
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    int i = 0;
+    for (; i + 8 <= len; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      for (int q = 0; q < 4; ++q) acc[q] = _mm256_fmadd_ps(_mm256_loadu_ps(w + (r + q) * ld + i), v, acc[q]);
+    }
+    for (int q = 0; q < 4; ++q) {
+      float s = vmath::hsum8(acc[q]);
+      for (int j = i; j < len; ++j) s += w[(r + q) * ld + j] * x[j];
+      y[r + q] = s;
+    }
+  }
+  for (; r < rows; ++r) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= len; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * ld + i), _mm256_loadu_ps(x + i), acc);
+    float s = vmath::hsum8(acc);
+    for (; i < len; ++i) s += w[r * ld + i] * x[i];
+    y[r] = s;
+  }
+}
+#endif
+
+// y[r] = w[r, :len] . x for `rows` rows of stride ld: the squeeze-excite gate's small products, one
+// pass over their weights (an sgemm of one column packed each weight first).
+void dot_rows(const float* w, int64_t ld, int rows, int len, const float* x, float* y) {
+#ifdef MLXD_CPU_X86
+  if (cpu_use_avx2()) return dot_rows_avx2(w, ld, rows, len, x, y);
+#endif
+  for (int r = 0; r < rows; ++r) {
+    float s = 0.f;
+    for (int i = 0; i < len; ++i) s += w[r * ld + i] * x[i];
+    y[r] = s;
+  }
+}
+
 // Rows [r0, r0 + m) of a 1x1 weight [., k] (`rows`: row r0's values) times b into c (beta 0 or 1): on
 // the weight's pack where it has one that fits (serial_sgemm_packed), else on the plain rows.
 void weight_gemm(const Call& call, const float* pack, const float* rows, int r0, int m, int k, int n, const float* b,
@@ -425,7 +466,6 @@ void run_band(const Geometry& g, const Call& c, int n, int R0, int R1) {
 // smaller than the output channels, scales their depthwise rows; otherwise each project block
 // folds the gate into its rows of the project weight (the smaller pass either way).
 void run_channels(const Geometry& g, const Call& c) {
-  const SerialSgemmFn gemm = serial_sgemm();
   const int64_t Wp = padded_width(g), HW = int64_t{g.H} * g.W, P = g.P();
   const int64_t Hp = int64_t{g.OH - 1} * g.sh + g.KH;  // padded rows the depthwise reads
   std::vector<float>& dw = scratch().shared;  // the calling thread's: read by every part
@@ -478,7 +518,7 @@ void run_channels(const Geometry& g, const Call& c) {
       act_map(g.da, dw.data() + e0 * P, (e1 - e0) * P);
       if (g.S) {
         for (int e = e0; e < e1; ++e) gate[e] = sum_of(dw.data() + e * P, P) * inv_p;
-        gemm(0, 0, g.S, 1, e1 - e0, 1.f, c.wr + e0, g.E, gate.data() + e0, 1, 0.f, shares.data() + int64_t{part} * g.S, 1);
+        dot_rows(c.wr + e0, g.E, g.S, e1 - e0, gate.data() + e0, shares.data() + int64_t{part} * g.S);
       }
     });
     if (g.S) {
@@ -493,7 +533,7 @@ void run_channels(const Geometry& g, const Call& c) {
       const int gparts = int64_t{g.E} * g.S >= (1 << 15) ? eparts : 1;
       cpu_parallel_parts(gparts, [&](int part) {
         const auto [e0, e1] = range(g.E, gparts, part, 1);
-        gemm(0, 0, e1 - e0, 1, g.S, 1.f, c.wx + int64_t{e0} * g.S, g.S, t.data(), 1, 0.f, gate.data() + e0, 1);
+        dot_rows(c.wx + int64_t{e0} * g.S, g.S, e1 - e0, g.S, t.data(), gate.data() + e0);
         for (int e = e0; e < e1; ++e) gate[e] = activate(g.xa, gate[e] + (c.bx ? c.bx[e] : 0.f));
         act_map(g.xa, gate.data() + e0, e1 - e0);
         if (scale_dw)
