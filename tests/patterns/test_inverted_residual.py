@@ -141,6 +141,31 @@ def test_inverted_residual_blocks(case, tiling: str) -> None:
         assert ran == (_blas.sgemm_kind() != "mkl")
 
 
+def _wide_net() -> nn.Module:
+    torch.manual_seed(3)
+    net = nn.Sequential(Block(16, 16, 1, 4), Block(16, 24, 1, 4, k=5, act=nn.ReLU))
+    for bn in net.modules():
+        if isinstance(bn, nn.BatchNorm2d):
+            bn.running_var.uniform_(0.5, 1.5)
+    return net.eval()
+
+
+# Channels enough for two parts of every product (E 64, O 16 / 24) and a map wide enough (16 x 12) for
+# the project's column blocks: on packed weights, the expand's channel blocks start on panel boundaries
+# and the project runs in blocks of columns.
+WIDE = cases("wide_blocks", _wide_net, lambda: (torch.randn(1, 16, 16, 12),), (torch.float32,), is_module=True,
+             tolerance={torch.float32: fp32_tolerance(96)})
+
+
+@pytest.mark.parametrize("case", WIDE, ids=str)
+def test_wide_blocks_split_their_products_over_the_pool(case) -> None:
+    before = _runtime.cpu_kernel_call_counts().get("inverted_residual_packed_weights", 0)
+    lower_and_compare(case)
+    if cpu_kernels_active():
+        ran = _runtime.cpu_kernel_call_counts().get("inverted_residual_packed_weights", 0) > before
+        assert ran == (_blas.sgemm_kind() != "mkl")
+
+
 class SqueezeExcite(nn.Module):
     def __init__(self, c: int, mid: int, act: type[nn.Module], gate: type[nn.Module]) -> None:
         super().__init__()
