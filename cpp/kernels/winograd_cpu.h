@@ -68,8 +68,9 @@ int winograd_weights_tile(const mlx::core::array& u, int O, int C);
 // where it still fits that tile; returns whether a product ran on it.
 bool winograd_conv(const WinogradGeometry& g, int m, const float* x, const float* u, const float* bias,
                    const float* residual, float* y, const mlx::core::array* pack = nullptr);
-// A constant weight's u laid out once for the serial sgemm's tile (serial_sgemm_pack), for this
-// geometry's products: [(m + 2)^2, floats]; no floats where MKL serves the products.
-mlx::core::array winograd_packed_weights(const mlx::core::array& w, int m, const WinogradGeometry& g);
+// A constant weight's u (winograd_weights, evaluated) laid out once for the serial sgemm's tile
+// (serial_sgemm_pack), for this geometry's products: [(m + 2)^2, floats]; no floats where MKL serves
+// the products.
+mlx::core::array winograd_packed_weights(const mlx::core::array& u, int m, const WinogradGeometry& g);
 
 }  // namespace mlxd::rt

@@ -419,8 +419,9 @@ void exec_ConvNode(const mlxd::ConvNode& n, ExecContext& ctx) {
       if (const int m = winograd_tile_for(x, w, stride, padding, padding_hi, dilation, groups, in_scale != nullptr)) {
         wino = ctx.derived_constant(n.weight(), m, [m](const mx::array& a) { return winograd_weights(a, m); });
         const WinogradGeometry g = winograd_geometry(x, w, padding, padding_hi);
-        pack = ctx.derived_constant(n.weight(), kConvPackKey + m,
-                                    [&](const mx::array& a) { return winograd_packed_weights(a, m, g); });
+        if (wino)  // a constant's transform: packed in turn
+          pack = ctx.derived_constant(n.weight(), kConvPackKey + m,
+                                      [&](const mx::array&) { return winograd_packed_weights(*wino, m, g); });
       } else if (auto hints = conv_pack_hints(x, w, stride, padding, padding_hi, dilation, groups, in_scale != nullptr))
         pack = ctx.derived_constant(n.weight(), kConvPackKey,
                                     [&](const mx::array& a) { return conv_pack_weights(a, groups, *hints); });
