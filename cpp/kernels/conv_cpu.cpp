@@ -201,6 +201,12 @@ int tile_count(const Geometry& g, bool direct) {
   return static_cast<int>(tiles);
 }
 
+// Whether the Winograd path may take this convolution (3x3, stride 1, undilated, ungrouped, no input
+// scale); winograd_tile decides whether it does.
+bool winograd_eligible(const Geometry& g, bool has_scale) {
+  return g.KH == 3 && g.KW == 3 && g.sh == 1 && g.sw == 1 && g.dh == 1 && g.dw == 1 && g.groups == 1 && !has_scale;
+}
+
 // Images that share one product (their im2col columns side by side): 1 runs the per-image paths.
 // Per-image weights (a folded input scale) rule out sharing.
 int images_per_product(const Geometry& g, bool per_image_weights) {
@@ -320,9 +326,7 @@ void run_conv(const ConvCall& c) {
     y = ys.data();
   }
   const WinogradGeometry wg{g.N, g.C, g.H, g.W, g.O, g.OH, g.OW, g.ph, g.pw, g.clamp, g.lo, g.hi, g.act};
-  const bool wino_ok = g.KH == 3 && g.KW == 3 && g.sh == 1 && g.sw == 1 && g.dh == 1 && g.dw == 1 &&
-                       g.groups == 1 && !c.scale;
-  if (const int m = winograd_tile(wg, wino_ok)) {  // else (switched off, another shape): im2col below
+  if (const int m = winograd_tile(wg, winograd_eligible(g, c.scale.has_value()))) {  // else (switched off, another shape): im2col below
     cpu_kernel_note_call(m == 2 ? "conv_winograd2" : "conv_winograd4");
     const bool given = c.wino && c.wino->contiguous && c.wino->shape[0] == (m + 2) * (m + 2);
     thread_local std::vector<float> made;  // weights that are not a constant (or another tile): each call
@@ -589,8 +593,8 @@ std::optional<std::pair<int, int>> conv_pack_hints(const mx::array& x, const mx:
     return std::nullopt;  // conv_cpu reports it
   }
   const WinogradGeometry wg{g.N, g.C, g.H, g.W, g.O, g.OH, g.OW, g.ph, g.pw, false, 0.f, 0.f, -1};
-  const bool wino_ok = g.KH == 3 && g.KW == 3 && g.sh == 1 && g.sw == 1 && g.dh == 1 && g.dw == 1 && g.groups == 1;
-  if (g.Cg() == 1 || winograd_tile(wg, wino_ok) || images_per_product(g, false) != 1) return std::nullopt;
+  if (g.Cg() == 1 || winograd_tile(wg, winograd_eligible(g, false)) || images_per_product(g, false) != 1)
+    return std::nullopt;
   const bool direct = g.KH == 1 && g.KW == 1 && g.sh == 1 && g.sw == 1 && g.ph == 0 && g.pw == 0 && g.OH == g.H &&
                       g.OW == g.W;
   const int M = g.Og(), K = g.Cg() * g.KH * g.KW;
