@@ -46,6 +46,28 @@ class Llama(torch.nn.Module):
         return self.m(input_ids=ids, use_cache=False).logits
 
 
+class Mixtral(torch.nn.Module):
+    """Experts as one grouped product over rows sorted by expert; routing counts scattered in int64."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import MixtralConfig, MixtralForCausalLM
+        cfg = MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, num_local_experts=4,
+                            num_experts_per_tok=2)
+        self.m = MixtralForCausalLM(cfg).eval()
+
+    def forward(self, ids):
+        return self.m(input_ids=ids, use_cache=False).logits
+
+
+class Int64Counts(torch.nn.Module):
+    """An int64 scatter-add (MLX's GPU scatter rejects 64-bit integers)."""
+
+    def forward(self, idx):
+        return torch.zeros(8, dtype=torch.int64).scatter_add(0, idx, torch.ones_like(idx)) * 3
+
+
 class SelfAttention(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -100,6 +122,8 @@ def cases() -> list:
          (torch.randn(3, 64, dtype=torch.bfloat16),)),
         ("int4_mlp", int4_mlp, (torch.randn(4, 128),)),
         ("self_attention", lambda: SelfAttention().eval(), (torch.randn(1, 9, 32),)),
+        ("mixtral_tiny", lambda: Mixtral().eval(), (torch.randint(0, 128, (1, 10)),)),
+        ("int64_scatter_add", lambda: Int64Counts().eval(), (torch.randint(0, 8, (13,)),)),
     ]
 
 

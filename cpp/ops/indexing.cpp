@@ -11,27 +11,36 @@ namespace mlxd::rt {
 namespace {
 
 using ScatterFn = mx::array (*)(const mx::array&, const std::vector<mx::array>&, const mx::array&,
-                                const std::vector<int>&);
+                                const std::vector<int>&, mx::StreamOrDevice);
 
 // One row per `enum ScatterMode` value, keyed by it (checked at compile time).
 constexpr std::array<OpRow<mlxd::ScatterMode, ScatterFn>, enum_size<mlxd::ScatterMode>()> kScatter = {{
-    {mlxd::ScatterMode::Set, [](const mx::array& a, const std::vector<mx::array>& i, const mx::array& u, const std::vector<int>& ax) {
-      return mx::scatter(a, i, u, ax);
+    {mlxd::ScatterMode::Set, [](const mx::array& a, const std::vector<mx::array>& i, const mx::array& u, const std::vector<int>& ax, mx::StreamOrDevice s) {
+      return mx::scatter(a, i, u, ax, s);
     }},
-    {mlxd::ScatterMode::Add, [](const mx::array& a, const std::vector<mx::array>& i, const mx::array& u, const std::vector<int>& ax) {
-      return mx::scatter_add(a, i, u, ax);
+    {mlxd::ScatterMode::Add, [](const mx::array& a, const std::vector<mx::array>& i, const mx::array& u, const std::vector<int>& ax, mx::StreamOrDevice s) {
+      return mx::scatter_add(a, i, u, ax, s);
     }},
-    {mlxd::ScatterMode::Prod, [](const mx::array& a, const std::vector<mx::array>& i, const mx::array& u, const std::vector<int>& ax) {
-      return mx::scatter_prod(a, i, u, ax);
+    {mlxd::ScatterMode::Prod, [](const mx::array& a, const std::vector<mx::array>& i, const mx::array& u, const std::vector<int>& ax, mx::StreamOrDevice s) {
+      return mx::scatter_prod(a, i, u, ax, s);
     }},
-    {mlxd::ScatterMode::Max, [](const mx::array& a, const std::vector<mx::array>& i, const mx::array& u, const std::vector<int>& ax) {
-      return mx::scatter_max(a, i, u, ax);
+    {mlxd::ScatterMode::Max, [](const mx::array& a, const std::vector<mx::array>& i, const mx::array& u, const std::vector<int>& ax, mx::StreamOrDevice s) {
+      return mx::scatter_max(a, i, u, ax, s);
     }},
-    {mlxd::ScatterMode::Min, [](const mx::array& a, const std::vector<mx::array>& i, const mx::array& u, const std::vector<int>& ax) {
-      return mx::scatter_min(a, i, u, ax);
+    {mlxd::ScatterMode::Min, [](const mx::array& a, const std::vector<mx::array>& i, const mx::array& u, const std::vector<int>& ax, mx::StreamOrDevice s) {
+      return mx::scatter_min(a, i, u, ax, s);
     }},
 }};
 static_assert(rows_follow_enum(kScatter), "kScatter: one row per ScatterMode, in the schema's order");
+
+// MLX's GPU scatter kernels (Metal and CUDA) reject 64-bit integers ("GPU scatter does not yet support
+// int64"; MoE routing counts are int64): those scatters run on the CPU stream, which reads the same
+// buffers (unified memory on Metal, managed on CUDA).
+mx::StreamOrDevice scatter_stream(mx::Dtype t) {
+  bool wide_int = t == mx::int64 || t == mx::uint64;
+  if (wide_int && mx::default_device() != mx::Device::cpu) return mx::Device(mx::Device::cpu);
+  return {};
+}
 
 // torch wraps negative indices in advanced indexing; MLX's kernels happen to
 // as well, but that is not part of its API, so wrap explicitly.
@@ -162,7 +171,7 @@ void exec_ScatterNode(const mlxd::ScatterNode& n, ExecContext& ctx) {
   auto updates = mx::broadcast_to(mx::astype(ctx.in(n.updates()), x.dtype()), result);
   if (ai.insert_at > 0) updates = mx::transpose(updates, move_block(updates.ndim(), ai.insert_at, nb, 0));
   updates = mx::expand_dims(updates, unit_dims(ai));
-  ctx.set(n.out(), table_at(kScatter, n.mode(), "scatter mode")(x, ai.indices, updates, ai.axes));
+  ctx.set(n.out(), table_at(kScatter, n.mode(), "scatter mode")(x, ai.indices, updates, ai.axes, scatter_stream(x.dtype())));
 }
 
 void exec_ScatterAxisNode(const mlxd::ScatterAxisNode& n, ExecContext& ctx) {
@@ -191,9 +200,9 @@ void exec_ScatterAxisNode(const mlxd::ScatterAxisNode& n, ExecContext& ctx) {
     mx::array init = updates;
     if (mode == mlxd::ScatterMode::Add) init = mx::zeros_like(updates);
     if (mode == mlxd::ScatterMode::Prod) init = mx::ones_like(updates);
-    x = mx::scatter(x, indices, init, axes);
+    x = mx::scatter(x, indices, init, axes, scatter_stream(x.dtype()));
   }
-  ctx.set(n.out(), table_at(kScatter, mode, "scatter mode")(x, indices, updates, axes));
+  ctx.set(n.out(), table_at(kScatter, mode, "scatter mode")(x, indices, updates, axes, scatter_stream(x.dtype())));
 }
 
 void exec_SliceUpdateNode(const mlxd::SliceUpdateNode& n, ExecContext& ctx) {

@@ -1,5 +1,6 @@
 // Matrix products.
 #include "../ops_common.h"
+#include "mlx/backend/cuda/cuda.h"
 #include "kernels/gemm_lowp_cpu.h"
 #include "kernels/linear_cpu.h"
 
@@ -78,8 +79,12 @@ void exec_GroupedMatmulNode(const mlxd::GroupedMatmulNode& n, ExecContext& ctx) 
   // MLX's CPU gather_mm is float32 only: other types go through float32 there.
   bool widen = x.dtype() != mx::float32 && mx::default_device() == mx::Device::cpu;
   auto lhs = widen ? mx::astype(x, mx::float32) : x, rhs = widen ? mx::astype(w, mx::float32) : w;
-  auto y = mx::gather_mm(mx::expand_dims(lhs, 1), rhs, std::nullopt, group, /*sorted_indices=*/true);
-  y = mx::squeeze(y, 1);
+  // [S, 1, K] by reshape, not expand_dims: MLX gives an inserted axis stride 1, and its sorted gather_mm
+  // on CUDA (on Metal before 0.32.1) takes the row stride from that axis: wrong rows, measured on an H100.
+  // CUDA runs the unsorted form (measured correct there) until a GPU run checks the sorted one on these rows.
+  bool sorted = !(mx::default_device() == mx::Device::gpu && mx::cu::is_available());
+  auto y = mx::gather_mm(mx::reshape(lhs, {rows, 1, x.shape(1)}), rhs, std::nullopt, group, sorted);
+  y = mx::reshape(y, {rows, y.shape(-1)});
   if (widen) y = mx::astype(y, x.dtype());
   ctx.set(n.out(), mx::where(mx::expand_dims(owned, 1), y, mx::zeros_like(y)));
 }
