@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -62,6 +63,11 @@ MLXD_SGEMM_AVX2 void pack_gather(const float* src, int64_t lds, int rows, int kc
 // dst[p * ldd + r] = src[p * lds + r] for r < cols (zeros up to width), p < kc: an operand stored
 // with the panel's axis contiguous (op(a) stored [k, m]; op(b) stored [k, n]).
 MLXD_SGEMM_AVX2 void pack_copy(const float* src, int64_t lds, int cols, int kc, float* dst, int ldd, int width) {
+  if (cols == width && width < 8) {  // a seven- or six-row panel: eight-lane stores spill past, as above
+    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(width), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    for (int p = 0; p < kc; ++p, src += lds, dst += ldd) _mm256_storeu_ps(dst, _mm256_maskload_ps(src, lanes));
+    return;
+  }
   for (int p = 0; p < kc; ++p, src += lds, dst += ldd) {
     if (cols == width && width % 8 == 0) {
       for (int i = 0; i < width; i += 8) _mm256_storeu_ps(dst + i, _mm256_loadu_ps(src + i));
@@ -162,6 +168,17 @@ struct Avx512Tile {
   }
 };
 
+// The AVX-512 tile's seven-row form, for products whose rows fill sevens better than eights: a 7x7
+// map's 49 rows (computed transposed) are seven whole tiles, not six and one of a single row.
+struct Avx512Tile7 {
+  static constexpr int kMr = 7, kNr = 32;
+  static constexpr int kMaxKc = Avx512Tile::kMaxKc;  // the same k blocks: packed weights serve both
+  MLXD_SGEMM_AVX512 static void tile(int kc, const float* a, const float* b, float* c, int64_t ldc, float alpha,
+                                     float beta) {
+    tile_body<Floats16, kMr, kNr>(kc, a, b, c, ldc, alpha, beta);
+  }
+};
+
 // A tile at the right or bottom edge: computed whole into scratch (the panels are zero-padded),
 // then its mr x nr corner combined into c.
 template <typename T>
@@ -190,6 +207,11 @@ struct Scratch {
   static float* align(float* p) { return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63}); }
 };
 
+Scratch& scratch() {
+  thread_local Scratch s;  // one per thread for every tile
+  return s;
+}
+
 // Equal k blocks of at most T::kMaxKc (768 = 2 x 384, not 512 + 256), multiples of 8 except the last.
 template <typename T>
 int kc_step_for(int k) {
@@ -210,13 +232,13 @@ struct Prepacked {
 template <typename T>
 void blocked_sgemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda,
                    const float* b, int ldb, float beta, float* c, int ldc, Prepacked pa = {}, Prepacked pb = {}) {
-  constexpr int kMr = T::kMr, kNr = T::kNr, kMaxKc = T::kMaxKc;
-  static_assert(kMaxKc <= kMaxKcAny && kNc % kNr == 0 && kMaxMc % kMr == 0);
-  thread_local Scratch s;
+  constexpr int kMr = T::kMr, kNr = T::kNr, kMaxKc = T::kMaxKc, kMc = kMaxMc / kMr * kMr;
+  static_assert(kMaxKc <= kMaxKcAny && kNc % kNr == 0);
+  Scratch& s = scratch();
   const int kc_step = kc_step_for<T>(k);
-  // Equal row blocks of at most kMaxMc, multiples of kMr: 128 rows as one block, not 72 + 56.
-  const int m_blocks = (m + kMaxMc - 1) / kMaxMc;
-  const int mc_step = std::min(kMaxMc, ((m + m_blocks - 1) / m_blocks + kMr - 1) / kMr * kMr);
+  // Equal row blocks of at most kMc, multiples of kMr: 128 rows as one block, not 72 + 56.
+  const int m_blocks = (m + kMc - 1) / kMc;
+  const int mc_step = std::min(kMc, ((m + m_blocks - 1) / m_blocks + kMr - 1) / kMr * kMr);
   for (int jc = 0; jc < n; jc += kNc) {
     const int nc = std::min(kNc, n - jc);
     for (int pc = 0; pc < k; pc += kc_step) {
@@ -268,6 +290,20 @@ bool runs_transposed(int m, int n) {
   return int64_t{m} * n <= (int64_t{1} << 16) && tile_use<T>(n, m) > 1.08 * tile_use<T>(m, n);
 }
 
+// blocked_sgemm on T's tile, or on its seven-row form where T is the AVX-512 tile and sevens waste
+// clearly fewer of the m rows (49: 49 against 56; 196: 196 against 200 is too close to pay).
+template <typename T>
+void rows_blocked_sgemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda,
+                        const float* b, int ldb, float beta, float* c, int ldc, Prepacked pb = {}) {
+  if constexpr (std::is_same_v<T, Avx512Tile>) {
+    if ((m + 6) / 7 * 7 * 1.04 < (m + 7) / 8 * 8) {
+      blocked_sgemm<Avx512Tile7>(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, {}, pb);
+      return;
+    }
+  }
+  blocked_sgemm<T>(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, {}, pb);
+}
+
 // c[m, n] = ct^T + beta c, ct [n, m] (the transposed products' scratch): 8 x 8 blocks transposed in
 // registers, the edges one by one.
 MLXD_SGEMM_AVX2 void add_transposed(const float* ct, int m, int n, float beta, float* c, int ldc) {
@@ -303,7 +339,7 @@ void tiled_sgemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, c
                  const float* b, int ldb, float beta, float* c, int ldc) {
   if (runs_transposed<T>(m, n)) {
     float* ct = transposed_scratch(m, n);
-    blocked_sgemm<T>(!trans_b, !trans_a, n, m, k, alpha, b, ldb, a, lda, 0.f, ct, m);
+    rows_blocked_sgemm<T>(!trans_b, !trans_a, n, m, k, alpha, b, ldb, a, lda, 0.f, ct, m);
     add_transposed(ct, m, n, beta, c, ldc);
     return;
   }
@@ -347,7 +383,7 @@ void packed_sgemm(const PackHeader& h, const float* panels, int r0, int m, bool 
   const Prepacked p{panels, int64_t{(h.m + h.width - 1) / h.width} * h.width, r0};
   if (h.transposed) {
     float* ct = transposed_scratch(m, n);
-    blocked_sgemm<T>(!trans_b, false, n, m, h.k, alpha, b, ldb, nullptr, 0, 0.f, ct, m, {}, p);
+    rows_blocked_sgemm<T>(!trans_b, false, n, m, h.k, alpha, b, ldb, nullptr, 0, 0.f, ct, m, p);
     add_transposed(ct, m, n, beta, c, ldc);
   } else {
     blocked_sgemm<T>(false, trans_b, m, n, h.k, alpha, nullptr, 0, b, ldb, beta, c, ldc, p, {});

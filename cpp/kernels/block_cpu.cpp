@@ -31,6 +31,7 @@
 #include <mlx/backend/cpu/encoder.h>
 #include <mlx/primitives.h>
 
+#include "kernels/block_cpu_internal.h"
 #include "kernels/cpu_parallel.h"
 #include "kernels/unary_cpu.h"
 #include "kernels/vec_math_cpu.h"
@@ -38,18 +39,7 @@
 namespace mlxd::rt {
 namespace mx = mlx::core;
 namespace {
-
-constexpr int kMaxTaps = 49;  // 7x7 windows at most (MobileNet / EfficientNet use 3x3 and 5x5)
-// Output rows a depthwise block covers at most: the rows it reads past a tile's last (the slack after
-// each buffer of padded rows; computed, never stored).
-constexpr int kDwBlockRows = 4;
-
-struct Geometry {
-  int N, C, H, W, E, O, KH, KW, OH, OW, sh, sw, ph, pw, S;  // S: squeeze-excite channels (0: none)
-  bool expand;
-  BlockActivation ea, da, ra, xa;  // expand, depthwise, squeeze-excite reduce and expand
-  int64_t P() const { return int64_t{OH} * OW; }
-};
+using namespace block_detail;
 
 // The kernel's two size limits (set_block_tiling): one thread's tile buffers
 // (expanded rows, sgemm scratch, depthwise output), well inside a core's L2
@@ -70,10 +60,6 @@ std::atomic<int64_t>& channels_kb() {
 }
 int64_t tile_budget() { return std::max<int64_t>(1, tile_kb().load(std::memory_order_relaxed)) * 1024; }
 int64_t channel_split_limit() { return channels_kb().load(std::memory_order_relaxed) * 1024; }
-
-// The clamp part of an activation (the function after it runs as a map over whole runs);
-// std::max / min keep a NaN as torch's clamp does.
-float activate(const BlockActivation& a, float v) { return std::min(std::max(v, a.lo), a.hi); }
 
 // The function after the clamp over n values in place (none: nothing).
 void act_map(const BlockActivation& a, float* v, int64_t n) {
@@ -148,170 +134,6 @@ Scratch& scratch() {
   return s;
 }
 
-// Columns of a padded row: the input's pw + W, and every read of the vector
-// loop, which computes whole groups of eight outputs (load_strided<2> reads one past).
-int padded_width(const Geometry& g) {
-  const int ow_v = (g.OW + 7) / 8 * 8;
-  return std::max(g.pw + g.W, (ow_v - 1) * g.sw + g.KW + g.sw - 1) + 1;
-}
-
-// One depthwise output row: out[ow] = act(bias + sum_t k[t] * rows[ki][ow * S + kj]).
-void dw_row_scalar(const Geometry& g, const float* const* rows, const float* k, float bias, float* out) {
-  for (int ow = 0; ow < g.OW; ++ow) {
-    float acc = bias;
-    for (int ki = 0; ki < g.KH; ++ki)
-      for (int kj = 0; kj < g.KW; ++kj) acc += k[ki * g.KW + kj] * rows[ki][int64_t{ow} * g.sw + kj];
-    out[ow] = activate(g.da, acc);
-  }
-}
-
-#ifdef MLXD_CPU_X86
-// max(lo, a) / min(hi, a) keep a NaN (the second operand), as std::max(a, lo) does.
-MLXD_AVX2 inline __m256 clamp8(__m256 a, __m256 lo, __m256 hi) { return _mm256_min_ps(hi, _mm256_max_ps(lo, a)); }
-
-// Lanes [0, n) of eight on (n < 8).
-MLXD_AVX2 inline __m256i tail_mask(int n) {
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
-// dst[i] = act(src[i] + b) for a clamp activation.
-MLXD_AVX2 void act_row_avx2(const float* src, float b, const BlockActivation& a, int n, float* dst) {
-  const __m256 vb = _mm256_set1_ps(b), lo = _mm256_set1_ps(a.lo), hi = _mm256_set1_ps(a.hi);
-  int i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, clamp8(_mm256_add_ps(_mm256_loadu_ps(src + i), vb), lo, hi));
-  if (i < n) {
-    const __m256i m = tail_mask(n - i);
-    _mm256_maskstore_ps(dst + i, m, clamp8(_mm256_add_ps(_mm256_maskload_ps(src + i, m), vb), lo, hi));
-  }
-}
-
-// R output rows from row i of the tile by V vectors of eight columns from ow: R x V accumulators
-// in registers (independent FMA chains, each weight broadcast once per block), clamped as stored
-// (the caller maps the rest of the activation over whole channels); the last vector stored
-// under `tail`, rows from `rows` on computed from the buffer's slack rows but not stored.
-// KH_ / KW_: the window when known at compile time (3x3, 5x5: the taps unrolled), else 0 (the
-// geometry's).
-template <int S, int KH_, int KW_, int R, int V>
-MLXD_AVX2 void dw_block_avx2(const Geometry& g, const float* buf, int64_t Wp, const __m256* wv, __m256 vb, int i,
-                             int ow, int rows, __m256i tail, float* out) {
-  const int kh = KH_ ? KH_ : g.KH, kw = KW_ ? KW_ : g.KW;
-  const __m256 lo = _mm256_set1_ps(g.da.lo), hi = _mm256_set1_ps(g.da.hi);
-  const int64_t step = int64_t{g.sh} * Wp;
-  __m256 acc[R][V];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) acc[r][v] = vb;
-  const float* top = buf + int64_t{i} * step + int64_t{ow} * S;
-  for (int ki = 0; ki < kh; ++ki)
-    for (int kj = 0; kj < kw; ++kj) {
-      const __m256 w = wv[ki * kw + kj];
-      const float* p = top + ki * Wp + kj;
-      for (int r = 0; r < R; ++r)
-        for (int v = 0; v < V; ++v)
-          acc[r][v] = _mm256_fmadd_ps(w, vmath::load_strided<S>(p + r * step + 8 * v * S), acc[r][v]);
-    }
-  for (int r = 0; r < R && r < rows; ++r) {
-    float* o = out + int64_t{i + r} * g.OW + ow;
-    for (int v = 0; v < V - 1; ++v) _mm256_storeu_ps(o + 8 * v, clamp8(acc[r][v], lo, hi));
-    _mm256_maskstore_ps(o + 8 * (V - 1), tail, clamp8(acc[r][V - 1], lo, hi));
-  }
-}
-
-// The depthwise rows of one channel for output rows [0, count) of the tile, in blocks of R rows by
-// up to four vectors (narrow maps: four rows of one or two vectors, so 7- and 14-column maps still
-// run four or more independent accumulators).
-template <int S, int KH_, int KW_, int R>
-MLXD_AVX2 void dw_channel_avx2(const Geometry& g, const float* buf, int64_t Wp, const float* k, float bias, int count,
-                               float* out) {
-  __m256 wv[kMaxTaps];
-  for (int t = 0; t < g.KH * g.KW; ++t) wv[t] = _mm256_set1_ps(k[t]);
-  const __m256 vb = _mm256_set1_ps(bias);
-  for (int i = 0; i < count; i += R) {
-    const int rows = std::min(R, count - i);
-    for (int ow = 0; ow < g.OW; ow += 32) {
-      const int left = g.OW - ow, V = std::min(4, (left + 7) / 8);
-      const __m256i tail = tail_mask(left - 8 * (V - 1));  // eight: every lane
-      switch (V) {
-        case 1: dw_block_avx2<S, KH_, KW_, R, 1>(g, buf, Wp, wv, vb, i, ow, rows, tail, out); break;
-        case 2: dw_block_avx2<S, KH_, KW_, R, 2>(g, buf, Wp, wv, vb, i, ow, rows, tail, out); break;
-        case 3: dw_block_avx2<S, KH_, KW_, R, 3>(g, buf, Wp, wv, vb, i, ow, rows, tail, out); break;
-        default: dw_block_avx2<S, KH_, KW_, R, 4>(g, buf, Wp, wv, vb, i, ow, rows, tail, out); break;
-      }
-    }
-  }
-}
-
-// The same on sixteen lanes (AVX-512F), width stride 1: four rows by V vectors of sixteen columns,
-// for maps of 9-16 and 25-32 columns (the 14x14 and 28x28 stages), where eight-lane blocks load
-// twice as often for the same outputs. Reads stay inside the padded rows (padded_width rounds the
-// columns up to eight, which is a multiple of sixteen at these widths) and the slack rows.
-template <int KH_, int KW_, int V>
-MLXD_AVX512 void dw_channel16(const Geometry& g, const float* buf, int64_t Wp, const float* k, float bias, int count,
-                              float* out) {
-  constexpr int R = kDwBlockRows;
-  const int kh = KH_ ? KH_ : g.KH, kw = KW_ ? KW_ : g.KW;
-  const __m512 lo = _mm512_set1_ps(g.da.lo), hi = _mm512_set1_ps(g.da.hi), vb = _mm512_set1_ps(bias);
-  const int last = g.OW - 16 * (V - 1);
-  const __mmask16 tail = static_cast<__mmask16>(last >= 16 ? 0xFFFF : (1u << last) - 1u);
-  const int64_t step = int64_t{g.sh} * Wp;
-  for (int i = 0; i < count; i += R) {
-    __m512 acc[R][V];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < V; ++v) acc[r][v] = vb;
-    const float* top = buf + int64_t{i} * step;
-    for (int ki = 0; ki < kh; ++ki)
-      for (int kj = 0; kj < kw; ++kj) {
-        const __m512 w = _mm512_set1_ps(k[ki * kw + kj]);
-        const float* p = top + ki * Wp + kj;
-        for (int r = 0; r < R; ++r)
-          for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(w, _mm512_loadu_ps(p + r * step + 16 * v), acc[r][v]);
-      }
-    for (int r = 0; r < R && i + r < count; ++r) {
-      float* o = out + int64_t{i + r} * g.OW;
-      for (int v = 0; v < V; ++v)
-        _mm512_mask_storeu_ps(o + 16 * v, v == V - 1 ? tail : __mmask16(0xFFFF),
-                              _mm512_min_ps(hi, _mm512_max_ps(lo, acc[r][v])));
-    }
-  }
-}
-
-using DwChannelFn = void (*)(const Geometry&, const float*, int64_t, const float*, float, int, float*);
-
-// The instance for the width stride (1 or 2) and window (3x3, 5x5 or any).
-template <int S, int R>
-DwChannelFn dw_channel_rows(const Geometry& g) {
-  if (g.KH == 3 && g.KW == 3) return dw_channel_avx2<S, 3, 3, R>;
-  if (g.KH == 5 && g.KW == 5) return dw_channel_avx2<S, 5, 5, R>;
-  return dw_channel_avx2<S, 0, 0, R>;
-}
-// Four rows per block up to two vectors wide, two rows beyond (at most eight accumulators).
-template <int S>
-DwChannelFn dw_channel_for(const Geometry& g) {
-  if (S == 1 && cpu_use_avx512() && ((g.OW > 8 && g.OW <= 16) || (g.OW > 24 && g.OW <= 32))) {
-    const bool one = g.OW <= 16;
-    if (g.KH == 3 && g.KW == 3) return one ? dw_channel16<3, 3, 1> : dw_channel16<3, 3, 2>;
-    if (g.KH == 5 && g.KW == 5) return one ? dw_channel16<5, 5, 1> : dw_channel16<5, 5, 2>;
-    return one ? dw_channel16<0, 0, 1> : dw_channel16<0, 0, 2>;
-  }
-  return g.OW <= 16 ? dw_channel_rows<S, kDwBlockRows>(g) : dw_channel_rows<S, 2>(g);
-}
-#endif
-
-// The depthwise rows of one channel with the clamp of its activation (the caller maps the rest over
-// whole runs of channels).
-void dw_channel(const Geometry& g, const float* buf, int64_t Wp, const float* k, float bias, int count, float* out) {
-#ifdef MLXD_CPU_X86
-  if (cpu_use_avx2() && (g.sw == 1 || g.sw == 2)) {
-    (g.sw == 1 ? dw_channel_for<1>(g) : dw_channel_for<2>(g))(g, buf, Wp, k, bias, count, out);
-    return;
-  }
-#endif
-  const float* rows[7];
-  for (int i = 0; i < count; ++i) {
-    for (int ki = 0; ki < g.KH; ++ki) rows[ki] = buf + (int64_t{i} * g.sh + ki) * Wp;
-    dw_row_scalar(g, rows, k, bias, out + int64_t{i} * g.OW);
-  }
-}
-
 #ifdef MLXD_CPU_X86
 MLXD_AVX2 float sum_avx2(const float* v, int64_t n) {
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
@@ -357,14 +179,6 @@ bool init_rows(const Geometry& g, const Call& c, const float* rn, float* yn, int
   return true;
 }
 
-// dst[i] = clamp(src[i] + b), i < n: the expand's bias and clamp on the way into the padded rows.
-void act_row(const float* src, float b, const BlockActivation& a, int n, float* dst) {
-#ifdef MLXD_CPU_X86
-  if (cpu_use_avx2()) return act_row_avx2(src, b, a, n, dst);
-#endif
-  for (int i = 0; i < n; ++i) dst[i] = activate(a, src[i] + b);
-}
-
 // The expand's bias and whole activation over `channels` channels of n contiguous sgemm outputs
 // each, in place, when the activation has a function after its clamp (its map then runs over the
 // whole run, not per row of a few columns); the rows are then copied into the padded buffer.
@@ -379,6 +193,7 @@ bool expand_in_place(const BlockActivation& a, const float* bias, int channels, 
 // Output rows [R0, R1) of image n.
 void run_band(const Geometry& g, const Call& c, int n, int R0, int R1) {
   const int64_t Wp = padded_width(g), HW = int64_t{g.H} * g.W;
+  const DwChannelFn dw_rows = dw_channel_fn(g);
   // The largest tile (output rows) whose buffers fit the budget; at least one row.
   auto bytes = [&](int t) {
     const int64_t cap = int64_t{t - 1} * g.sh + g.KH;
@@ -423,27 +238,16 @@ void run_band(const Geometry& g, const Call& c, int n, int R0, int R1) {
                     0.f, s.gemm.data(), static_cast<int>(cols));
       const bool done = g.expand && expand_in_place(g.ea, c.be, g.E, s.gemm.data(), cols);
       for (int e = 0; e < g.E; ++e) {
-        const float b = c.be ? c.be[e] : 0.f;
-        for (int ih = ih0; ih < ih1; ++ih) {
-          float* dst = buf + e * cap * Wp + int64_t{ih + g.ph - need_lo} * Wp;
-          std::fill_n(dst, g.pw, 0.f);
-          std::fill(dst + g.pw + g.W, dst + Wp, 0.f);
-          float* row = dst + g.pw;
-          if (done) {
-            std::memcpy(row, s.gemm.data() + e * cols + int64_t{ih - ih0} * g.W, g.W * sizeof(float));
-          } else if (g.expand) {
-            act_row(s.gemm.data() + e * cols + int64_t{ih - ih0} * g.W, b, g.ea, g.W, row);
-          } else {
-            std::memcpy(row, xn + e * HW + int64_t{ih} * g.W, g.W * sizeof(float));
-          }
-        }
+        const float* src = g.expand ? s.gemm.data() + e * cols : xn + e * HW + int64_t{ih0} * g.W;
+        fill_plane(src, ih1 - ih0, g.W, g.expand && !done, c.be ? c.be[e] : 0.f, g.ea,
+                   buf + e * cap * Wp + int64_t{ih0 + g.ph - need_lo} * Wp, Wp, g.pw, true);
       }
     }
     held_lo = need_lo;
     held_hi = need_hi;
     const int64_t ldd = int64_t{T} * g.OW;
     for (int e = 0; e < g.E; ++e) {
-      dw_channel(g, buf + e * cap * Wp, Wp, c.wd + int64_t{e} * g.KH * g.KW, c.bd ? c.bd[e] : 0.f, count,
+      dw_rows(g, buf + e * cap * Wp, Wp, c.wd + int64_t{e} * g.KH * g.KW, c.bd ? c.bd[e] : 0.f, count,
                  s.dw.data() + e * ldd);
       act_map(g.da, s.dw.data() + e * ldd, int64_t{count} * g.OW);
     }
@@ -467,6 +271,7 @@ void run_band(const Geometry& g, const Call& c, int n, int R0, int R1) {
 // folds the gate into its rows of the project weight (the smaller pass either way).
 void run_channels(const Geometry& g, const Call& c) {
   const int64_t Wp = padded_width(g), HW = int64_t{g.H} * g.W, P = g.P();
+  const DwChannelFn dw_rows = dw_channel_fn(g);
   const int64_t Hp = int64_t{g.OH - 1} * g.sh + g.KH;  // padded rows the depthwise reads
   std::vector<float>& dw = scratch().shared;  // the calling thread's: read by every part
   dw.resize(int64_t{g.E} * P);
@@ -501,19 +306,10 @@ void run_channels(const Geometry& g, const Call& c) {
       }
       const int rows = static_cast<int>(std::min<int64_t>(g.H, Hp - g.ph));
       for (int e = e0; e < e1; ++e) {
-        const float b = c.be ? c.be[e] : 0.f;
         const float* src = g.expand ? s.gemm.data() + int64_t{e - e0} * HW : xn + e * HW;
-        for (int ih = 0; ih < rows; ++ih) {
-          float* row = s.rows.data() + int64_t{ih + g.ph} * Wp + g.pw;
-          const float* in = src + int64_t{ih} * g.W;
-          if (g.expand && !done) {
-            act_row(in, b, g.ea, g.W, row);
-          } else {
-            std::memcpy(row, in, g.W * sizeof(float));
-          }
-        }
-        dw_channel(g, s.rows.data(), Wp, c.wd + int64_t{e} * g.KH * g.KW, c.bd ? c.bd[e] : 0.f, g.OH,
-                   dw.data() + e * P);
+        fill_plane(src, rows, g.W, g.expand && !done, c.be ? c.be[e] : 0.f, g.ea,
+                   s.rows.data() + int64_t{g.ph} * Wp, Wp, g.pw, false);
+        dw_rows(g, s.rows.data(), Wp, c.wd + int64_t{e} * g.KH * g.KW, c.bd ? c.bd[e] : 0.f, g.OH, dw.data() + e * P);
       }
       act_map(g.da, dw.data() + e0 * P, (e1 - e0) * P);
       if (g.S) {

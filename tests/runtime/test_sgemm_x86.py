@@ -36,9 +36,11 @@ def _operands(rng, m, n, k, ta, tb, pad):
 
 # Edge tiles (m not a multiple of 6 / 8, n not of 16 / 32), k below / at / past one k block (256,
 # 384), k below the 8-wide transpose, n past a 1024-column block, one-element products, and few
-# columns under many rows (64 x 17, 256 x 49: computed transposed, c^T into scratch).
+# columns under many rows (64 x 17, 256 x 49: computed transposed, c^T into scratch; 49, 98, 14 and 13
+# columns: on the AVX-512 tile's seven-row form there, 13 with an edge tile of six).
 SHAPES = [(1, 1, 1), (5, 7, 3), (6, 16, 8), (7, 17, 9), (8, 32, 256), (9, 33, 257), (13, 33, 520), (73, 1030, 1025),
-          (130, 96, 771), (64, 40, 1), (150, 100, 60), (64, 17, 40), (256, 49, 300)]
+          (130, 96, 771), (64, 40, 1), (150, 100, 60), (64, 17, 40), (256, 49, 300), (512, 98, 70), (64, 14, 33),
+          (40, 13, 19)]
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
