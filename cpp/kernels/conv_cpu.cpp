@@ -141,19 +141,6 @@ std::atomic<bool>& tiles_flag() {
   return on;
 }
 
-#ifdef MLXD_CPU_X86
-MLXD_AVX2 void add_clamp_avx2(float* y, int64_t n, float bias, const float* residual, float lo, float hi) {
-  const __m256 b = _mm256_set1_ps(bias), l = _mm256_set1_ps(lo), h = _mm256_set1_ps(hi);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    __m256 v = _mm256_add_ps(_mm256_loadu_ps(y + i), b);
-    if (residual) v = _mm256_add_ps(v, _mm256_loadu_ps(residual + i));
-    _mm256_storeu_ps(y + i, _mm256_min_ps(h, _mm256_max_ps(l, v)));  // max(lo, v) keeps a NaN, as the scalar loop
-  }
-  for (; i < n; ++i) y[i] = std::min(std::max(y[i] + bias + (residual ? residual[i] : 0.f), lo), hi);
-}
-#endif
-
 // After a product written with beta 0: `rows` rows of `count` results (row stride ld) get their
 // output channel's bias (bias[r], when given), the residual at the same positions (when given), the
 // clamp and the activation, in one pass while they are in cache.
@@ -166,7 +153,7 @@ void finish_rows(const Geometry& g, float* y, int64_t ld, int rows, int64_t coun
     const float* res = residual ? residual + r * ld : nullptr;
 #ifdef MLXD_CPU_X86
     if (cpu_use_avx2()) {
-      if (bias || res || g.clamp) add_clamp_avx2(row, count, b, res, lo, hi);
+      if (bias || res || g.clamp) vmath::add_bias_residual_clamp(row, count, b, res, lo, hi);
       activate(g, row, count);
       continue;
     }

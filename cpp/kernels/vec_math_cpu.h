@@ -6,6 +6,9 @@
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
 #define MLXD_CPU_X86 1
 #define MLXD_AVX2 __attribute__((target("avx2,fma")))
 
@@ -204,6 +207,22 @@ MLXD_AVX512 inline __m512 hardswish16(__m512 x) {
 // The mask of the first n (<= 16) lanes.
 MLXD_AVX512 inline __mmask16 first_lanes(int64_t n) {
   return static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1u);
+}
+
+// y[i] = clamp(y[i] + bias + residual[i]) (residual may be null), i < n: a product's epilogue, after the
+// product was written with beta 0. max(lo, v) keeps a NaN, as the scalar loops do.
+MLXD_AVX2 inline void add_bias_residual_clamp(float* y, int64_t n, float bias, const float* residual, float lo,
+                                              float hi) {
+  const __m256 b = _mm256_set1_ps(bias), l = _mm256_set1_ps(lo), h = _mm256_set1_ps(hi);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_add_ps(_mm256_loadu_ps(y + i), b);
+    if (residual) v = _mm256_add_ps(v, _mm256_loadu_ps(residual + i));
+    _mm256_storeu_ps(y + i, _mm256_min_ps(h, _mm256_max_ps(l, v)));
+  }
+  for (; i < n; ++i) {
+    y[i] = std::min(std::max(y[i] + bias + (residual ? residual[i] : 0.f), lo), hi);
+  }
 }
 
 }  // namespace mlxd::rt::vmath
