@@ -27,7 +27,8 @@ struct Geometry {
 // std::max / min keep a NaN as torch's clamp does.
 inline float activate(const BlockActivation& a, float v) { return std::min(std::max(v, a.lo), a.hi); }
 
-// Columns of a padded row (Wp): the input's pw + W, and every read of the depthwise vector loops.
+// Columns of a padded row (Wp): the input's pw + W, and every read of the depthwise vector loops, which
+// compute whole vectors of sixteen outputs (the stride-2 loads read up to 2 x 16 columns each).
 int padded_width(const Geometry& g);
 
 // The depthwise rows of one channel, output rows [0, count), from its padded rows (buf, row stride Wp),

@@ -95,36 +95,62 @@ MLXD_AVX2 void dw_channel_avx2(const Geometry& g, const float* buf, int64_t Wp, 
   }
 }
 
-// The same on sixteen lanes (AVX-512F), width stride 1: four rows by V vectors of sixteen columns,
-// for maps of 9-16 and 25-32 columns (the 14x14 and 28x28 stages), where eight-lane blocks load
-// twice as often for the same outputs. Reads stay inside the padded rows (padded_width rounds the
-// columns up to eight, which is a multiple of sixteen at these widths) and the slack rows.
-template <int KH_, int KW_, int V>
-MLXD_AVX512 void dw_channel16(const Geometry& g, const float* buf, int64_t Wp, const float* k, float bias, int count,
-                              float* out) {
+// Sixteen outputs at width stride S from p: S = 2 reads p[0..31] and keeps the even ones.
+template <int S>
+MLXD_AVX512 inline __m512 load16(const float* p) {
+  if constexpr (S == 1) {
+    return _mm512_loadu_ps(p);
+  } else {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    return _mm512_permutex2var_ps(_mm512_loadu_ps(p), even, _mm512_loadu_ps(p + 16));
+  }
+}
+
+// The same on sixteen lanes (AVX-512F): kDwBlockRows rows by V vectors of sixteen columns from `top`
+// (the block's first padded row, at its first column), the last vector stored under `tail`. Reads stay
+// inside the padded rows (padded_width rounds the columns up to sixteen) and the slack rows.
+template <int S, int KH_, int KW_, int V>
+MLXD_AVX512 void dw_block16(const Geometry& g, const float* top, int64_t Wp, const float* k, float bias, int rows,
+                            __mmask16 tail, float* out) {
   constexpr int R = kDwBlockRows;
   const int kh = KH_ ? KH_ : g.KH, kw = KW_ ? KW_ : g.KW;
-  const __m512 lo = _mm512_set1_ps(g.da.lo), hi = _mm512_set1_ps(g.da.hi), vb = _mm512_set1_ps(bias);
-  const int last = g.OW - 16 * (V - 1);
-  const __mmask16 tail = static_cast<__mmask16>(last >= 16 ? 0xFFFF : (1u << last) - 1u);
   const int64_t step = int64_t{g.sh} * Wp;
-  for (int i = 0; i < count; i += R) {
-    __m512 acc[R][V];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < V; ++v) acc[r][v] = vb;
-    const float* top = buf + int64_t{i} * step;
-    for (int ki = 0; ki < kh; ++ki)
-      for (int kj = 0; kj < kw; ++kj) {
-        const __m512 w = _mm512_set1_ps(k[ki * kw + kj]);
-        const float* p = top + ki * Wp + kj;
-        for (int r = 0; r < R; ++r)
-          for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(w, _mm512_loadu_ps(p + r * step + 16 * v), acc[r][v]);
+  __m512 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_set1_ps(bias);
+  for (int ki = 0; ki < kh; ++ki)
+    for (int kj = 0; kj < kw; ++kj) {
+      const __m512 w = _mm512_set1_ps(k[ki * kw + kj]);
+      const float* p = top + ki * Wp + kj;
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(w, load16<S>(p + r * step + 16 * v * S), acc[r][v]);
+    }
+  const __m512 lo = _mm512_set1_ps(g.da.lo), hi = _mm512_set1_ps(g.da.hi);
+  for (int r = 0; r < R && r < rows; ++r)
+    for (int v = 0; v < V; ++v)
+      _mm512_mask_storeu_ps(out + int64_t{r} * g.OW + 16 * v, v == V - 1 ? tail : __mmask16(0xFFFF),
+                            _mm512_min_ps(hi, _mm512_max_ps(lo, acc[r][v])));
+}
+
+// A channel's rows in blocks of kDwBlockRows rows by up to four vectors of sixteen columns: maps wider
+// than eight columns, where eight-lane blocks run twice the instructions for the same outputs.
+template <int S, int KH_, int KW_>
+MLXD_AVX512 void dw_channel16(const Geometry& g, const float* buf, int64_t Wp, const float* k, float bias, int count,
+                              float* out) {
+  const int64_t step = int64_t{g.sh} * Wp;
+  for (int i = 0; i < count; i += kDwBlockRows) {
+    const int rows = std::min(kDwBlockRows, count - i);
+    for (int ow = 0; ow < g.OW; ow += 64) {
+      const int left = g.OW - ow, V = std::min(4, (left + 15) / 16);
+      const __mmask16 tail = vmath::first_lanes(left - 16 * (V - 1));
+      const float* top = buf + i * step + int64_t{ow} * S;
+      float* o = out + int64_t{i} * g.OW + ow;
+      switch (V) {
+        case 1: dw_block16<S, KH_, KW_, 1>(g, top, Wp, k, bias, rows, tail, o); break;
+        case 2: dw_block16<S, KH_, KW_, 2>(g, top, Wp, k, bias, rows, tail, o); break;
+        case 3: dw_block16<S, KH_, KW_, 3>(g, top, Wp, k, bias, rows, tail, o); break;
+        default: dw_block16<S, KH_, KW_, 4>(g, top, Wp, k, bias, rows, tail, o); break;
       }
-    for (int r = 0; r < R && i + r < count; ++r) {
-      float* o = out + int64_t{i + r} * g.OW;
-      for (int v = 0; v < V; ++v)
-        _mm512_mask_storeu_ps(o + 16 * v, v == V - 1 ? tail : __mmask16(0xFFFF),
-                              _mm512_min_ps(hi, _mm512_max_ps(lo, acc[r][v])));
     }
   }
 }
@@ -136,14 +162,14 @@ DwChannelFn dw_channel_rows(const Geometry& g) {
   if (g.KH == 5 && g.KW == 5) return dw_channel_avx2<S, 5, 5, R>;
   return dw_channel_avx2<S, 0, 0, R>;
 }
-// Four rows per block up to two vectors wide, two rows beyond (at most eight accumulators).
+// Sixteen lanes past eight columns where AVX-512 runs; else four rows per block up to two vectors of
+// eight wide, two rows beyond (at most eight accumulators).
 template <int S>
 DwChannelFn dw_channel_for(const Geometry& g) {
-  if (S == 1 && cpu_use_avx512() && ((g.OW > 8 && g.OW <= 16) || (g.OW > 24 && g.OW <= 32))) {
-    const bool one = g.OW <= 16;
-    if (g.KH == 3 && g.KW == 3) return one ? dw_channel16<3, 3, 1> : dw_channel16<3, 3, 2>;
-    if (g.KH == 5 && g.KW == 5) return one ? dw_channel16<5, 5, 1> : dw_channel16<5, 5, 2>;
-    return one ? dw_channel16<0, 0, 1> : dw_channel16<0, 0, 2>;
+  if (cpu_use_avx512() && g.OW > 8) {
+    if (g.KH == 3 && g.KW == 3) return dw_channel16<S, 3, 3>;
+    if (g.KH == 5 && g.KW == 5) return dw_channel16<S, 5, 5>;
+    return dw_channel16<S, 0, 0>;
   }
   return g.OW <= 16 ? dw_channel_rows<S, kDwBlockRows>(g) : dw_channel_rows<S, 2>(g);
 }
@@ -186,7 +212,7 @@ MLXD_AVX2 void fill_plane_avx2(const float* src, int rows, int W, float b, const
 }  // namespace
 
 int padded_width(const Geometry& g) {
-  const int ow_v = (g.OW + 7) / 8 * 8;
+  const int ow_v = (g.OW + 15) / 16 * 16;  // whole vectors of sixteen (or eight) outputs
   return std::max(g.pw + g.W, (ow_v - 1) * g.sw + g.KW + g.sw - 1) + 1;
 }
 

@@ -166,6 +166,31 @@ def test_wide_blocks_split_their_products_over_the_pool(case) -> None:
         assert ran == (_blas.sgemm_kind() != "mkl")
 
 
+def _long_rows_net() -> nn.Module:
+    torch.manual_seed(5)
+    net = nn.Sequential(Block(4, 4, 1, 3), Block(4, 6, 2, 3, k=5), Block(6, 6, 1, 2))
+    for bn in net.modules():
+        if isinstance(bn, nn.BatchNorm2d):
+            bn.running_var.uniform_(0.5, 1.5)
+    return net.eval()
+
+
+# Maps wider than one block of depthwise vectors (64 columns): 140 columns at stride 1 (64 + 64 + 12: a
+# tail of one vector), 70 at stride 2 with a 5x5 window (64 + 6 of the even columns), in both schedules.
+LONG_ROWS = cases("long_row_blocks", _long_rows_net, lambda: (torch.randn(1, 4, 9, 140),), (torch.float32,),
+                  is_module=True)
+
+
+@pytest.mark.parametrize("case,tiling", [(c, t) for c in LONG_ROWS for t in TILINGS], ids=str)
+def test_depthwise_rows_across_column_blocks(case, tiling: str) -> None:
+    previous = _runtime.set_block_tiling(*TILINGS[tiling])
+    try:
+        lowered = lower_and_compare(case)
+    finally:
+        _runtime.set_block_tiling(*previous)
+    assert node_kinds(lowered)["InvertedResidualNode"] == 3
+
+
 class SqueezeExcite(nn.Module):
     def __init__(self, c: int, mid: int, act: type[nn.Module], gate: type[nn.Module]) -> None:
         super().__init__()
