@@ -356,7 +356,9 @@ void run_channels(const Geometry& g, const Call& c) {
       continue;
     }
     cpu_parallel_parts(oparts, [&](int part) {
-      const auto [o0, o1] = range(g.O, oparts, part, o_align);
+      // With the gate folded into the weight no pack serves the rows: equal parts, not panel-aligned ones
+      // (16 / 24 of 40 rows).
+      const auto [o0, o1] = range(g.O, oparts, part, g.S && !scale_dw ? 1 : o_align);
       const float* w = c.wp + int64_t{o0} * g.E;
       if (g.S && !scale_dw) {  // the gate folded into this block's rows of the project weight
         std::vector<float>& ws = scratch().weights;

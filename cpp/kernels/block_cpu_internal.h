@@ -12,8 +12,9 @@ namespace mlxd::rt::block_detail {
 
 constexpr int kMaxTaps = 49;  // 7x7 windows at most (MobileNet / EfficientNet use 3x3 and 5x5)
 // Output rows a depthwise block covers at most: the rows it reads past a tile's last (the slack after
-// each buffer of padded rows; computed, never stored).
-constexpr int kDwBlockRows = 4;
+// each buffer of padded rows; computed, never stored). Eight on maps of up to eight columns (one vector
+// a row: eight independent accumulators), four or two on wider ones.
+constexpr int kDwBlockRows = 8;
 
 struct Geometry {
   int N, C, H, W, E, O, KH, KW, OH, OW, sh, sw, ph, pw, S;  // S: squeeze-excite channels (0: none)

@@ -72,8 +72,8 @@ MLXD_AVX2 void dw_block_avx2(const Geometry& g, const float* buf, int64_t Wp, co
 }
 
 // The depthwise rows of one channel for output rows [0, count) of the tile, in blocks of R rows by
-// up to four vectors (narrow maps: four rows of one or two vectors, so 7- and 14-column maps still
-// run four or more independent accumulators).
+// up to four vectors (narrow maps: eight rows of one vector or four of two, so 7- and 14-column maps
+// still run eight independent accumulators).
 template <int S, int KH_, int KW_, int R>
 MLXD_AVX2 void dw_channel_avx2(const Geometry& g, const float* buf, int64_t Wp, const float* k, float bias, int count,
                                float* out) {
@@ -95,6 +95,8 @@ MLXD_AVX2 void dw_channel_avx2(const Geometry& g, const float* buf, int64_t Wp, 
   }
 }
 
+constexpr int kDw16Rows = 4;  // sixteen-lane blocks: up to 4 x 4 accumulators
+
 // Sixteen outputs at width stride S from p: S = 2 reads p[0..31] and keeps the even ones.
 template <int S>
 MLXD_AVX512 inline __m512 load16(const float* p) {
@@ -106,13 +108,13 @@ MLXD_AVX512 inline __m512 load16(const float* p) {
   }
 }
 
-// The same on sixteen lanes (AVX-512F): kDwBlockRows rows by V vectors of sixteen columns from `top`
+// The same on sixteen lanes (AVX-512F): kDw16Rows rows by V vectors of sixteen columns from `top`
 // (the block's first padded row, at its first column), the last vector stored under `tail`. Reads stay
 // inside the padded rows (padded_width rounds the columns up to sixteen) and the slack rows.
 template <int S, int KH_, int KW_, int V>
 MLXD_AVX512 void dw_block16(const Geometry& g, const float* top, int64_t Wp, const float* k, float bias, int rows,
                             __mmask16 tail, float* out) {
-  constexpr int R = kDwBlockRows;
+  constexpr int R = kDw16Rows;
   const int kh = KH_ ? KH_ : g.KH, kw = KW_ ? KW_ : g.KW;
   const int64_t step = int64_t{g.sh} * Wp;
   __m512 acc[R][V];
@@ -132,14 +134,14 @@ MLXD_AVX512 void dw_block16(const Geometry& g, const float* top, int64_t Wp, con
                             _mm512_min_ps(hi, _mm512_max_ps(lo, acc[r][v])));
 }
 
-// A channel's rows in blocks of kDwBlockRows rows by up to four vectors of sixteen columns: maps wider
+// A channel's rows in blocks of kDw16Rows rows by up to four vectors of sixteen columns: maps wider
 // than eight columns, where eight-lane blocks run twice the instructions for the same outputs.
 template <int S, int KH_, int KW_>
 MLXD_AVX512 void dw_channel16(const Geometry& g, const float* buf, int64_t Wp, const float* k, float bias, int count,
                               float* out) {
   const int64_t step = int64_t{g.sh} * Wp;
-  for (int i = 0; i < count; i += kDwBlockRows) {
-    const int rows = std::min(kDwBlockRows, count - i);
+  for (int i = 0; i < count; i += kDw16Rows) {
+    const int rows = std::min(kDw16Rows, count - i);
     for (int ow = 0; ow < g.OW; ow += 64) {
       const int left = g.OW - ow, V = std::min(4, (left + 15) / 16);
       const __mmask16 tail = vmath::first_lanes(left - 16 * (V - 1));
@@ -162,16 +164,18 @@ DwChannelFn dw_channel_rows(const Geometry& g) {
   if (g.KH == 5 && g.KW == 5) return dw_channel_avx2<S, 5, 5, R>;
   return dw_channel_avx2<S, 0, 0, R>;
 }
-// Sixteen lanes past eight columns where AVX-512 runs; else four rows per block up to two vectors of
-// eight wide, two rows beyond (at most eight accumulators).
+// Eight rows of one vector up to eight columns (7x7 maps: one block, eight independent accumulators);
+// sixteen lanes beyond where AVX-512 runs; else four rows per block up to two vectors of eight wide,
+// two rows beyond (at most eight accumulators).
 template <int S>
 DwChannelFn dw_channel_for(const Geometry& g) {
-  if (cpu_use_avx512() && g.OW > 8) {
+  if (g.OW <= 8) return dw_channel_rows<S, 8>(g);
+  if (cpu_use_avx512()) {
     if (g.KH == 3 && g.KW == 3) return dw_channel16<S, 3, 3>;
     if (g.KH == 5 && g.KW == 5) return dw_channel16<S, 5, 5>;
     return dw_channel16<S, 0, 0>;
   }
-  return g.OW <= 16 ? dw_channel_rows<S, kDwBlockRows>(g) : dw_channel_rows<S, 2>(g);
+  return g.OW <= 16 ? dw_channel_rows<S, 4>(g) : dw_channel_rows<S, 2>(g);
 }
 #endif
 
