@@ -7,9 +7,9 @@
 // with the previous tile are moved to the front of the buffer, the others are
 // computed by one sgemm (expand weight [E, C] times x's rows, read in place
 // with row stride H * W), then bias + activation written into rows of Wp
-// columns with zero borders, so the depthwise loop needs no bounds checks. The
-// depthwise output [E, T * OW] feeds the project sgemm, which adds onto the
-// output rows already holding bias + residual.
+// columns with zero borders, so the depthwise loop (block_depthwise_cpu.cpp)
+// needs no bounds checks. The depthwise output [E, T * OW] feeds the project
+// sgemm into the output rows, then bias + residual are added while in cache.
 //
 // Activations other than a clamp (hard-swish, ...) run as the unary kernels'
 // maps over whole runs of channels while they are in cache. With
