@@ -499,6 +499,18 @@ __attribute__((visibility("default"))) int mlxd_sgemm_serial_packed(const float*
   return 1;
 }
 
+// mlxd_sgemm_serial_packed's product written across: ct [n, m], row stride ldct.
+__attribute__((visibility("default"))) int mlxd_sgemm_serial_packed_ct(const float* pack, int r0, int m, int k,
+                                                                       int trans_b, int n, float alpha,
+                                                                       const float* b, int ldb, float beta, float* ct,
+                                                                       int ldct) {
+  const int isa = g_own_sgemm.load(std::memory_order_relaxed);
+  if (isa == 0 || mlxd::blas::own_pack_a_isa(pack) != isa) return 0;
+  if (!mlxd::blas::own_sgemm_packed_a_ct(pack, r0, m, k, trans_b != 0, n, alpha, b, ldb, beta, ct, ldct)) return 0;
+  g_fast_calls.fetch_add(1, std::memory_order_relaxed);
+  return 1;
+}
+
 __attribute__((visibility("default"))) void cblas_dgemm(int order, int ta, int tb, int m, int n, int k, double alpha,
                                                         const double* a, int lda, const double* b, int ldb,
                                                         double beta, double* c, int ldc) {

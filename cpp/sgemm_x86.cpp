@@ -390,6 +390,21 @@ void packed_sgemm(const PackHeader& h, const float* panels, int r0, int m, bool 
   }
 }
 
+// The same product written across: ct[n, m] (row stride ldct) = (a[r0 : r0 + m] op(b))^T + beta ct. A
+// transposed pack writes its tiles there directly; the other form goes through scratch.
+template <typename T>
+void packed_sgemm_ct(const PackHeader& h, const float* panels, int r0, int m, bool trans_b, int n, float alpha,
+                     const float* b, int ldb, float beta, float* ct, int ldct) {
+  const Prepacked p{panels, int64_t{(h.m + h.width - 1) / h.width} * h.width, r0};
+  if (h.transposed) {
+    rows_blocked_sgemm<T>(!trans_b, false, n, m, h.k, alpha, b, ldb, nullptr, 0, beta, ct, ldct, p);
+  } else {
+    float* c = transposed_scratch(m, n);
+    blocked_sgemm<T>(false, trans_b, m, n, h.k, alpha, nullptr, 0, b, ldb, 0.f, c, n, p, {});
+    add_transposed(c, n, m, beta, ct, ldct);  // ct[j, i] = c[i, j]
+  }
+}
+
 }  // namespace
 
 int own_sgemm_best() {
@@ -452,6 +467,25 @@ bool own_sgemm_packed_a(const float* pack, int r0, int m, int k, bool trans_b, i
   return true;
 }
 
+bool own_sgemm_packed_a_ct(const float* pack, int r0, int m, int k, bool trans_b, int n, float alpha, const float* b,
+                           int ldb, float beta, float* ct, int ldct) {
+  PackHeader h;
+  std::memcpy(&h, pack, sizeof h);
+  if (h.magic != kPackMagic || h.isa <= 0 || h.isa > own_sgemm_best() || h.k != k || r0 < 0 || m < 0 ||
+      r0 + m > h.m || r0 % h.width != 0)
+    return false;
+  if (m == 0 || n <= 0) return true;
+  if (h.k <= 0 || alpha == 0.f) {
+    scale_c(n, m, beta, ct, ldct);
+    return true;
+  }
+  if (h.isa == kOwnAvx512)
+    packed_sgemm_ct<Avx512Tile>(h, pack + kPackHeader, r0, m, trans_b, n, alpha, b, ldb, beta, ct, ldct);
+  else
+    packed_sgemm_ct<Avx2Tile>(h, pack + kPackHeader, r0, m, trans_b, n, alpha, b, ldb, beta, ct, ldct);
+  return true;
+}
+
 #else  // not x86-64: the front keeps the loaded BLAS
 
 int own_sgemm_best() { return 0; }
@@ -461,6 +495,9 @@ void own_pack_a(int, int, int, int, int, const float*, int, float*) {}
 int own_pack_a_isa(const float*) { return 0; }
 int own_pack_a_align(const float*) { return 1; }
 bool own_sgemm_packed_a(const float*, int, int, int, bool, int, float, const float*, int, float, float*, int) {
+  return false;
+}
+bool own_sgemm_packed_a_ct(const float*, int, int, int, bool, int, float, const float*, int, float, float*, int) {
   return false;
 }
 

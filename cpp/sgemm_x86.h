@@ -45,5 +45,9 @@ int own_pack_a_align(const float* pack);
 // outside it or not aligned.
 bool own_sgemm_packed_a(const float* pack, int r0, int m, int k, bool trans_b, int n, float alpha, const float* b,
                         int ldb, float beta, float* c, int ldc);
+// The same product written across, ct[n, m] (row stride ldct) = (a[r0 : r0 + m, :] op(b))^T + beta ct:
+// a block whose next step reads the product pixel by pixel (channels contiguous).
+bool own_sgemm_packed_a_ct(const float* pack, int r0, int m, int k, bool trans_b, int n, float alpha,
+                           const float* b, int ldb, float beta, float* ct, int ldct);
 
 }  // namespace mlxd::blas

@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -70,6 +71,7 @@ struct Call {
   const float *x, *we, *be, *wd, *bd, *wp, *bp, *res, *wr, *br, *wx, *bx;
   float* y;
   const float *pe, *pp;  // the expand / project weights laid out for the serial sgemm's tile, or null
+  const float* taps;  // the depthwise weight tap by tap (pixel-major form), or null
   std::atomic<bool>* packed;  // set when a product ran on a pack
 };
 
@@ -114,15 +116,25 @@ void dot_rows(const float* w, int64_t ld, int rows, int len, const float* x, flo
   }
 }
 
-// Rows [r0, r0 + m) of a 1x1 weight [., k] (`rows`: row r0's values) times b into c (beta 0 or 1): on
-// the weight's pack where it has one that fits (serial_sgemm_packed), else on the plain rows.
+// Rows [r0, r0 + m) of a 1x1 weight [., k] (`rows`: row r0's values) times op(b) into c (beta 0 or 1):
+// on the weight's pack where it has one that fits (serial_sgemm_packed), else on the plain rows.
 void weight_gemm(const Call& call, const float* pack, const float* rows, int r0, int m, int k, int n, const float* b,
-                 int ldb, float beta, float* c, int ldc) {
-  if (pack && serial_sgemm_packed(pack, r0, m, k, false, n, 1.f, b, ldb, beta, c, ldc)) {
+                 int ldb, float beta, float* c, int ldc, bool trans_b = false) {
+  if (pack && serial_sgemm_packed(pack, r0, m, k, trans_b, n, 1.f, b, ldb, beta, c, ldc)) {
     call.packed->store(true, std::memory_order_relaxed);
     return;
   }
-  serial_sgemm()(0, 0, m, n, k, 1.f, rows, k, b, ldb, beta, c, ldc);
+  serial_sgemm()(0, trans_b, m, n, k, 1.f, rows, k, b, ldb, beta, c, ldc);
+}
+
+// The same product written across, pixel by pixel: ct [n, m] (row stride ldct) = (rows b)^T, b [k, n].
+void weight_gemm_ct(const Call& call, const float* pack, const float* rows, int r0, int m, int k, int n,
+                    const float* b, int ldb, float* ct, int ldct) {
+  if (pack && serial_sgemm_packed_ct(pack, r0, m, k, false, n, 1.f, b, ldb, 0.f, ct, ldct)) {
+    call.packed->store(true, std::memory_order_relaxed);
+    return;
+  }
+  serial_sgemm()(1, 1, n, m, k, 1.f, b, ldb, rows, k, 0.f, ct, ldct);
 }
 
 // Buffers a thread reuses from call to call (no page faults per call).
@@ -275,31 +287,50 @@ void run_channels(const Geometry& g, const Call& c) {
   const int64_t Wp = padded_width(g), HW = int64_t{g.H} * g.W, P = g.P();
   const DwChannelFn dw_rows = dw_channel_fn(g);
   const int64_t Hp = int64_t{g.OH - 1} * g.sh + g.KH;  // padded rows the depthwise reads
+  // The depthwise output: channel rows of P, or (pixel-major form) pixel rows of ld channels, the buffer
+  // first holding the expand's product over HW pixels.
+  const bool pixels = pixel_major(g);
+  if (pixels) cpu_kernel_note_call("inverted_residual_pixels");
+  const int64_t ld = pixels ? pixel_ld(g.E) : P;
   std::vector<float>& dw = scratch().shared;  // the calling thread's: read by every part
-  dw.resize(int64_t{g.E} * P);
+  dw.resize(pixels ? std::max(HW, P) * ld : int64_t{g.E} * P);
+  auto at = [&](int e, int64_t p) { return dw.data() + (pixels ? p * ld + e : e * P + p); };
   const int threads = cpu_pool_threads();
-  const int eparts = std::max(1, std::min(threads, g.E / 8)), oparts = std::max(1, std::min(threads, g.O / 8));
+  const int eparts = std::max(1, std::min(threads, g.E / (pixels ? kPixelGroup : 8)));
+  const int oparts = std::max(1, std::min(threads, g.O / 8));
   // Squeeze-excite: channel means, then the gate; each channel block's share of the reduce product.
   std::vector<float> gate(g.S ? g.E : 0), shares(g.S ? int64_t{eparts} * g.S : 0), t(g.S);
   const bool scale_dw = g.S && P < g.O;  // E x P multiplies instead of O x E
   const float inv_p = 1.f / static_cast<float>(P);
   // Part `part` of `parts` of [0, total), cut at multiples of `align` (a pack's panels) where every
   // part still gets some; elsewhere the parts off a panel boundary run on the plain weight.
-  auto range = [](int total, int parts, int part, int align) {
-    if (total / parts < align) align = 1;
+  auto range = [](int total, int parts, int part, int align, int fallback = 1) {
+    if (total / parts < align) align = fallback;
     // Rounded to the nearest boundary: part 0, the calling thread's, starts first (36 / 72 rows: 40 / 32).
     auto cut = [&](int q) {
       return q == parts ? total : static_cast<int>(int64_t{total} * q / parts + align / 2) / align * align;
     };
     return std::make_pair(cut(part), cut(part + 1));
   };
-  const int e_align = c.pe ? serial_sgemm_pack_align(c.pe) : 1, o_align = c.pp ? serial_sgemm_pack_align(c.pp) : 1;
+  int e_align = c.pe ? serial_sgemm_pack_align(c.pe) : 1;
+  const int o_align = c.pp ? serial_sgemm_pack_align(c.pp) : 1;
+  if (pixels) e_align = std::lcm(e_align, kPixelGroup);  // parts of whole channel groups
   for (int n = 0; n < g.N; ++n) {
     const float* xn = c.x + int64_t{n} * g.C * HW;
     float* yn = c.y + int64_t{n} * g.O * P;
     const float* rn = c.res ? c.res + int64_t{n} * g.O * P : nullptr;
     cpu_parallel_parts(eparts, [&](int part) {
-      const auto [e0, e1] = range(g.E, eparts, part, e_align);
+      const auto [e0, e1] = range(g.E, eparts, part, e_align, pixels ? kPixelGroup : 1);
+      if (pixels) {
+        weight_gemm_ct(c, c.pe, c.we + int64_t{e0} * g.C, e0, e1 - e0, g.C, static_cast<int>(HW), xn,
+                       static_cast<int>(HW), dw.data() + e0, static_cast<int>(ld));
+        pixels_part(g, dw.data(), ld, e0, e1, c.be, c.wd, c.taps, c.bd, g.S ? gate.data() : nullptr);
+        if (g.S) {
+          for (int e = e0; e < e1; ++e) gate[e] *= inv_p;
+          dot_rows(c.wr + e0, g.E, g.S, e1 - e0, gate.data() + e0, shares.data() + int64_t{part} * g.S);
+        }
+        return;
+      }
       Scratch& s = scratch();
       s.rows.assign((Hp + int64_t{kDwBlockRows} * g.sh) * Wp, 0.f);  // borders and slack stay zero
       bool done = false;  // the expand's activation applied in place
@@ -337,9 +368,14 @@ void run_channels(const Geometry& g, const Call& c) {
         dot_rows(c.wx + int64_t{e0} * g.S, g.S, e1 - e0, g.S, t.data(), gate.data() + e0);
         for (int e = e0; e < e1; ++e) gate[e] = activate(g.xa, gate[e] + (c.bx ? c.bx[e] : 0.f));
         act_map(g.xa, gate.data() + e0, e1 - e0);
-        if (scale_dw)
+        if (scale_dw && pixels)
+          for (int64_t q = 0; q < P; ++q) {
+            float* row = at(0, q);
+            for (int e = e0; e < e1; ++e) row[e] *= gate[e];
+          }
+        else if (scale_dw)
           for (int e = e0; e < e1; ++e) {
-            float* row = dw.data() + e * P;
+            float* row = at(e, 0);
             const float k = gate[e];
             for (int64_t q = 0; q < P; ++q) row[q] *= k;
           }
@@ -352,8 +388,8 @@ void run_channels(const Geometry& g, const Call& c) {
       cpu_parallel_parts(oparts, [&](int part) {
         auto cut = [&](int q) { return q == oparts ? P : P * q / oparts / 16 * 16; };
         const int64_t j0 = cut(part), j1 = cut(part + 1);
-        weight_gemm(c, c.pp, c.wp, 0, g.O, g.E, static_cast<int>(j1 - j0), dw.data() + j0, static_cast<int>(P), 0.f,
-                    yn + j0, static_cast<int>(P));
+        weight_gemm(c, c.pp, c.wp, 0, g.O, g.E, static_cast<int>(j1 - j0), at(0, j0), static_cast<int>(ld), 0.f,
+                    yn + j0, static_cast<int>(P), pixels);
         add_bias_residual(g, c, rn, yn, 0, g.O, j0, j1 - j0);
       });
       continue;
@@ -375,7 +411,7 @@ void run_channels(const Geometry& g, const Call& c) {
       }
       // The pack holds the plain weight: not where the gate was folded into it.
       weight_gemm(c, w == c.wp + int64_t{o0} * g.E ? c.pp : nullptr, w, o0, o1 - o0, g.E,
-                  static_cast<int>(P), dw.data(), static_cast<int>(P), 0.f, yn + o0 * P, static_cast<int>(P));
+                  static_cast<int>(P), dw.data(), static_cast<int>(ld), 0.f, yn + o0 * P, static_cast<int>(P), pixels);
       add_bias_residual(g, c, rn, yn, o0, o1, 0, P);
     });
   }
@@ -397,7 +433,7 @@ void run_block(const Geometry& g, const std::vector<mx::array>& in, const std::v
   }
   std::atomic<bool> packed{false};
   const Call c{at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7), at(8), at(9), at(10), at(11), y, at(12),
-               at(13), &packed};
+               at(13), at(14), &packed};
   if (g.S > 0 || int64_t{g.E} * g.H * g.W * 4 <= channel_split_limit()) {
     cpu_kernel_note_call("inverted_residual_channels");
     run_channels(g, c);
@@ -552,7 +588,7 @@ mx::array block_cpu(const BlockOperands& ops, const BlockParams& p) {
   const Geometry g = block_geometry(ops, p);
   const int O = g.O;
   std::vector<mx::array> inputs{x};
-  std::vector<int> slot(14, -1);
+  std::vector<int> slot(15, -1);
   slot[0] = 0;
   auto add = [&](int i, const std::optional<mx::array>& a) {
     if (!a) return;
@@ -576,8 +612,29 @@ mx::array block_cpu(const BlockOperands& ops, const BlockParams& p) {
   };
   add(12, ops.expand_w ? pack(ops.expand_pack) : std::nullopt);
   add(13, pack(ops.project_pack));
+  add(14, ops.dw_taps && ops.dw_taps->dtype() == mx::float32 &&
+                  ops.dw_taps->shape() == mx::Shape({g.KH * g.KW, static_cast<int>(pixel_ld(g.E))})
+              ? ops.dw_taps
+              : std::nullopt);
   auto prim = std::make_shared<BlockCpu>(mx::default_stream(mx::Device::cpu), g, slot);
   return mx::array({g.N, O, g.OH, g.OW}, x.dtype(), std::move(prim), std::move(inputs));
+}
+
+bool block_uses_taps(const BlockOperands& ops, const BlockParams& p) {
+  if (!block_cpu_applies(ops, p)) return false;
+  try {
+    const Geometry g = block_geometry(ops, p);
+    return (g.S > 0 || int64_t{g.E} * g.H * g.W * 4 <= channel_split_limit()) && pixel_major_fits(g);
+  } catch (const std::invalid_argument&) {
+    return false;  // block_cpu reports it
+  }
+}
+
+mx::array block_dw_taps(const mx::array& dw_w) {
+  const int E = dw_w.shape(0), T = dw_w.shape(2) * dw_w.shape(3), L = static_cast<int>(pixel_ld(E));
+  auto t = mx::transpose(mx::reshape(mx::astype(dw_w, mx::float32), {E, T}));
+  if (L > E) t = mx::pad(t, {{0, 0}, {0, L - E}});
+  return mx::contiguous(t);
 }
 
 std::optional<std::pair<int, int>> block_pack_hints(const BlockOperands& ops, const BlockParams& p, bool project) {

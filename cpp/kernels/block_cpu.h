@@ -46,6 +46,8 @@ struct BlockOperands {
   // The expand / project weights laid out once for the serial sgemm's tile (conv_pack_weights with
   // block_pack_hints' hints; a constant's), used where they fit: the products skip packing them.
   std::optional<mlx::core::array> expand_pack = std::nullopt, project_pack = std::nullopt;
+  // The depthwise weight tap by tap (block_dw_taps; a constant's, laid out once) where block_uses_taps.
+  std::optional<mlx::core::array> dw_taps = std::nullopt;
 };
 
 struct BlockParams {
@@ -70,6 +72,11 @@ std::pair<int64_t, int64_t> set_block_tiling(int64_t channels, int64_t tile);
 // made for (conv_pack_weights(w, 1, hints)); std::nullopt where block_cpu would not run it on a
 // constant weight's pack (no expand, the squeeze-excite gate folded into the project weight per call).
 std::optional<std::pair<int, int>> block_pack_hints(const BlockOperands& ops, const BlockParams& p, bool project);
+
+// Whether block_cpu runs these in its pixel-major form (small maps), which reads the depthwise weight
+// tap by tap: block_dw_taps(dw_w), [KH * KW, E rounded up to 16] float32, zero past E.
+bool block_uses_taps(const BlockOperands& ops, const BlockParams& p);
+mlx::core::array block_dw_taps(const mlx::core::array& dw_w);
 
 // The block's output [N, O, OH, OW] in x's dtype; math in float32 (the
 // expanded and depthwise activations are not rounded to x's dtype in between).

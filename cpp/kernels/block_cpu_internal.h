@@ -48,4 +48,19 @@ void act_row(const float* src, float b, const BlockActivation& a, int n, float* 
 void fill_plane(const float* src, int rows, int W, bool act, float b, const BlockActivation& a, float* dst,
                 int64_t Wp, int pw, bool borders);
 
+// The pixel-major form (block_pixels_cpu.cpp): small maps with an expand and activations it computes
+// in its vectors. Groups of kPixelGroup channels; pixel rows of pixel_ld(E) floats.
+constexpr int kPixelGroup = 16;
+int64_t pixel_ld(int E);
+// Whether g fits the form; pixel_major: and it is not switched off (MLX_DELEGATE_BLOCK_PIXELS=0, read at
+// each call).
+bool pixel_major_fits(const Geometry& g);
+bool pixel_major(const Geometry& g);
+// Channels [e0, e1) (e0 a multiple of kPixelGroup): d [max(HW, P), ld] holds the expand's product, pixel by
+// pixel, on entry, and its first P rows the depthwise output (biases and activations applied) on exit.
+// taps: the depthwise weight [KH * KW, pixel_ld(E)] (dw_taps_layout), or null (gathered from wd [E, KH *
+// KW]). sums (non-null): the output's channel sums, at [e0, e1).
+void pixels_part(const Geometry& g, float* d, int64_t ld, int e0, int e1, const float* be, const float* wd,
+                 const float* taps, const float* bd, float* sums);
+
 }  // namespace mlxd::rt::block_detail

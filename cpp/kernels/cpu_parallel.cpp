@@ -692,6 +692,7 @@ struct PackFns {
   int (*pack)(int, int, int, int, const float*, int, float*) = nullptr;
   int (*align)(const float*) = nullptr;
   int (*packed)(const float*, int, int, int, int, int, float, const float*, int, float, float*, int) = nullptr;
+  int (*packed_ct)(const float*, int, int, int, int, int, float, const float*, int, float, float*, int) = nullptr;
 };
 
 const PackFns& pack_fns() {
@@ -702,7 +703,8 @@ const PackFns& pack_fns() {
     p.pack = reinterpret_cast<decltype(p.pack)>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_pack_a"));
     p.align = reinterpret_cast<decltype(p.align)>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_pack_align"));
     p.packed = reinterpret_cast<decltype(p.packed)>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_serial_packed"));
-    if (!p.floats || !p.pack || !p.align || !p.packed) p = {};
+    p.packed_ct = reinterpret_cast<decltype(p.packed_ct)>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_serial_packed_ct"));
+    if (!p.floats || !p.pack || !p.align || !p.packed || !p.packed_ct) p = {};
     return p;
   }();
   return f;
@@ -731,6 +733,12 @@ bool serial_sgemm_packed(const float* pack, int r0, int m, int k, bool trans_b, 
                          int ldb, float beta, float* c, int ldc) {
   const PackFns& f = pack_fns();
   return pack && f.packed && f.packed(pack, r0, m, k, trans_b, n, alpha, b, ldb, beta, c, ldc) == 1;
+}
+
+bool serial_sgemm_packed_ct(const float* pack, int r0, int m, int k, bool trans_b, int n, float alpha, const float* b,
+                            int ldb, float beta, float* ct, int ldct) {
+  const PackFns& f = pack_fns();
+  return pack && f.packed_ct && f.packed_ct(pack, r0, m, k, trans_b, n, alpha, b, ldb, beta, ct, ldct) == 1;
 }
 
 int serial_sgemm_pack_align(const float* pack) {

@@ -209,6 +209,9 @@ const float* serial_sgemm_pack_at(const mlx::core::array& pack, int index);
 // of serial_sgemm_pack_align): the caller runs serial_sgemm on the plain operand.
 bool serial_sgemm_packed(const float* pack, int r0, int m, int k, bool trans_b, int n, float alpha, const float* b,
                          int ldb, float beta, float* c, int ldc);
+// The same product written across: ct [n, m] (row stride ldct) = (a[r0 : r0 + m] op(b))^T + beta ct.
+bool serial_sgemm_packed_ct(const float* pack, int r0, int m, int k, bool trans_b, int n, float alpha, const float* b,
+                            int ldb, float beta, float* ct, int ldct);
 int serial_sgemm_pack_align(const float* pack);
 
 }  // namespace mlxd::rt

@@ -389,6 +389,7 @@ StageAct stage_act(mlxd::BlockActivation kind, float lo, float hi, const char* w
 // derived_constant's keys for a convolution's packed weights (+ the tile m for the Winograd weights',
 // which are under m itself).
 constexpr int kConvPackKey = 16;
+constexpr int kDwTapsKey = 15;  // an inverted-residual block's depthwise weight tap by tap
 
 void exec_ConvNode(const mlxd::ConvNode& n, ExecContext& ctx) {
   const auto& x = ctx.in(n.x());
@@ -493,6 +494,8 @@ void exec_InvertedResidualNode(const mlxd::InvertedResidualNode& n, ExecContext&
     };
     if (we) ops.expand_pack = pack(n.expand_weight(), false);
     ops.project_pack = pack(n.project_weight(), true);
+    if (block_uses_taps(ops, p))
+      ops.dw_taps = ctx.derived_constant(n.dw_weight(), kDwTapsKey, [](const mx::array& a) { return block_dw_taps(a); });
     try {
       ctx.set(n.out(), block_cpu(ops, p));
     } catch (const std::invalid_argument& e) {

@@ -116,15 +116,26 @@ def node_kinds(lowered) -> Counter:
 TILINGS = {"channels": (1 << 20, 1024), "rows": (0, 1)}
 
 
-RUNS = [(case, tiling) for case in CASES for tiling in TILINGS] + [(DYNAMIC[0], "channels")]
+# "channel-rows": the whole-map schedule with its pixel-major form off (MLX_DELEGATE_BLOCK_PIXELS=0), so
+# small maps run channel by channel (the depthwise's rows of up to eight columns) as larger ones do.
+RUNS = ([(case, tiling) for case in CASES for tiling in (*TILINGS, "channel-rows")] +
+        [(DYNAMIC[0], "channels")])
+
+
+def set_schedule(monkeypatch: pytest.MonkeyPatch, tiling: str) -> tuple[int, int]:
+    """Selects a schedule (TILINGS, or "channel-rows"); returns the tiling to restore."""
+    if tiling == "channel-rows":
+        monkeypatch.setenv("MLX_DELEGATE_BLOCK_PIXELS", "0")
+    return _runtime.set_block_tiling(*TILINGS[tiling.replace("channel-rows", "channels")])
 
 
 @pytest.mark.parametrize("case,tiling", RUNS, ids=[f"{c}-{t}" for c, t in RUNS])
-def test_inverted_residual_blocks(case, tiling: str) -> None:
-    counter = "inverted_residual_" + tiling
+def test_inverted_residual_blocks(case, tiling: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    counter = "inverted_residual_" + tiling.replace("channel-rows", "channels")
     before = _runtime.cpu_kernel_call_counts().get(counter, 0)
     packed = _runtime.cpu_kernel_call_counts().get("inverted_residual_packed_weights", 0)
-    previous = _runtime.set_block_tiling(*TILINGS[tiling])
+    pixels = _runtime.cpu_kernel_call_counts().get("inverted_residual_pixels", 0)
+    previous = set_schedule(monkeypatch, tiling)
     try:
         lowered = lower_and_compare(case)
     finally:
@@ -139,6 +150,9 @@ def test_inverted_residual_blocks(case, tiling: str) -> None:
         # The 1x1 products ran on the weights laid out once for the own gemm's tile (none on MKL).
         ran = _runtime.cpu_kernel_call_counts().get("inverted_residual_packed_weights", 0) > packed
         assert ran == (_blas.sgemm_kind() != "mkl")
+        # These maps are small: the whole-map schedule runs them pixel by pixel unless switched off.
+        ran_pixels = _runtime.cpu_kernel_call_counts().get("inverted_residual_pixels", 0) > pixels
+        assert ran_pixels == (tiling == "channels")
 
 
 def _wide_net() -> nn.Module:
@@ -262,6 +276,49 @@ def test_hardswish_and_squeeze_excite_blocks(case, tiling: str) -> None:
         (acts.Silu, acts.Sigmoid)]
     if cpu_kernels_active():
         assert _runtime.cpu_kernel_call_counts().get("inverted_residual", 0) > before
+
+
+def _small_maps_net() -> nn.Module:
+    torch.manual_seed(7)
+    net = nn.Sequential(
+        SEBlock(24, 40, 2, 3, k=5, act=nn.Hardswish),   # 11x11 -> 6x6, E 72 (four groups of 16 and one of 8)
+        SEBlock(40, 40, 1, 3, k=5, act=nn.Hardswish),   # E 120, the gate scales the depthwise rows (P 36 < O)
+        Block(40, 24, 1, 4, act=nn.ReLU6),              # E 160, no squeeze-excite
+        SEBlock(24, 24, 1, 4, k=3, act=nn.ReLU),        # E 96
+    )
+    g = torch.Generator().manual_seed(2)
+    for bn in net.modules():
+        if isinstance(bn, nn.BatchNorm2d):
+            bn.running_mean.copy_(torch.randn(bn.num_features, generator=g) * 0.1)
+            bn.running_var.copy_(torch.rand(bn.num_features, generator=g) + 0.5)
+            bn.weight.data.copy_(torch.rand(bn.num_features, generator=g) + 0.5)
+            bn.bias.data.copy_(torch.randn(bn.num_features, generator=g) * 0.1)
+    return net.eval()
+
+
+# MobileNetV3's late stages in small: expanded channels in several groups of sixteen with a partial last
+# one, 5x5 windows at strides 2 and 1 on a 6x6 map, batch 2, with and without squeeze-excite; run
+# pixel by pixel (the default for small maps) and channel by channel, against eager and each other.
+SMALL_MAPS = cases("small_map_blocks", _small_maps_net, lambda: (torch.randn(2, 24, 11, 11),),
+                   (torch.float32, torch.bfloat16, torch.float16), is_module=True,
+                   tolerance={torch.float32: fp32_tolerance(128), torch.bfloat16: (8e-2, 1e-1),
+                              torch.float16: (2e-2, 2e-2)})
+
+
+@pytest.mark.parametrize("case", SMALL_MAPS, ids=str)
+def test_small_maps_pixel_by_pixel_match_channel_by_channel(case, monkeypatch: pytest.MonkeyPatch) -> None:
+    before = _runtime.cpu_kernel_call_counts().get("inverted_residual_pixels", 0)
+    lowered = lower_and_compare(case)
+    assert node_kinds(lowered)["InvertedResidualNode"] == 4
+    if not cpu_kernels_active():
+        return
+    assert _runtime.cpu_kernel_call_counts().get("inverted_residual_pixels", 0) > before
+    inputs, method = case.inputs(), lowered.fresh_method()
+    pixels = [o.float() for o in method.execute(inputs)]
+    monkeypatch.setenv("MLX_DELEGATE_BLOCK_PIXELS", "0")
+    channels = [o.float() for o in method.execute(inputs)]
+    for a, b in zip(pixels, channels):
+        torch.testing.assert_close(a, b, rtol=case.rtol, atol=case.atol)
 
 
 class GateElsewhere(nn.Module):
