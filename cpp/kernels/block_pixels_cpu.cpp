@@ -42,21 +42,20 @@ MLXD_INLINE V16 clamp16(V16 v, V16 lo, V16 hi) {
   return hi < v ? hi : v;
 }
 
-// The function after an activation's clamp, for the kinds vector_act takes. A multiply by 1/6 where
-// unary_cpu's maps divide by 6 (within an ulp of them): the divisions took a third of the pass.
+// The function after an activation's clamp, for the kinds vector_act takes (none, hard-swish). A
+// multiply by 1/6 where unary_cpu's map divides by 6 (within an ulp of it): the divisions took a third
+// of the pass.
 MLXD_INLINE V16 act16(int act, V16 x) {
   if (act < 0) return x;
   V16 r = x + 3.f;
   r = r < 0.f ? splat(0.f) : r;
   r = 6.f < r ? splat(6.f) : r;
-  constexpr float kSixth = 1.f / 6.f;
-  return act == static_cast<int>(UnaryKernel::hardswish) ? x * r * kSixth : r * kSixth;
+  return x * r * (1.f / 6.f);
 }
 
-bool vector_act(const BlockActivation& a) {
-  return a.act < 0 || a.act == static_cast<int>(UnaryKernel::hardswish) ||
-         a.act == static_cast<int>(UnaryKernel::hardsigmoid);
-}
+// The blocks' stage activations: clamps (ReLU, ReLU6) and hard-swish (MobileNetV3); SiLU / GELU stages
+// keep the channel-major form, whose maps run over whole channel runs.
+bool vector_act(const BlockActivation& a) { return a.act < 0 || a.act == static_cast<int>(UnaryKernel::hardswish); }
 
 // The plane's rows and columns: the input at (ph, pw) with zero borders, and every column a run of
 // kMaxRun output pixels reads.
