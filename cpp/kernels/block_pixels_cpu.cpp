@@ -67,12 +67,12 @@ int64_t plane_cols(const Geometry& g) {
 // Q output pixels of one row from `top` (the plane at their first input pixel; `row`: floats per
 // plane row), n of them stored at out (row stride ld).
 template <int Q>
-MLXD_INLINE void dw_run(const Geometry& g, const float* top, int64_t row, const float* w, V16 bias, V16 lo, V16 hi,
-                        float* out, int64_t ld, int n) {
+MLXD_INLINE void dw_run(const Geometry& g, const float* top, int64_t row, int ki0, int ki1, const float* w, V16 bias,
+                        V16 lo, V16 hi, float* out, int64_t ld, int n) {
   const int64_t step = int64_t{g.sw} * kLanes;
   V16 acc[Q];
   for (int i = 0; i < Q; ++i) acc[i] = bias;
-  for (int ki = 0; ki < g.KH; ++ki)
+  for (int ki = ki0; ki < ki1; ++ki)
     for (int kj = 0; kj < g.KW; ++kj) {
       const V16 wv = load16(w + (ki * g.KW + kj) * kLanes);
       const float* p = top + ki * row + kj * kLanes;
@@ -104,9 +104,11 @@ MLXD_INLINE void group_impl(const Geometry& g, float* d, int64_t ld, int c, int 
   const V16 bias = load16(db), lo = splat(g.da.lo), hi = splat(g.da.hi);
   for (int oh = 0; oh < g.OH; ++oh) {
     const float* top = plane + int64_t{oh} * g.sh * row;
+    // Window rows on the zero border add nothing: a 7x7 map's 5x5 windows read 29 of 35 rows.
+    const int first = oh * g.sh - g.ph, ki0 = std::max(0, -first), ki1 = std::min(g.KH, g.H - first);
     for (int ow = 0; ow < g.OW; ow += Q)
-      dw_run<Q>(g, top + int64_t{ow} * g.sw * kLanes, row, w, bias, lo, hi, d + (int64_t{oh} * g.OW + ow) * ld + c,
-                ld, std::min(Q, g.OW - ow));
+      dw_run<Q>(g, top + int64_t{ow} * g.sw * kLanes, row, ki0, ki1, w, bias, lo, hi,
+                d + (int64_t{oh} * g.OW + ow) * ld + c, ld, std::min(Q, g.OW - ow));
   }
   if (!sums) return;
   V16 s = zero;
