@@ -1,6 +1,7 @@
 // Inverted-residual block on the CPU (see block_cpu.h).
 //
-// Small maps run whole (run_channels). On larger ones, per image, the output
+// Small maps run whole (run_channels), the smallest (14x14, 7x7) pixel by pixel
+// (block_pixels_cpu.cpp). On larger ones, per image, the output
 // rows are cut into one band per pool thread; a band is
 // walked in tiles of T output rows. A tile needs the padded input rows
 // [r0 * sh, (r1 - 1) * sh + KH) of the expanded activation; those it shares

@@ -8,7 +8,9 @@
 // tiles small enough to stay in its core's cache: the expand sgemm
 // fills the tile's input rows (rows shared with the previous tile are kept, not
 // recomputed), the depthwise loop reads them from a zero-bordered buffer, and
-// the project sgemm writes the tile's output rows in place. A block with
+// the project sgemm writes the tile's output rows in place. The smallest maps
+// (14x14, 7x7) run pixel by pixel: the depthwise then takes sixteen channels
+// per vector where a channel's row filled 7 of 8 lanes. A block with
 // squeeze-excite always runs whole (the gate needs every depthwise output
 // before the project): the channel means are summed as the depthwise writes
 // each channel, and the gate is folded into the project's weights.

@@ -116,12 +116,16 @@ MLXD_INLINE void group_impl(const Geometry& g, float* d, int64_t ld, int c, int 
   for (int i = 0; i < n; ++i) sums[i] = s[i];
 }
 
-// The instances: eight pixels a block on sixteen-lane registers, four where a vector is two
-// (AVX2) or four (SSE, NEON) registers.
+// The instances: eight pixels a block on sixteen-lane registers (seven on rows of 7 or 14, which eight
+// would pad by one in eight), four where a vector is two (AVX2) or four (SSE, NEON) registers.
 #ifdef MLXD_CPU_X86
 MLXD_AVX512 void group_avx512(const Geometry& g, float* d, int64_t ld, int c, int n, const float* eb, const float* w,
                               const float* db, float* plane, float* sums) {
   group_impl<8>(g, d, ld, c, n, eb, w, db, plane, sums);
+}
+MLXD_AVX512 void group_avx512_7(const Geometry& g, float* d, int64_t ld, int c, int n, const float* eb,
+                                const float* w, const float* db, float* plane, float* sums) {
+  group_impl<7>(g, d, ld, c, n, eb, w, db, plane, sums);
 }
 MLXD_AVX2 void group_avx2(const Geometry& g, float* d, int64_t ld, int c, int n, const float* eb, const float* w,
                           const float* db, float* plane, float* sums) {
@@ -135,9 +139,9 @@ void group_portable(const Geometry& g, float* d, int64_t ld, int c, int n, const
 
 using GroupFn = void (*)(const Geometry&, float*, int64_t, int, int, const float*, const float*, const float*, float*,
                          float*);
-GroupFn group_fn() {
+GroupFn group_fn(const Geometry& g) {
 #ifdef MLXD_CPU_X86
-  if (cpu_use_avx512()) return group_avx512;
+  if (cpu_use_avx512()) return g.OW % 7 == 0 ? group_avx512_7 : group_avx512;
   if (cpu_use_avx2()) return group_avx2;
 #endif
   return group_portable;
@@ -173,7 +177,7 @@ void pixels_part(const Geometry& g, float* d, int64_t ld, int e0, int e1, const 
   s.plane.assign(plane_rows(g) * plane_cols(g) * kLanes, 0.f);  // the borders stay zero across groups
   const int T = g.KH * g.KW;
   s.taps.resize(int64_t{T} * kLanes);
-  const GroupFn run = group_fn();
+  const GroupFn run = group_fn(g);
   for (int c = e0; c < e1; c += kLanes) {
     const int n = std::min(kLanes, e1 - c);
     alignas(64) float eb[kLanes] = {}, db[kLanes] = {};
