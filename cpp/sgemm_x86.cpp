@@ -450,8 +450,12 @@ int own_pack_a_align(const float* pack) {
   return h.width;
 }
 
-bool own_sgemm_packed_a(const float* pack, int r0, int m, int k, bool trans_b, int n, float alpha, const float* b,
-                        int ldb, float beta, float* c, int ldc) {
+namespace {
+// The products of rows [r0, r0 + m) on a pack, written as c (Across false) or across into ct: false when
+// `pack` is not one of this tile's, holds another k, or the rows are outside it or not aligned.
+template <bool Across>
+bool run_packed(const float* pack, int r0, int m, int k, bool trans_b, int n, float alpha, const float* b, int ldb,
+                float beta, float* c, int ldc) {
   PackHeader h;
   std::memcpy(&h, pack, sizeof h);
   if (h.magic != kPackMagic || h.isa <= 0 || h.isa > own_sgemm_best() || h.k != k || r0 < 0 || m < 0 ||
@@ -459,31 +463,29 @@ bool own_sgemm_packed_a(const float* pack, int r0, int m, int k, bool trans_b, i
     return false;
   if (m == 0 || n <= 0) return true;
   if (h.k <= 0 || alpha == 0.f) {
-    scale_c(m, n, beta, c, ldc);
+    Across ? scale_c(n, m, beta, c, ldc) : scale_c(m, n, beta, c, ldc);
     return true;
   }
-  if (h.isa == kOwnAvx512) packed_sgemm<Avx512Tile>(h, pack + kPackHeader, r0, m, trans_b, n, alpha, b, ldb, beta, c, ldc);
-  else packed_sgemm<Avx2Tile>(h, pack + kPackHeader, r0, m, trans_b, n, alpha, b, ldb, beta, c, ldc);
+  const float* panels = pack + kPackHeader;
+  if constexpr (Across) {
+    if (h.isa == kOwnAvx512) packed_sgemm_ct<Avx512Tile>(h, panels, r0, m, trans_b, n, alpha, b, ldb, beta, c, ldc);
+    else packed_sgemm_ct<Avx2Tile>(h, panels, r0, m, trans_b, n, alpha, b, ldb, beta, c, ldc);
+  } else {
+    if (h.isa == kOwnAvx512) packed_sgemm<Avx512Tile>(h, panels, r0, m, trans_b, n, alpha, b, ldb, beta, c, ldc);
+    else packed_sgemm<Avx2Tile>(h, panels, r0, m, trans_b, n, alpha, b, ldb, beta, c, ldc);
+  }
   return true;
+}
+}  // namespace
+
+bool own_sgemm_packed_a(const float* pack, int r0, int m, int k, bool trans_b, int n, float alpha, const float* b,
+                        int ldb, float beta, float* c, int ldc) {
+  return run_packed<false>(pack, r0, m, k, trans_b, n, alpha, b, ldb, beta, c, ldc);
 }
 
 bool own_sgemm_packed_a_ct(const float* pack, int r0, int m, int k, bool trans_b, int n, float alpha, const float* b,
                            int ldb, float beta, float* ct, int ldct) {
-  PackHeader h;
-  std::memcpy(&h, pack, sizeof h);
-  if (h.magic != kPackMagic || h.isa <= 0 || h.isa > own_sgemm_best() || h.k != k || r0 < 0 || m < 0 ||
-      r0 + m > h.m || r0 % h.width != 0)
-    return false;
-  if (m == 0 || n <= 0) return true;
-  if (h.k <= 0 || alpha == 0.f) {
-    scale_c(n, m, beta, ct, ldct);
-    return true;
-  }
-  if (h.isa == kOwnAvx512)
-    packed_sgemm_ct<Avx512Tile>(h, pack + kPackHeader, r0, m, trans_b, n, alpha, b, ldb, beta, ct, ldct);
-  else
-    packed_sgemm_ct<Avx2Tile>(h, pack + kPackHeader, r0, m, trans_b, n, alpha, b, ldb, beta, ct, ldct);
-  return true;
+  return run_packed<true>(pack, r0, m, k, trans_b, n, alpha, b, ldb, beta, ct, ldct);
 }
 
 #else  // not x86-64: the front keeps the loaded BLAS

@@ -30,6 +30,18 @@ def conv_bn(cin: int, cout: int, k: int, stride: int = 1, groups: int = 1,
     return nn.Sequential(*layers, *([act()] if act else []))
 
 
+def nontrivial_batchnorms(net: nn.Module, seed: int) -> nn.Module:
+    """Random BatchNorm statistics and affine terms (folded into the block's weights), net in eval mode."""
+    g = torch.Generator().manual_seed(seed)
+    for bn in net.modules():
+        if isinstance(bn, nn.BatchNorm2d):
+            bn.running_mean.copy_(torch.randn(bn.num_features, generator=g) * 0.1)
+            bn.running_var.copy_(torch.rand(bn.num_features, generator=g) + 0.5)
+            bn.weight.data.copy_(torch.rand(bn.num_features, generator=g) + 0.5)
+            bn.bias.data.copy_(torch.randn(bn.num_features, generator=g) * 0.1)
+    return net.eval()
+
+
 class Block(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int, expand: int, k: int = 3,
                  act: type[nn.Module] = nn.ReLU6) -> None:
@@ -67,13 +79,7 @@ class Net(nn.Module):
             Block(7, 9, 1, 3, k=5, act=nn.ReLU),  # 5x5 depthwise, ReLU, no residual
         )
         self.shared = Shared()
-        g = torch.Generator().manual_seed(0)
-        for bn in self.modules():  # non-trivial folded BatchNorms
-            if isinstance(bn, nn.BatchNorm2d):
-                bn.running_mean.copy_(torch.randn(bn.num_features, generator=g) * 0.1)
-                bn.running_var.copy_(torch.rand(bn.num_features, generator=g) + 0.5)
-                bn.weight.data.copy_(torch.rand(bn.num_features, generator=g) + 0.5)
-                bn.bias.data.copy_(torch.randn(bn.num_features, generator=g) * 0.1)
+        nontrivial_batchnorms(self, seed=0)
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         return [self.blocks(x), *self.shared(x)]
@@ -233,14 +239,7 @@ def _v3_net() -> nn.Module:
         SEBlock(7, 7, 1, 4, k=5, act=nn.ReLU),               # 5x5 stride 1, ReLU, squeeze-excite, residual
         SEBlock(7, 6, 1, 1, k=3, act=nn.SiLU, se_act=nn.SiLU, gate=nn.Sigmoid),  # EfficientNet's: no expand
     )
-    g = torch.Generator().manual_seed(1)
-    for bn in net.modules():
-        if isinstance(bn, nn.BatchNorm2d):
-            bn.running_mean.copy_(torch.randn(bn.num_features, generator=g) * 0.1)
-            bn.running_var.copy_(torch.rand(bn.num_features, generator=g) + 0.5)
-            bn.weight.data.copy_(torch.rand(bn.num_features, generator=g) + 0.5)
-            bn.bias.data.copy_(torch.randn(bn.num_features, generator=g) * 0.1)
-    return net.eval()
+    return nontrivial_batchnorms(net, seed=1)
 
 
 # Batch 2: one gate per image. 27 columns, then 14 after the stride: the depthwise's sixteen-lane rows
@@ -286,14 +285,7 @@ def _small_maps_net() -> nn.Module:
         Block(40, 24, 1, 4, act=nn.ReLU6),              # E 160, no squeeze-excite
         SEBlock(24, 24, 1, 4, k=3, act=nn.ReLU),        # E 96
     )
-    g = torch.Generator().manual_seed(2)
-    for bn in net.modules():
-        if isinstance(bn, nn.BatchNorm2d):
-            bn.running_mean.copy_(torch.randn(bn.num_features, generator=g) * 0.1)
-            bn.running_var.copy_(torch.rand(bn.num_features, generator=g) + 0.5)
-            bn.weight.data.copy_(torch.rand(bn.num_features, generator=g) + 0.5)
-            bn.bias.data.copy_(torch.randn(bn.num_features, generator=g) * 0.1)
-    return net.eval()
+    return nontrivial_batchnorms(net, seed=2)
 
 
 # MobileNetV3's late stages in small: expanded channels in several groups of sixteen with a partial last
