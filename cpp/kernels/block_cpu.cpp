@@ -110,10 +110,10 @@ void dot_rows(const float* w, int64_t ld, int rows, int len, const float* x, flo
 #ifdef MLXD_CPU_X86
   if (cpu_use_avx2()) return dot_rows_avx2(w, ld, rows, len, x, y);
 #endif
-  for (int r = 0; r < rows; ++r) {
-    float s = 0.f;
-    for (int i = 0; i < len; ++i) s += w[r * ld + i] * x[i];
-    y[r] = s;
+  for (int r = 0; r < rows; ++r) {  // in float64: one float32 running sum lost digits eager's products keep
+    double s = 0.0;
+    for (int i = 0; i < len; ++i) s += double(w[r * ld + i]) * x[i];
+    y[r] = static_cast<float>(s);
   }
 }
 

@@ -74,14 +74,14 @@ int64_t plane_cols(const Geometry& g) {
 // Q output pixels of one row from `top` (the plane at their first input pixel; `row`: floats per
 // plane row), n of them stored at out (row stride ld).
 template <int Q>
-MLXD_INLINE void dw_run(const Geometry& g, const float* top, int64_t row, int ki0, int ki1, const float* w, V16 bias,
-                        V16 lo, V16 hi, float* out, int64_t ld, int n) {
+MLXD_INLINE void dw_run(const Geometry& g, const float* top, int64_t row, int ki0, int ki1, const float* w,
+                        int64_t ws, V16 bias, V16 lo, V16 hi, float* out, int64_t ld, int n) {
   const int64_t step = int64_t{g.sw} * kLanes;
   V16 acc[Q];
   for (int i = 0; i < Q; ++i) acc[i] = bias;
   for (int ki = ki0; ki < ki1; ++ki)
     for (int kj = 0; kj < g.KW; ++kj) {
-      const V16 wv = load16(w + (ki * g.KW + kj) * kLanes);
+      const V16 wv = load16(w + (ki * g.KW + kj) * ws);
       const float* p = top + ki * row + kj * kLanes;
 #pragma GCC unroll 8
       for (int i = 0; i < Q; ++i) acc[i] += wv * load16(p + i * step);
@@ -95,7 +95,7 @@ MLXD_INLINE void dw_run(const Geometry& g, const float* top, int64_t row, int ki
 // the same columns, and (sums non-null) the output's channel sums.
 template <int Q>
 MLXD_INLINE void group_impl(const Geometry& g, float* d, int64_t ld, int c, int n, const float* eb, const float* w,
-                            const float* db, float* plane, float* sums) {
+                            int64_t ws, const float* db, float* plane, float* sums) {
   const int64_t Wp = plane_cols(g), row = Wp * kLanes;
   const I16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const I16 valid = lane < n;
@@ -114,7 +114,7 @@ MLXD_INLINE void group_impl(const Geometry& g, float* d, int64_t ld, int c, int 
     // Window rows on the zero border add nothing: a 7x7 map's 5x5 windows read 29 of 35 rows.
     const int first = oh * g.sh - g.ph, ki0 = std::max(0, -first), ki1 = std::min(g.KH, g.H - first);
     for (int ow = 0; ow < g.OW; ow += Q)
-      dw_run<Q>(g, top + int64_t{ow} * g.sw * kLanes, row, ki0, ki1, w, bias, lo, hi,
+      dw_run<Q>(g, top + int64_t{ow} * g.sw * kLanes, row, ki0, ki1, w, ws, bias, lo, hi,
                 d + (int64_t{oh} * g.OW + ow) * ld + c, ld, std::min(Q, g.OW - ow));
   }
   if (!sums) return;
@@ -132,25 +132,25 @@ MLXD_INLINE void group_impl(const Geometry& g, float* d, int64_t ld, int c, int 
 // would pad by one in eight), four where a vector is two (AVX2) or four (SSE, NEON) registers.
 #ifdef MLXD_CPU_X86
 MLXD_AVX512 void group_avx512(const Geometry& g, float* d, int64_t ld, int c, int n, const float* eb, const float* w,
-                              const float* db, float* plane, float* sums) {
-  group_impl<8>(g, d, ld, c, n, eb, w, db, plane, sums);
+                              int64_t ws, const float* db, float* plane, float* sums) {
+  group_impl<8>(g, d, ld, c, n, eb, w, ws, db, plane, sums);
 }
 MLXD_AVX512 void group_avx512_7(const Geometry& g, float* d, int64_t ld, int c, int n, const float* eb,
-                                const float* w, const float* db, float* plane, float* sums) {
-  group_impl<7>(g, d, ld, c, n, eb, w, db, plane, sums);
+                                const float* w, int64_t ws, const float* db, float* plane, float* sums) {
+  group_impl<7>(g, d, ld, c, n, eb, w, ws, db, plane, sums);
 }
 MLXD_AVX2 void group_avx2(const Geometry& g, float* d, int64_t ld, int c, int n, const float* eb, const float* w,
-                          const float* db, float* plane, float* sums) {
-  group_impl<4>(g, d, ld, c, n, eb, w, db, plane, sums);
+                          int64_t ws, const float* db, float* plane, float* sums) {
+  group_impl<4>(g, d, ld, c, n, eb, w, ws, db, plane, sums);
 }
 #endif
 void group_portable(const Geometry& g, float* d, int64_t ld, int c, int n, const float* eb, const float* w,
-                    const float* db, float* plane, float* sums) {
-  group_impl<4>(g, d, ld, c, n, eb, w, db, plane, sums);
+                    int64_t ws, const float* db, float* plane, float* sums) {
+  group_impl<4>(g, d, ld, c, n, eb, w, ws, db, plane, sums);
 }
 
-using GroupFn = void (*)(const Geometry&, float*, int64_t, int, int, const float*, const float*, const float*, float*,
-                         float*);
+using GroupFn = void (*)(const Geometry&, float*, int64_t, int, int, const float*, const float*, int64_t,
+                         const float*, float*, float*);
 GroupFn group_fn(const Geometry& g) {
 #ifdef MLXD_CPU_X86
   if (cpu_use_avx512()) return g.OW % 7 == 0 ? group_avx512_7 : group_avx512;
@@ -161,7 +161,7 @@ GroupFn group_fn(const Geometry& g) {
 
 struct PlaneScratch {
   std::vector<float> plane;
-  std::vector<float> taps;  // the group's weight, [KH * KW][16]
+  std::vector<float> taps;  // a group's weight gathered, [KH * KW][16] (no load-time layout)
 };
 PlaneScratch& plane_scratch() {
   thread_local PlaneScratch s;
@@ -197,16 +197,15 @@ void pixels_part(const Geometry& g, float* d, int64_t ld, int e0, int e1, const 
       eb[i] = be ? be[c + i] : 0.f;
       db[i] = bd ? bd[c + i] : 0.f;
     }
-    for (int t = 0; t < T; ++t) {  // the group's weight tap by tap: the load-time layout, else gathered
-      float* w = s.taps.data() + t * kLanes;
-      if (taps) {
-        std::memcpy(w, taps + t * pixel_ld(g.E) + c, kLanes * sizeof(float));
-      } else {
-        std::fill_n(w, kLanes, 0.f);
-        for (int i = 0; i < n; ++i) w[i] = wd[int64_t{c + i} * T + t];
-      }
+    // The group's weight tap by tap: read in place from the load-time layout, else gathered.
+    const float* w = taps ? taps + c : s.taps.data();
+    const int64_t ws = taps ? pixel_ld(g.E) : kLanes;
+    if (!taps) {
+      std::fill(s.taps.begin(), s.taps.end(), 0.f);
+      for (int t = 0; t < T; ++t)
+        for (int i = 0; i < n; ++i) s.taps[int64_t{t} * kLanes + i] = wd[int64_t{c + i} * T + t];
     }
-    run(g, d, ld, c, n, eb, s.taps.data(), db, s.plane.data(), sums ? sums + c : nullptr);
+    run(g, d, ld, c, n, eb, w, ws, db, s.plane.data(), sums ? sums + c : nullptr);
   }
 }
 
