@@ -32,7 +32,7 @@ using Clock = std::chrono::steady_clock;
 constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
 // Evaluations at least this long (smoothed) lend the caller's OpenMP team to the kernel pool: shorter
 // ones (a 100 Hz tiny graph) seldom split their work, and the team's worker would spin after each call.
-constexpr double kOmpTeamMinEvalUs = 200;
+constexpr double kOmpTeamMinCallUs = 200;
 // ... and only while the calling thread works between calls (at least this share of the gap on the
 // CPU: eager torch, a decode loop's sampling): after a lent call the team's worker spins (libgomp's
 // GOMP_SPINCOUNT, ~10-15 ms) until the next parallel region, which only burns a core where the caller
@@ -514,19 +514,18 @@ void eval_impl(std::vector<mx::array>& arrays, EvalPace* pace, bool small) {
 constexpr int kProbeCalls = EvalPace::kWindow + 1, kProbeEveryMin = 16, kProbeEveryMax = 256;
 }  // namespace
 
-double EvalPace::Recent::median() const {
+double EvalPace::Recent::mean() const {
   if (n == 0) return -1;
-  double v[kWindow];
-  std::copy(us, us + n, v);
-  std::nth_element(v, v + n / 2, v + n);
-  return v[n / 2];
+  double sum = 0;
+  for (int i = 0; i < n; ++i) sum += us[i];
+  return sum / n;
 }
 
 namespace {
 
 bool choose_lend(EvalPace& pace) {
   const OmpTeam mode = pool_omp_team();
-  if (mode == OmpTeam::Off || pace.eval_us < kOmpTeamMinEvalUs) return false;
+  if (mode == OmpTeam::Off || pace.call_us < kOmpTeamMinCallUs) return false;
   if (mode == OmpTeam::Always) return true;
   if (pace.gap_busy < kOmpTeamMinGapBusy) return false;
   // A method's first calls fill both windows, lent first: deciding on one or two samples of a mode
@@ -544,7 +543,7 @@ bool choose_lend(EvalPace& pace) {
   // faster there) for up to kProbeEveryMax calls (SmolLM2 Q4_1 through the stock runtime: 3 of 33 calls
   // lent in a round, 102-123 tok/s against 152-180).
   if (pace.decide || !pace.decided) {
-    const bool prefer = pace.lent.median() < pace.own.median();
+    const bool prefer = pace.lent.mean() < pace.own.mean();
     pace.probe_every = pace.decided && prefer == pace.probe_prefer_lent
                            ? std::min(2 * pace.probe_every, kProbeEveryMax) : kProbeEveryMin;
     pace.probe_prefer_lent = prefer;
@@ -576,6 +575,10 @@ void eval_adaptive(std::vector<mx::array>& arrays, EvalPace& pace, bool small) {
   if (!lent) eval_impl(arrays, &pace, small);
   pace.last_end_ns = now_ns();
   pace.last_end_cpu_ns = thread_cpu_ns();
+  if (known) {  // a method's first call may build its kernels
+    const double call_us = (pace.last_end_ns - start) / 1e3;
+    pace.call_us = pace.call_us < 0 ? call_us : 0.75 * pace.call_us + 0.25 * call_us;
+  }
   // A call right after one in the other mode is not measured: after a lent call the team's worker spins
   // on (~10-15 ms) against the pool's helpers, and the first lent call may wake a sleeping worker.
   if (known && lent == pace.last_lent) (lent ? pace.lent : pace.own).add((pace.last_end_ns - start) / 1e3);

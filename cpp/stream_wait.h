@@ -38,13 +38,17 @@ namespace mx = mlx::core;
 // took recently (decides whether the caller spins for the result).
 struct EvalPace {
   double eval_us = -1;  // smoothed wall time from enqueue to result; < 0 before the first call
+  // smoothed wall time of the whole evaluation, enqueueing included (the stream thread runs the first
+  // nodes while later ones are enqueued, so eval_us can be a fraction of it); < 0 before the first call
+  double call_us = -1;
   // smoothed share of the time from one evaluation's result to the next one's start that the calling
   // thread spent on the CPU; < 0 until known
   double gap_busy = -1;
   int64_t last_end_ns = 0, last_end_cpu_ns = 0;
   // The OpenMP team's lending, chosen by measurement (stream_wait.cpp, eval_adaptive): recent wall times
-  // of an evaluation with the team lent and without (their median: one late wake-up of the team's worker
-  // must not flip the choice), and the probes of the mode not chosen.
+  // of an evaluation with the team lent and without (compared by their means: unlent calls alternating
+  // with eager torch are fast or slow by whether its worker still spins, and a median of five picked
+  // the fast third by chance), and the probes of the mode not chosen.
   static constexpr int kWindow = 5;
   struct Recent {
     double us[kWindow];
@@ -52,7 +56,7 @@ struct EvalPace {
     void add(double v) {
       us[next] = v, next = (next + 1) % kWindow, n = n < kWindow ? n + 1 : kWindow;
     }
-    double median() const;  // < 0 while empty
+    double mean() const;  // < 0 while empty
   } lent, own;
   bool last_lent = false;
   int probe_left = 0, since_probe = 0, probe_every = 16;
