@@ -2,6 +2,7 @@
 #include "sgemm_x86.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -106,18 +107,30 @@ inline void prefetch_panel(bool trans_b, const float* b, int64_t ldb, int j, int
   }
 }
 
+// Whether the tiles read whole panels of an untransposed b where it lies (row stride ldb) instead of
+// a packed copy: the copy was a pass over b per call, 3-5 % of MobileNetV2 / V3 at batch 1. Not where
+// rows lie a multiple of 1 KiB apart (a panel's rows would share a few L1 sets). Off with
+// MLX_DELEGATE_SGEMM_B_IN_PLACE=0 (read at start-up; A/B runs).
+inline bool b_in_place(int64_t ldb) {
+  static const bool on = [] {
+    const char* e = std::getenv("MLX_DELEGATE_SGEMM_B_IN_PLACE");
+    return !(e && e[0] == '0');
+  }();
+  return on && (ldb * 4) % 1024 != 0;
+}
+
 // The register tile's body, one for both instruction sets: V is a GCC vector of kNr / 2 floats, so the
 // same code becomes AVX2 (ymm) or AVX-512 (zmm) instructions in the tile it is inlined into. Mr rows of
 // two accumulators each: per k step two loads of b, Mr broadcasts of a and 2 Mr independent FMAs (the
 // multiply-adds contract: the library builds as GNU C++). Then c = alpha acc + beta c (beta 0: c is not
 // read).
 template <typename V, int Mr, int Nr>
-__attribute__((always_inline)) inline void tile_body(int kc, const float* a, const float* b, float* c, int64_t ldc,
-                                                     float alpha, float beta) {
+__attribute__((always_inline)) inline void tile_body(int kc, const float* a, const float* b, int64_t bs, float* c,
+                                                     int64_t ldc, float alpha, float beta) {
   constexpr int kLanes = sizeof(V) / sizeof(float);
   static_assert(Nr == 2 * kLanes);
   V acc[Mr][2] = {};  // fully unrolled below, so the compiler keeps them all in registers
-  for (int p = 0; p < kc; ++p, a += Mr, b += Nr) {
+  for (int p = 0; p < kc; ++p, a += Mr, b += bs) {
     V b0, b1;
     std::memcpy(&b0, b, sizeof(V));
     std::memcpy(&b1, b + kLanes, sizeof(V));
@@ -152,8 +165,8 @@ struct Avx2Tile {
   // ViT-B/16 and BERT, one core each).
   static constexpr int kMaxKc = 384;
   MLXD_SGEMM_AVX2 static void tile(int kc, const float* a, const float* b, float* c, int64_t ldc, float alpha,
-                                   float beta) {
-    tile_body<Floats8, kMr, kNr>(kc, a, b, c, ldc, alpha, beta);
+                                   float beta, int64_t bs = kNr) {
+    tile_body<Floats8, kMr, kNr>(kc, a, b, bs, c, ldc, alpha, beta);
   }
 };
 
@@ -163,8 +176,8 @@ struct Avx512Tile {
   static constexpr int kMr = 8, kNr = 32;
   static constexpr int kMaxKc = 256;  // a 32-column panel: 32 KiB of L1 at 256
   MLXD_SGEMM_AVX512 static void tile(int kc, const float* a, const float* b, float* c, int64_t ldc, float alpha,
-                                     float beta) {
-    tile_body<Floats16, kMr, kNr>(kc, a, b, c, ldc, alpha, beta);
+                                     float beta, int64_t bs = kNr) {
+    tile_body<Floats16, kMr, kNr>(kc, a, b, bs, c, ldc, alpha, beta);
   }
 };
 
@@ -174,8 +187,8 @@ struct Avx512Tile7 {
   static constexpr int kMr = 7, kNr = 32;
   static constexpr int kMaxKc = Avx512Tile::kMaxKc;  // the same k blocks: packed weights serve both
   MLXD_SGEMM_AVX512 static void tile(int kc, const float* a, const float* b, float* c, int64_t ldc, float alpha,
-                                     float beta) {
-    tile_body<Floats16, kMr, kNr>(kc, a, b, c, ldc, alpha, beta);
+                                     float beta, int64_t bs = kNr) {
+    tile_body<Floats16, kMr, kNr>(kc, a, b, bs, c, ldc, alpha, beta);
   }
 };
 
@@ -183,9 +196,9 @@ struct Avx512Tile7 {
 // then its mr x nr corner combined into c.
 template <typename T>
 MLXD_SGEMM_AVX2 void edge_tile(int kc, const float* a, const float* b, float* c, int64_t ldc, int mr, int nr, float alpha,
-               float beta) {
+               float beta, int64_t bs = T::kNr) {
   alignas(64) float t[T::kMr * T::kNr];
-  T::tile(kc, a, b, t, T::kNr, alpha, 0.f);
+  T::tile(kc, a, b, t, T::kNr, alpha, 0.f, bs);
   for (int r = 0; r < mr; ++r)
     for (int q = 0; q < nr; ++q) {
       float& out = c[r * ldc + q];
@@ -257,7 +270,9 @@ void blocked_sgemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha,
           // op(b)'s panels are packed during the first row block, each just before its tiles, so
           // reading them from memory overlaps the tiles' arithmetic (and its prefetched source) where
           // packing the whole block first left both threads waiting on memory at once.
-          if (ic == 0 && !pb.base) pack_b_panel(trans_b, b, ldb, jc + j, pc, kc, nr, kNr, s.b + int64_t{j} * kc);
+          // A whole panel of an untransposed b is read where it lies (b_in_place), else packed.
+          const bool in_place = !trans_b && !pb.base && nr == kNr && b_in_place(ldb);
+          if (ic == 0 && !pb.base && !in_place) pack_b_panel(trans_b, b, ldb, jc + j, pc, kc, nr, kNr, s.b + int64_t{j} * kc);
           const bool fetch_next = ic == 0 && j + kNr < nc && !pb.base;
           const int tiles = (mc + kMr - 1) / kMr;
           for (int i = 0, t = 0; i < mc; i += kMr, ++t) {
@@ -265,9 +280,9 @@ void blocked_sgemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha,
             if (fetch_next) prefetch_panel(trans_b, b, ldb, jc + j + kNr, pc, kc, std::min(kNr, nc - j - kNr), t, tiles);
             float* out = c + int64_t{ic + i} * ldc + jc + j;
             const float* ap = pa.base ? pa.at(pc, ic + i, kc) : s.a + int64_t{i} * kc;
-            const float* bp = pb.base ? pb.at(pc, jc + j, kc) : s.b + int64_t{j} * kc;
-            if (mr == kMr && nr == kNr) T::tile(kc, ap, bp, out, ldc, alpha, beta_here);
-            else edge_tile<T>(kc, ap, bp, out, ldc, mr, nr, alpha, beta_here);
+            const float* bp = pb.base ? pb.at(pc, jc + j, kc) : in_place ? b + int64_t{pc} * ldb + jc + j : s.b + int64_t{j} * kc;
+            if (mr == kMr && nr == kNr) T::tile(kc, ap, bp, out, ldc, alpha, beta_here, in_place ? ldb : kNr);
+            else edge_tile<T>(kc, ap, bp, out, ldc, mr, nr, alpha, beta_here, in_place ? ldb : kNr);
           }
         }
       }
