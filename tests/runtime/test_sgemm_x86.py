@@ -73,6 +73,19 @@ def test_alpha_beta_and_an_unread_output_when_beta_is_zero(own, alpha, beta, m, 
         assert (wide[:, n:] == 1.5).all()
 
 
+# An untransposed b's whole panels are read where they lie, except where its rows lie a multiple of
+# 1 KiB apart (packed then): row strides of 203 and 257 floats, of 256 and 512; k past one block, an
+# edge panel (n 70) and edge rows (m 13).
+@pytest.mark.parametrize("ldb", [203, 256, 257, 512])
+def test_b_read_in_place_or_packed_by_its_row_stride(own, ldb):
+    rng = np.random.default_rng(ldb)
+    m, n, k = 13, 70, 300
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, ldb)).astype(np.float32)[:, :n]
+    np.testing.assert_allclose(_blas.serial_sgemm(a, b), a.astype(np.float64) @ b.astype(np.float64),
+                               rtol=1e-5, atol=2e-6 * np.sqrt(k) * 8)
+
+
 def test_empty_inner_dimension_scales_the_output(own):
     c = np.full((4, 20), 2.0, np.float32)
     _blas.serial_sgemm(np.zeros((4, 0), np.float32), np.zeros((0, 20), np.float32), beta=0.5, c=c)
