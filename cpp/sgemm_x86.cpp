@@ -107,16 +107,18 @@ inline void prefetch_panel(bool trans_b, const float* b, int64_t ldb, int j, int
   }
 }
 
-// Whether the tiles read whole panels of an untransposed b where it lies (row stride ldb) instead of
-// a packed copy: the copy was a pass over b per call, 3-5 % of MobileNetV2 / V3 at batch 1. Not where
-// rows lie a multiple of 1 KiB apart (a panel's rows would share a few L1 sets). Off with
-// MLX_DELEGATE_SGEMM_B_IN_PLACE=0 (read at start-up; A/B runs).
-inline bool b_in_place(int64_t ldb) {
-  static const bool on = [] {
+// Whether the tiles of an m-row product read whole panels of an untransposed b where it lies (row
+// stride ldb) instead of a packed copy. The copy is a pass over b per call, worth it only where many
+// row tiles reuse each panel: one thread, 64 x 3136 x 64 ran 185 -> 208 GFLOP/s in place, 1024 x 3136
+// x 64 231 -> 224, so products of at most 256 rows. Not where rows lie a multiple of 1 KiB apart (a
+// panel's rows would share a few L1 sets). MLX_DELEGATE_SGEMM_B_IN_PLACE: the row limit (0: never),
+// read at start-up.
+inline bool b_in_place(int64_t ldb, int m) {
+  static const int max_rows = [] {
     const char* e = std::getenv("MLX_DELEGATE_SGEMM_B_IN_PLACE");
-    return !(e && e[0] == '0');
+    return e ? std::atoi(e) : 256;
   }();
-  return on && (ldb * 4) % 1024 != 0;
+  return m <= max_rows && (ldb * 4) % 1024 != 0;
 }
 
 // The register tile's body, one for both instruction sets: V is a GCC vector of kNr / 2 floats, so the
@@ -271,7 +273,7 @@ void blocked_sgemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha,
           // reading them from memory overlaps the tiles' arithmetic (and its prefetched source) where
           // packing the whole block first left both threads waiting on memory at once.
           // A whole panel of an untransposed b is read where it lies (b_in_place), else packed.
-          const bool in_place = !trans_b && !pb.base && nr == kNr && b_in_place(ldb);
+          const bool in_place = !trans_b && !pb.base && nr == kNr && b_in_place(ldb, m);
           if (ic == 0 && !pb.base && !in_place) pack_b_panel(trans_b, b, ldb, jc + j, pc, kc, nr, kNr, s.b + int64_t{j} * kc);
           const bool fetch_next = ic == 0 && j + kNr < nc && !pb.base;
           const int tiles = (mc + kMr - 1) / kMr;

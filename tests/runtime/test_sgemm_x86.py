@@ -73,13 +73,14 @@ def test_alpha_beta_and_an_unread_output_when_beta_is_zero(own, alpha, beta, m, 
         assert (wide[:, n:] == 1.5).all()
 
 
-# An untransposed b's whole panels are read where they lie, except where its rows lie a multiple of
-# 1 KiB apart (packed then): row strides of 203 and 257 floats, of 256 and 512; k past one block, an
-# edge panel (n 70) and edge rows (m 13).
+# An untransposed b's whole panels are read where they lie in products of up to 256 rows, except where
+# its rows lie a multiple of 1 KiB apart (packed then): row strides of 203 and 257 floats, of 256 and
+# 512; k past one block, an edge panel (n 70) and edge rows (m 13, 261: packed).
 @pytest.mark.parametrize("ldb", [203, 256, 257, 512])
-def test_b_read_in_place_or_packed_by_its_row_stride(own, ldb):
+@pytest.mark.parametrize("m", [13, 261])
+def test_b_read_in_place_or_packed_by_its_row_stride(own, ldb, m):
     rng = np.random.default_rng(ldb)
-    m, n, k = 13, 70, 300
+    n, k = 70, 300
     a = rng.standard_normal((m, k)).astype(np.float32)
     b = rng.standard_normal((k, ldb)).astype(np.float32)[:, :n]
     np.testing.assert_allclose(_blas.serial_sgemm(a, b), a.astype(np.float64) @ b.astype(np.float64),
