@@ -102,12 +102,39 @@ MLXD_AVX2 void dot_rows_avx2(const float* w, int64_t ld, int rows, int len, cons
     y[r] = s;
   }
 }
+
+// dot_rows_avx2's scheme on sixteen lanes, the tail of each row masked.
+MLXD_AVX512 void dot_rows_avx512(const float* w, int64_t ld, int rows, int len, const float* x, float* y) {
+  const __mmask16 tail = static_cast<__mmask16>((1u << (len % 16)) - 1);
+  const int body = len - len % 16;
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int i = 0; i < body; i += 16) {
+      const __m512 v = _mm512_loadu_ps(x + i);
+      for (int q = 0; q < 4; ++q) acc[q] = _mm512_fmadd_ps(_mm512_loadu_ps(w + (r + q) * ld + i), v, acc[q]);
+    }
+    if (tail) {
+      const __m512 v = _mm512_maskz_loadu_ps(tail, x + body);
+      for (int q = 0; q < 4; ++q)
+        acc[q] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w + (r + q) * ld + body), v, acc[q]);
+    }
+    for (int q = 0; q < 4; ++q) y[r + q] = _mm512_reduce_add_ps(acc[q]);
+  }
+  for (; r < rows; ++r) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < body; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(w + r * ld + i), _mm512_loadu_ps(x + i), acc);
+    if (tail) acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w + r * ld + body), _mm512_maskz_loadu_ps(tail, x + body), acc);
+    y[r] = _mm512_reduce_add_ps(acc);
+  }
+}
 #endif
 
 // y[r] = w[r, :len] . x for `rows` rows of stride ld: the squeeze-excite gate's small products, one
 // pass over their weights (an sgemm of one column packed each weight first).
 void dot_rows(const float* w, int64_t ld, int rows, int len, const float* x, float* y) {
 #ifdef MLXD_CPU_X86
+  if (cpu_use_avx512()) return dot_rows_avx512(w, ld, rows, len, x, y);
   if (cpu_use_avx2()) return dot_rows_avx2(w, ld, rows, len, x, y);
 #endif
   for (int r = 0; r < rows; ++r) {  // in float64: one float32 running sum lost digits eager's products keep
