@@ -144,6 +144,8 @@ LINEAR_ACTIVATIONS = {
     "gelu": lambda y: torch.nn.functional.gelu(y),
     "gelu_tanh": lambda y: torch.nn.functional.gelu(y, approximate="tanh"),
     "silu": torch.nn.functional.silu,
+    "hardswish": torch.nn.functional.hardswish,
+    "hardsigmoid": torch.nn.functional.hardsigmoid,
 }
 
 

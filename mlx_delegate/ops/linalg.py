@@ -53,7 +53,8 @@ def linear(b: ProgramBuilder, n: torch.fx.Node) -> None:
 
 
 # `linear_act`'s activation names (custom_ops.LINEAR_ACTIVATIONS) as the LinearNode's act_op.
-LINEAR_ACT_OPS = {"gelu": N.UnaryOp.GeluErf, "gelu_tanh": N.UnaryOp.GeluTanh, "silu": N.UnaryOp.Silu}
+LINEAR_ACT_OPS = {"gelu": N.UnaryOp.GeluErf, "gelu_tanh": N.UnaryOp.GeluTanh, "silu": N.UnaryOp.Silu,
+                  "hardswish": N.UnaryOp.Hardswish, "hardsigmoid": N.UnaryOp.Hardsigmoid}
 
 
 @register(torch.ops.mlx_delegate.linear_act.default)

@@ -1,5 +1,5 @@
-"""A linear followed by GELU (erf or tanh form) or SiLU, as one `mlx_delegate::linear_act` node: the
-delegate's LinearNode then adds the bias and applies the activation in one pass over the product
+"""A linear followed by GELU (erf or tanh form), SiLU, hard-swish or hard-sigmoid, as one
+`mlx_delegate::linear_act` node: the delegate's LinearNode then adds the bias and applies the activation in one pass over the product
 while it is written (on the CPU, in place: one read and one write of the result instead of a bias
 add and an activation, each reading it and writing a new array). Only linears whose output
 nothing else reads are fused; linears grouped by `fuse_linears` (which runs first) are left alone."""
@@ -17,6 +17,10 @@ def _activation(n: torch.fx.Node) -> str | None:
     """The `linear_act` name of activation node n, or None."""
     if is_op(n, aten.silu.default):
         return "silu"
+    if is_op(n, aten.hardswish.default):  # MobileNetV3's classifier
+        return "hardswish"
+    if is_op(n, aten.hardsigmoid.default):
+        return "hardsigmoid"
     if is_op(n, aten.gelu.default):
         approximate = n.kwargs.get("approximate", n.args[1] if len(n.args) > 1 else "none")
         return {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate)

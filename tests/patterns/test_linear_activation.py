@@ -100,6 +100,47 @@ def test_fuse_linear_activation(dtype: torch.dtype) -> None:
     compare_node_and_compiled(fused.buffer, [inputs], lambda *a: [t.to(dtype) for t in reference], rtol, atol)
 
 
+class HardHead(nn.Module):
+    """MobileNetV3's classifier shape: hard-swish after one linear, hard-sigmoid after another (a gate)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(40, 67), nn.Linear(67, 21, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.hardsigmoid(self.fc2(F.hardswish(self.fc1(x))))
+
+
+@pytest.mark.parametrize("rows", [1, 6])  # a GEMV (the classifier at batch 1) and a product
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_hard_activations_fuse(dtype: torch.dtype, rows: int) -> None:
+    torch.manual_seed(0)
+    model = HardHead().eval()
+    # Inputs that put the products across both activations' bends (-3 and 3).
+    x = 2 * torch.randn(rows, 40, generator=torch.Generator().manual_seed(1))
+    module = HardHead().eval()
+    module.load_state_dict(model.state_dict())
+    module = module.to(dtype)
+    fused = lower(module, (x.to(dtype),))
+    kept = lower(module, (x.to(dtype),), partitioner=MLXPartitioner(disable={"fuse_linear_activation"}))
+    assert linear_kinds(fused) == Counter({"LinearNode.act": 2})
+    assert linear_kinds(kept)["LinearNode.act"] == 0
+    with torch.no_grad():
+        expected = HardHead().eval()
+        expected.load_state_dict({k: v.to(dtype).float() for k, v in model.state_dict().items()})
+        reference = [expected(x.to(dtype).float())]
+    rtol, atol = fp32_tolerance(67) if dtype == torch.float32 else FP32_REFERENCE_TOLERANCE[dtype]
+    with runtime_switches(compile=False):
+        got = fused.fresh_method().execute([x.to(dtype)])
+    assert_close([t.float() for t in got], reference, rtol, atol)
+    with runtime_switches(cpu_kernels=False, compile=False):
+        off = fused.fresh_method().execute([x.to(dtype)])
+    assert_close([t.float() for t in off], reference, rtol, atol)
+    with runtime_switches(compile=False):
+        unfused = kept.fresh_method().execute([x.to(dtype)])
+    assert_close([t.float() for t in got], [k.float() for k in unfused], rtol, atol)
+
+
 def test_linear_act_rejects_unknown_activation() -> None:
     with pytest.raises(ValueError, match="unknown activation 'relu'"):
         torch.ops.mlx_delegate.linear_act(torch.randn(2, 3), torch.randn(4, 3), None, "relu")
