@@ -274,7 +274,8 @@ void blocked_sgemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha,
           // packing the whole block first left both threads waiting on memory at once.
           // A whole panel of an untransposed b is read where it lies (b_in_place), else packed.
           const bool in_place = !trans_b && !pb.base && nr == kNr && b_in_place(ldb, m);
-          if (ic == 0 && !pb.base && !in_place) pack_b_panel(trans_b, b, ldb, jc + j, pc, kc, nr, kNr, s.b + int64_t{j} * kc);
+          if (ic == 0 && !pb.base && !in_place)
+            pack_b_panel(trans_b, b, ldb, jc + j, pc, kc, nr, kNr, s.b + int64_t{j} * kc);
           const bool fetch_next = ic == 0 && j + kNr < nc && !pb.base;
           const int tiles = (mc + kMr - 1) / kMr;
           for (int i = 0, t = 0; i < mc; i += kMr, ++t) {
@@ -282,7 +283,9 @@ void blocked_sgemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha,
             if (fetch_next) prefetch_panel(trans_b, b, ldb, jc + j + kNr, pc, kc, std::min(kNr, nc - j - kNr), t, tiles);
             float* out = c + int64_t{ic + i} * ldc + jc + j;
             const float* ap = pa.base ? pa.at(pc, ic + i, kc) : s.a + int64_t{i} * kc;
-            const float* bp = pb.base ? pb.at(pc, jc + j, kc) : in_place ? b + int64_t{pc} * ldb + jc + j : s.b + int64_t{j} * kc;
+            const float* bp = pb.base    ? pb.at(pc, jc + j, kc)
+                              : in_place ? b + int64_t{pc} * ldb + jc + j
+                                         : s.b + int64_t{j} * kc;
             if (mr == kMr && nr == kNr) T::tile(kc, ap, bp, out, ldc, alpha, beta_here, in_place ? ldb : kNr);
             else edge_tile<T>(kc, ap, bp, out, ldc, mr, nr, alpha, beta_here, in_place ? ldb : kNr);
           }

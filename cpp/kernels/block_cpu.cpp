@@ -123,8 +123,10 @@ MLXD_AVX512 void dot_rows_avx512(const float* w, int64_t ld, int rows, int len, 
   }
   for (; r < rows; ++r) {
     __m512 acc = _mm512_setzero_ps();
-    for (int i = 0; i < body; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(w + r * ld + i), _mm512_loadu_ps(x + i), acc);
-    if (tail) acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w + r * ld + body), _mm512_maskz_loadu_ps(tail, x + body), acc);
+    for (int i = 0; i < body; i += 16)
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(w + r * ld + i), _mm512_loadu_ps(x + i), acc);
+    if (tail)
+      acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w + r * ld + body), _mm512_maskz_loadu_ps(tail, x + body), acc);
     y[r] = _mm512_reduce_add_ps(acc);
   }
 }

@@ -1,7 +1,7 @@
 """A linear followed by GELU (erf or tanh form), SiLU, hard-swish or hard-sigmoid, as one
-`mlx_delegate::linear_act` node: the delegate's LinearNode then adds the bias and applies the activation in one pass over the product
-while it is written (on the CPU, in place: one read and one write of the result instead of a bias
-add and an activation, each reading it and writing a new array). Only linears whose output
+`mlx_delegate::linear_act` node: the delegate's LinearNode then adds the bias and applies the
+activation in one pass over the product while it is written (on the CPU, in place: one read and one
+write of the result instead of a bias add and an activation, each reading it and writing a new array). Only linears whose output
 nothing else reads are fused; linears grouped by `fuse_linears` (which runs first) are left alone."""
 
 from __future__ import annotations
