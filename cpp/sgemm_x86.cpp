@@ -350,7 +350,7 @@ MLXD_SGEMM_AVX2 void add_transposed(const float* ct, int m, int n, float beta, f
 // The transposed products' scratch, per thread, kept.
 float* transposed_scratch(int m, int n) {
   thread_local std::vector<float> ct;
-  ct.resize(size_t(m) * n);
+  if (ct.size() < size_t(m) * n) ct.resize(size_t(m) * n);  // never shrunk: regrowing zero-fills
   return ct.data();
 }
 

@@ -247,9 +247,9 @@ void run_band(const Geometry& g, const Call& c, int n, int R0, int R1) {
   while (T > 1 && bytes(T) > tile_budget()) T = std::max(1, T * 3 / 4);
   const int64_t cap = int64_t{T - 1} * g.sh + g.KH;  // padded input rows a tile holds
   Scratch& s = scratch();
-  s.rows.resize((g.E * cap + int64_t{kDwBlockRows} * g.sh) * Wp);  // slack: the last channel's blocks read on
-  s.gemm.resize(g.expand ? g.E * cap * g.W : 0);
-  s.dw.resize(int64_t{g.E} * T * g.OW);
+  at_least(s.rows, (g.E * cap + int64_t{kDwBlockRows} * g.sh) * Wp);  // slack: the last channel's blocks read on
+  at_least(s.gemm, g.expand ? g.E * cap * g.W : 0);
+  at_least(s.dw, int64_t{g.E} * T * g.OW);
   float* buf = s.rows.data();
   const float* xn = c.x + int64_t{n} * g.C * HW;
   float* yn = c.y + int64_t{n} * g.O * g.P();
@@ -323,7 +323,7 @@ void run_channels(const Geometry& g, const Call& c) {
   if (pixels) cpu_kernel_note_call("inverted_residual_pixels");
   const int64_t ld = pixels ? pixel_ld(g.E) : P;
   std::vector<float>& dw = scratch().shared;  // the calling thread's: read by every part
-  dw.resize(pixels ? std::max(HW, P) * ld : int64_t{g.E} * P);
+  at_least(dw, pixels ? std::max(HW, P) * ld : int64_t{g.E} * P);
   auto at = [&](int e, int64_t p) { return dw.data() + (pixels ? p * ld + e : e * P + p); };
   const int threads = cpu_pool_threads();
   const int eparts = std::max(1, std::min(threads, g.E / (pixels ? kPixelGroup : 8)));
@@ -365,7 +365,7 @@ void run_channels(const Geometry& g, const Call& c) {
       s.rows.assign((Hp + int64_t{kDwBlockRows} * g.sh) * Wp, 0.f);  // borders and slack stay zero
       bool done = false;  // the expand's activation applied in place
       if (g.expand) {
-        s.gemm.resize(int64_t{e1 - e0} * HW);
+        at_least(s.gemm, int64_t{e1 - e0} * HW);
         weight_gemm(c, c.pe, c.we + int64_t{e0} * g.C, e0, e1 - e0, g.C, static_cast<int>(HW), xn, static_cast<int>(HW), 0.f, s.gemm.data(),
                     static_cast<int>(HW));
         done = expand_in_place(g.ea, c.be ? c.be + e0 : nullptr, e1 - e0, s.gemm.data(), HW);
@@ -431,7 +431,7 @@ void run_channels(const Geometry& g, const Call& c) {
       const float* w = c.wp + int64_t{o0} * g.E;
       if (g.S && !scale_dw) {  // the gate folded into this block's rows of the project weight
         std::vector<float>& ws = scratch().weights;
-        ws.resize(int64_t{o1 - o0} * g.E);
+        at_least(ws, int64_t{o1 - o0} * g.E);
         for (int o = o0; o < o1; ++o) {
           const float* src = c.wp + int64_t{o} * g.E;
           float* dst = ws.data() + int64_t{o - o0} * g.E;

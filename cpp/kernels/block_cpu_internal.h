@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "kernels/block_cpu.h"
+#include "kernels/cpu_parallel.h"
 
 namespace mlxd::rt::block_detail {
 

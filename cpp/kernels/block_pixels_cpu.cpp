@@ -188,7 +188,7 @@ void pixels_part(const Geometry& g, float* d, int64_t ld, int e0, int e1, const 
   PlaneScratch& s = plane_scratch();
   s.plane.assign(plane_rows(g) * plane_cols(g) * kLanes, 0.f);  // the borders stay zero across groups
   const int T = g.KH * g.KW;
-  s.taps.resize(int64_t{T} * kLanes);
+  at_least(s.taps, int64_t{T} * kLanes);
   const GroupFn run = group_fn(g);
   for (int c = e0; c < e1; c += kLanes) {
     const int n = std::min(kLanes, e1 - c);

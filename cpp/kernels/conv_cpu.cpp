@@ -229,7 +229,7 @@ void run_tiled(const Geometry& g, int tiles, bool direct, const float* x, const 
       const int T = (oh1 - oh0) * g.OW;
       const float* xg = x + (int64_t{n} * g.C + int64_t{gi} * g.Cg()) * g.H * g.W;
       if (!direct) {
-        cols.resize(int64_t{K} * T);
+        at_least(cols, int64_t{K} * T);
         for (int r = 0; r < K; ++r) {
           const int c = r / (g.KH * g.KW), ki = r / g.KW % g.KH, kj = r % g.KW;
           im2col_row(g, xg + int64_t{c} * g.H * g.W, ki, kj, oh0, oh1, cols.data() + int64_t{r} * T);
@@ -298,7 +298,8 @@ struct ConvCall {
 
 void run_conv(const ConvCall& c) {
   const Geometry& g = c.g;
-  std::vector<float> xs, ws, bs, rs, ss, ys, cols;
+  std::vector<float> xs, ws, bs, rs, ss, ys;
+  thread_local std::vector<float> cols;  // im2col's, kept: a fresh vector was zero-filled each call
   const float* x = as_f32(c.x, xs);
   const float* w = as_f32(c.w, ws);
   const float* bias = c.bias ? as_f32(*c.bias, bs) : nullptr;
@@ -318,7 +319,7 @@ void run_conv(const ConvCall& c) {
     const bool given = c.wino && c.wino->contiguous && c.wino->shape[0] == (m + 2) * (m + 2);
     thread_local std::vector<float> made;  // weights that are not a constant (or another tile): each call
     if (!given) {
-      made.resize(size_t(m + 2) * (m + 2) * g.O * g.C);
+      at_least(made, int64_t{m + 2} * (m + 2) * g.O * g.C);
       winograd_weights(w, g.O, g.C, m, made.data());
     }
     const float* u = given ? static_cast<const float*>(c.wino->data) : made.data();
@@ -340,7 +341,7 @@ void run_conv(const ConvCall& c) {
       cpu_kernel_note_call("conv_tiled");
       run_tiled(g, tiles, direct, x, w, w_image, bias, residual, y, pack, packed);
     } else if (nb == 1) {  // per image: the sgemm writes the result in place
-      if (!direct) cols.resize(int64_t{K} * P);
+      if (!direct) at_least(cols, int64_t{K} * P);
       // Blocks of output channels, each on one thread (init, product, clamp in one task): one
       // hand-off to the pool per product instead of three. Off with the tiles (A/B).
       const bool blocked = tiles_flag().load(std::memory_order_relaxed) && serial_sgemm() != nullptr;
@@ -393,9 +394,9 @@ void run_conv(const ConvCall& c) {
     }
     if (packed.load(std::memory_order_relaxed)) cpu_kernel_note_call("conv_packed_weights");
     if (nb != 1) {  // nb images per sgemm into z [M, nb * P]; one pass moves it to NCHW with bias, residual, clamp
-      cols.resize(int64_t{K} * nb * P);
+      at_least(cols, int64_t{K} * nb * P);
       thread_local std::vector<float> kept;  // not zeroed per call: the sgemm writes all of it
-      kept.resize(int64_t{M} * nb * P);
+      at_least(kept, int64_t{M} * nb * P);
       float* z = kept.data();  // (the pool's threads read it: not through the thread_local's name, theirs)
       for (int n0 = 0; n0 < g.N; n0 += nb) {
         const int count = std::min(nb, g.N - n0);

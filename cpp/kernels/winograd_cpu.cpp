@@ -183,7 +183,7 @@ template <int M>
                                                int64_t T) {
   constexpr int A = M + 2;
   thread_local std::vector<float> scratch;
-  scratch.resize(2 * A * A * T + M * p.TW + 2);
+  at_least(scratch, 2 * A * A * T + M * p.TW + 2);
   float *S = scratch.data(), *Z = S + A * A * T, *pad = Z + A * A * T;
   const WinogradGeometry& g = p.g;
   const float* in[A];
@@ -229,7 +229,7 @@ template <int M>
                                                 const float* Mt, int64_t T) {
   constexpr int A = M + 2;
   thread_local std::vector<float> scratch;
-  scratch.resize((A * M + M * M) * T);
+  at_least(scratch, (A * M + M * M) * T);
   float *S = scratch.data(), *R = S + A * M * T;
   const WinogradGeometry& g = p.g;
   const float* in[A];
@@ -329,8 +329,8 @@ void run(Plan& p) {
       thread_local std::vector<float> V, Mt;
       const auto [r0, r1] = bounds(gi);
       const int64_t T = (r1 - r0) * p.TW;
-      V.resize(A2 * g.C * T);
-      Mt.resize(A2 * g.O * T);
+      at_least(V, A2 * g.C * T);
+      at_least(Mt, A2 * g.O * T);
       k.input(p, r0, r1, 0, g.C, V.data(), T);
       group_gemm(p, 0, A2, V.data(), Mt.data(), T);
       k.output(p, r0, r1, 0, g.O, Mt.data(), T);
@@ -343,8 +343,8 @@ void run(Plan& p) {
   for (int64_t gi = 0; gi < groups; ++gi) {
     const auto [r0, r1] = bounds(gi);
     const int64_t T = (r1 - r0) * p.TW;
-    V.resize(A2 * g.C * T);
-    Mt.resize(A2 * g.O * T);
+    at_least(V, A2 * g.C * T);
+    at_least(Mt, A2 * g.O * T);
     float *v = V.data(), *mt = Mt.data();
     cpu_parallel_for(g.C, A2 * T * 4, 1, [&](int64_t c0, int64_t c1) {
       k.input(p, r0, r1, static_cast<int>(c0), static_cast<int>(c1), v, T);
