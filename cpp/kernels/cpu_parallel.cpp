@@ -658,7 +658,8 @@ void cpu_copy_strided(const void* src, size_t itemsize, const mx::Shape& shape, 
   }
 }
 
-CpuRowMajor::CpuRowMajor(const void* data, size_t itemsize, mx::Shape shape, mx::Strides strides, bool contiguous)
+CpuRowMajor::CpuRowMajor(const void* data, size_t itemsize, const mx::Shape& shape, const mx::Strides& strides,
+                         bool contiguous)
     : data_(data) {
   if (contiguous) return;
   int64_t total = 1;

@@ -175,7 +175,8 @@ void cpu_copy_strided(const void* src, size_t itemsize, const mlx::core::Shape& 
 // (the input's data is ready there).
 class CpuRowMajor {
  public:
-  CpuRowMajor(const void* data, size_t itemsize, mlx::core::Shape shape, mlx::core::Strides strides, bool contiguous);
+  CpuRowMajor(const void* data, size_t itemsize, const mlx::core::Shape& shape, const mlx::core::Strides& strides,
+              bool contiguous);
   const void* data() const { return data_; }
 
  private:
