@@ -154,7 +154,8 @@ T* at_least(std::vector<T>& v, int64_t n) {
   return v.data();
 }
 
-// Call counters by kernel name ("softmax", "silu", ...): tests prove which code ran.
+// Call counters by kernel name ("softmax", "silu", ...): tests prove which code ran. `name` must live
+// as long as the process (a literal).
 void cpu_kernel_note_call(const char* name);
 std::map<std::string, uint64_t> cpu_kernel_call_counts();
 
