@@ -296,6 +296,9 @@ NB_MODULE(_runtime, m) {
         "and small-map depthwise convolutions on a padded grid, instead of whole-image passes (on by default; MLX_DELEGATE_CONV_TILES=0 starts with them off), from the "
         "next call on.");
   m.def("conv_tiles", &mlxd::rt::conv_tiles);
+  m.def("set_conv_direct", &mlxd::rt::set_conv_direct, nb::arg("on"),
+        "Turn the direct path for convolutions of up to four input channels (stems) on or off.");
+  m.def("conv_direct", &mlxd::rt::conv_direct);
   m.def("set_conv_winograd", &mlxd::rt::set_conv_winograd, nb::arg("mode"),
         "3x3 stride-1 CPU convolutions as Winograd F(m x m, 3 x 3): 0 off (im2col + sgemm), 1 where the measured "
         "gate says it wins (default; MLX_DELEGATE_CONV_WINOGRAD sets the start value), 2 / 4 F(2x2) / F(4x4) on "

@@ -141,11 +141,10 @@ std::atomic<bool>& tiles_flag() {
   return on;
 }
 
-// After a product written with beta 0: `rows` rows of `count` results (row stride ld) get their
-// output channel's bias (bias[r], when given), the residual at the same positions (when given), the
-// clamp and the activation, in one pass while they are in cache.
-void finish_rows(const Geometry& g, float* y, int64_t ld, int rows, int64_t count, const float* bias,
-                 const float* residual) {
+}  // namespace
+
+void conv_detail::finish_rows(const Geometry& g, float* y, int64_t ld, int rows, int64_t count,
+                              const float* bias, const float* residual) {
   const float lo = g.clamp ? g.lo : -INFINITY, hi = g.clamp ? g.hi : INFINITY;
   for (int r = 0; r < rows; ++r) {
     float* row = y + r * ld;
@@ -162,6 +161,8 @@ void finish_rows(const Geometry& g, float* y, int64_t ld, int rows, int64_t coun
     finish(g, row, count);
   }
 }
+
+namespace {
 
 // Floats per tile (512 KB): a tile's im2col columns (none for a 1x1 stride-1
 // convolution, which reads the input in place) and its output block stay in a
@@ -314,7 +315,10 @@ void run_conv(const ConvCall& c) {
     y = ys.data();
   }
   const WinogradGeometry wg{g.N, g.C, g.H, g.W, g.O, g.OH, g.OW, g.ph, g.pw, g.clamp, g.lo, g.hi, g.act};
-  if (const int m = winograd_tile(wg, winograd_eligible(g, c.scale.has_value()))) {  // else (switched off, another shape): im2col below
+  if (direct_applies(g, w_image)) {  // few input channels (a stem)
+    cpu_kernel_note_call("conv_direct");
+    direct(g, x, w, bias, residual, y);
+  } else if (const int m = winograd_tile(wg, winograd_eligible(g, c.scale.has_value()))) {  // else (switched off, another shape): im2col below
     cpu_kernel_note_call(m == 2 ? "conv_winograd2" : "conv_winograd4");
     const bool given = c.wino && c.wino->contiguous && c.wino->shape[0] == (m + 2) * (m + 2);
     thread_local std::vector<float> made;  // weights that are not a constant (or another tile): each call

@@ -50,6 +50,12 @@ bool conv_cpu_applies(const mlx::core::array& x, const mlx::core::array& w, cons
 void set_conv_tiles(bool on);
 bool conv_tiles();
 
+// The direct path for convolutions of up to four input channels (a stem: conv_direct_cpu.cpp) on or
+// off from the next call on (A/B runs, parity tests against the im2col path); MLX_DELEGATE_CONV_DIRECT=0
+// starts with it off.
+void set_conv_direct(bool on);
+bool conv_direct();
+
 mlx::core::array conv_cpu(const mlx::core::array& x, const mlx::core::array& w,
                           const std::optional<mlx::core::array>& bias, const std::vector<int>& stride,
                           const std::vector<int>& padding, const std::vector<int>& dilation, int groups,

@@ -56,6 +56,18 @@ inline void init_plane(const Geometry& g, float* out, float bias, const float* r
   }
 }
 
+// After a product written with beta 0: `rows` rows of `count` results (row stride ld) get their
+// output channel's bias (bias[r], when given), the residual at the same positions (when given), the
+// clamp and the activation, in one pass while they are in cache.
+void finish_rows(const Geometry& g, float* y, int64_t ld, int rows, int64_t count, const float* bias,
+                 const float* residual);
+
+// The direct path for few input channels (conv_direct_cpu.cpp): whether it takes this convolution
+// (w_image: per-image weights, which it does not take), and the convolution itself, bias, residual and
+// epilogue included, into y (NCHW).
+bool direct_applies(const Geometry& g, int64_t w_image);
+void direct(const Geometry& g, const float* x, const float* w, const float* bias, const float* residual, float* y);
+
 // One output plane per (image, channel) of a convolution with one input channel per group; w_image:
 // the stride between per-image weight copies (0: one set shared).
 void depthwise(const Geometry& g, const float* x, const float* w, int64_t w_image, const float* bias,
