@@ -2,7 +2,7 @@
 "conv_direct"): stems of one to four input channels, at strides 1, 2 and 3 (the input split into
 phases), 1x1 to 7x7 kernels, symmetric and one-sided padding, output channels that are not a
 multiple of the register block, maps narrower and wider than a vector row, channel-sliced (strided)
-inputs, 1-D convolutions and the fused epilogues (bias, residual, ReLU6 clamp, hard-swish) match eager
+inputs, 1-D convolutions and the fused epilogues (bias, residual, a clamp, hard-swish) match eager
 torch, the im2col path (`set_conv_direct(False)`) and MLX's own convolution (kernels off) in float32,
 bfloat16 and float16, node by node and compiled. One program per dtype holds every case."""
 
@@ -49,7 +49,7 @@ class Stems(torch.nn.Module):
         for i, ((shape, kw), w, b) in enumerate(zip(CONV2D, self.weights, self.biases)):
             out.append(F.conv2d(x[:, : shape[1]], w, b if i % 2 == 0 else None, **kw))
         out[0] = F.hardswish(out[0])
-        out[1] = F.relu6(out[1])
+        out[1] = F.hardtanh(out[1], -0.5, 0.5)  # a clamp both of whose bounds cut
         narrow = x[:, :3, :9, :5]  # a map narrower than a vector row
         out.append(F.relu(F.conv2d(narrow, self.weights[0], self.biases[0], stride=2, padding=1)))
         # A residual added to a stem's result, then ReLU.
