@@ -71,13 +71,14 @@ def tol(k: int) -> dict:
 
 
 # (name, module factory, input shapes, dtypes)
+# Five input channels or more: up to four take the direct path (test_conv_direct.py).
 ROWS = [
     ("odd_map_odd_channels_relu", lambda: ConvBlock(5, 7), [(1, 5, 9, 11)], FLOATS),
     ("pad0_no_bias_batch3", lambda: ConvBlock(6, 4, padding=0, bias=False, act=None), [(3, 6, 10, 7)], FP32),
     ("residual_relu", lambda: ConvBlock(8, 8, residual=True), [(1, 8, 13, 6), (1, 8, 13, 6)], FP32),
-    ("hardswish_batch3", lambda: ConvBlock(3, 9, act=nn.Hardswish), [(3, 3, 7, 5)], FP32),
+    ("hardswish_batch3", lambda: ConvBlock(5, 9, act=nn.Hardswish), [(3, 5, 7, 5)], FP32),
     # A zero pad folded into the convolution: padding 1 on the low side, 0 on the high side.
-    ("asymmetric_pad", lambda: ConvBlock(4, 6, padding=0, pad=(1, 0, 1, 0)), [(2, 4, 8, 9)], FP32),
+    ("asymmetric_pad", lambda: ConvBlock(6, 6, padding=0, pad=(1, 0, 1, 0)), [(2, 6, 8, 9)], FP32),
     # Enough tile rows for the per-thread tile groups (the small maps above run the phases split
     # over the cores).
     ("tile_groups_residual", lambda: ConvBlock(32, 32, residual=True), [(1, 32, 230, 30)] * 2, FP32),
