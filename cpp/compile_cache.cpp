@@ -8,6 +8,7 @@
 #include <string>
 
 #include "interpreter.h"
+#include "kernel_chain.h"
 
 namespace mlxd::rt {
 namespace {
@@ -159,7 +160,7 @@ std::vector<mx::array> Handle::trace(const std::vector<mx::array>& in, Graph& gr
   for (const auto& b : lp.buffers)
     if (b.update_tid >= 0) outs.push_back(*ctx.tensors[b.update_tid]);
   g_traces.fetch_add(1, std::memory_order_relaxed);
-  return outs;
+  return chain_cpu_kernels(outs);
 }
 
 // Runs the call through the compiled graph for its signature; false when the

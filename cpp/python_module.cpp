@@ -19,6 +19,7 @@
 
 #include "backend.h"
 #include "interpreter.h"
+#include "kernel_chain.h"
 #include "kernels/attention_cpu.h"
 #include "kernels/block_cpu.h"
 #include "kernels/conv_cpu.h"
@@ -249,6 +250,14 @@ NB_MODULE(_runtime, m) {
                                            {"traces", s.traces}, {"rejected", s.rejected}};
   }, "Process-wide counters: calls served by compiled graphs or node by node, graphs traced, methods rejected.");
   m.def("reset_compile_stats", &reset_compile_stats);
+  m.def("set_kernel_chains", &mlxd::rt::set_kernel_chains, nb::arg("on"),
+        "Fold runs of the runtime's CPU kernels in graphs traced from now on into one MLX primitive each "
+        "(on by default; MLX_DELEGATE_KERNEL_CHAINS=0 starts with it off).");
+  m.def("kernel_chains", &mlxd::rt::kernel_chains);
+  m.def("kernel_chain_stats", [] {
+    auto s = mlxd::rt::kernel_chain_stats();
+    return std::map<std::string, uint64_t>{{"chains", s.chains}, {"members", s.members}};
+  }, "Process-wide counters: kernel chains built by traces, and the kernels folded into them.");
   m.def("set_profile", &set_profile_enabled, nb::arg("on"),
         "Per-node profiling: calls run node by node, each node evaluated and timed on its own.");
   m.def("profile_enabled", &profile_enabled);

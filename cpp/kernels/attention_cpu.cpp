@@ -623,6 +623,8 @@ void run_attention_blocked(const Problem& p, int64_t batch, LowpGemmFn lowp) {
   });
 }
 
+const ChainableKernel kSdpaCpuChainable{"SdpaCpu"};  // kernel_chain.h
+
 class SdpaCpu : public mx::UnaryPrimitive {
  public:
   SdpaCpu(mx::Stream s, float scale, bool has_mask, bool causal, bool blocked, bool lowp)

@@ -484,6 +484,8 @@ void run_bands(const Geometry& g, const Call& c) {
   });
 }
 
+const ChainableKernel kBlockCpuChainable{"BlockCpu"};  // kernel_chain.h
+
 class BlockCpu : public mx::UnaryPrimitive {
  public:
   // slot: the input index of x, expand w / b, dw w / b, project w / b, residual, squeeze-excite

@@ -431,6 +431,8 @@ void run_conv(const ConvCall& c) {
   if (c.out_dtype != mx::float32) cpu_store_f32(y, c.out_dtype, 0, out_n, c.y);
 }
 
+const ChainableKernel kConvCpuChainable{"ConvCpu"};  // kernel_chain.h
+
 class ConvCpu : public mx::UnaryPrimitive {
  public:
   ConvCpu(mx::Stream s, Geometry g, bool has_bias, bool has_residual, bool has_scale, bool has_wino, bool has_pack)

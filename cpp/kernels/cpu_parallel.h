@@ -138,12 +138,51 @@ void cpu_pool_reset_stats();
 // soon, so the spin does not take a core from other work in the meantime.
 void cpu_pool_park();
 
+// Where a CPU kernel primitive sends its task: MLX's CPU encoder for the stream, or, while a kernel
+// chain records its members on this thread (CpuTaskRecording), the chain's list, run as one task.
+class CpuTaskSink {
+ public:
+  template <class F>
+  void dispatch(F&& f) {
+    if (recorded_) {
+      recorded_->emplace_back(std::forward<F>(f));
+    } else {
+      encoder_->dispatch(std::forward<F>(f));
+    }
+  }
+
+ private:
+  friend CpuTaskSink& cpu_task_sink(const mlx::core::Stream& s);
+  mlx::core::cpu::CommandEncoder* encoder_ = nullptr;
+  std::vector<std::function<void()>>* recorded_ = nullptr;
+};
+CpuTaskSink& cpu_task_sink(const mlx::core::Stream& s);
+
+// While alive, the tasks this thread's kernels dispatch go to `tasks` instead of MLX's encoder.
+class CpuTaskRecording {
+ public:
+  explicit CpuTaskRecording(std::vector<std::function<void()>>& tasks);
+  ~CpuTaskRecording();
+  CpuTaskRecording(const CpuTaskRecording&) = delete;
+  CpuTaskRecording& operator=(const CpuTaskRecording&) = delete;
+
+ private:
+  std::vector<std::function<void()>>* saved_;
+};
+
 // The start of every CPU kernel primitive's eval_cpu: gives `out` a buffer of
-// its own unless it already has one (an input's, donated), and tells MLX's CPU
-// encoder the task's inputs and output, so they stay alive until the task
-// dispatched on the returned encoder has run.
-mlx::core::cpu::CommandEncoder& begin_cpu_task(const mlx::core::Stream& s, const std::vector<mlx::core::array>& in,
-                                               mlx::core::array& out, bool has_buffer = false);
+// its own unless it already has one (an input's, donated); the task goes to the
+// returned sink. MLX keeps the inputs and output alive until it has run.
+CpuTaskSink& begin_cpu_task(const mlx::core::Stream& s, const std::vector<mlx::core::array>& in,
+                            mlx::core::array& out, bool has_buffer = false);
+
+// Kernels a chain may record (kernel_chain.h), by their primitive's name: each eval_cpu dispatches
+// only through cpu_task_sink and reads no input's values before its task runs (pointers, shapes and
+// strides only). Each kernel file registers its own with a static ChainableKernel.
+bool cpu_kernel_chainable(const char* primitive_name);
+struct ChainableKernel {
+  explicit ChainableKernel(const char* primitive_name);
+};
 
 // A kept (thread_local) scratch vector holding at least n elements, contents unspecified. It never shrinks:
 // resized down and back up, layer after layer of other sizes, a vector zero-fills the regrown part on

@@ -413,6 +413,8 @@ Operand operand(const mx::array& x, bool nk = false) {
   return {x.data<void>(), x.shape(0) > 1 ? x.strides(0) : 0, x.strides(1), x.strides(2)};
 }
 
+const ChainableKernel kGemmLowpCpuChainable{"GemmLowpCpu"};  // kernel_chain.h
+
 class GemmLowpCpu : public mx::UnaryPrimitive {
  public:
   GemmLowpCpu(mx::Stream s, bool weight_nk) : mx::UnaryPrimitive(s), weight_nk_(weight_nk) {}

@@ -116,6 +116,8 @@ struct Linear {
   }
 };
 
+const ChainableKernel kLinearCpuChainable{"LinearCpu"};  // kernel_chain.h
+
 class LinearCpu : public mx::UnaryPrimitive {
  public:
   LinearCpu(mx::Stream s, bool bias, bool residual, std::optional<UnaryKernel> act)

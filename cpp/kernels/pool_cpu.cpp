@@ -119,6 +119,8 @@ void run_max_pool(const PoolCall& c) {
   });
 }
 
+const ChainableKernel kMaxPoolCpuChainable{"MaxPoolCpu"};  // kernel_chain.h
+
 class MaxPoolCpu : public mx::UnaryPrimitive {
  public:
   MaxPoolCpu(mx::Stream s, Window w, bool two_d) : mx::UnaryPrimitive(s), w_(w), two_d_(two_d) {}

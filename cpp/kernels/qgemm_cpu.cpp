@@ -99,6 +99,8 @@ void run_problem(const Problem& p, int bits) {
 
 // ---- The MLX primitive --------------------------------------------------------
 
+const ChainableKernel kQGemmCpuChainable{"QGemmCpu"};  // kernel_chain.h
+
 class QGemmCpu : public QuantizedProductCpu {
  public:
   QGemmCpu(mx::Stream s, int group_size, int bits) : QuantizedProductCpu(s, "QGemmCpu", group_size, bits) {}

@@ -611,6 +611,8 @@ void rms_rows(const float* x, const float* weight, float eps, int64_t m, int64_t
 
 // ---- The MLX primitive --------------------------------------------------------
 
+const ChainableKernel kQGemvCpuChainable{"QGemvCpu"};  // kernel_chain.h
+
 class QGemvCpu : public QuantizedProductCpu {
  public:
   // Inputs past the four operands: the residual, then the norm's weight, each where present.

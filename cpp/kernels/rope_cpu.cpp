@@ -92,6 +92,8 @@ void run_rope(const RopeCall& c) {
   });
 }
 
+const ChainableKernel kRopeCpuChainable{"RopeCpu"};  // kernel_chain.h
+
 class RopeCpu : public mx::UnaryPrimitive {
  public:
   RopeCpu(mx::Stream s, int dims, bool traditional, float base, float scale, int offset, bool offset_input,

@@ -235,6 +235,8 @@ void run_rows(const Problem& p) {
   });
 }
 
+const ChainableKernel kRowsCpuChainable{"RowsCpu"};  // kernel_chain.h
+
 class RowsCpu : public mx::UnaryPrimitive {
  public:
   RowsCpu(mx::Stream s, RowKernel kind, float eps, bool weight, bool bias)

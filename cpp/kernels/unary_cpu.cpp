@@ -129,6 +129,8 @@ void run_map_bias(MapFn f, const void* in, void* out, mx::Dtype dtype, int64_t n
   });
 }
 
+const ChainableKernel kUnaryCpuChainable{"UnaryCpu"};  // kernel_chain.h
+
 class UnaryCpu : public mx::UnaryPrimitive {
  public:
   UnaryCpu(mx::Stream s, UnaryKernel kind) : mx::UnaryPrimitive(s), kind_(kind) {}

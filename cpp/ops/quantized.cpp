@@ -21,11 +21,16 @@ namespace {
 constexpr int64_t kCpuDequantizeRows = 8;
 
 // The payload stores the packed words as int32 (torch has no usable uint32);
-// MLX's quantized kernels read them as uint32. A view, not a copy.
-mx::array packed_words(const mx::array& w) {
+// MLX's quantized kernels read them as uint32. A view, not a copy: of a constant, made
+// once per loaded program (a view per call is a graph node per product and call).
+constexpr int kPackedWordsKey = 32;  // derived_constant's key (per slot)
+mx::array packed_words(ExecContext& ctx, const mlxd::Tid* tid) {
+  const auto& w = ctx.in(tid);
   if (w.dtype() != mx::int32 && w.dtype() != mx::uint32) throw NodeError("packed weights must be 32-bit words");
   if (w.ndim() != 2) throw NodeError("packed weights must be 2-D");
-  return w.dtype() == mx::uint32 ? w : mx::view(w, mx::uint32);
+  if (w.dtype() == mx::uint32) return w;
+  auto view = [](const mx::array& a) { return mx::view(a, mx::uint32); };
+  return ctx.derived_constant(tid, kPackedWordsKey, view).value_or(view(w));
 }
 
 // Scales and biases may be stored in a dtype other than x's (GGUF's fp16 d and m under fp32
@@ -107,7 +112,7 @@ mx::array epilogue(ExecContext& ctx, const mlxd::QuantizedLinearNode& n, mx::arr
 
 void exec_QuantizedLinearNode(const mlxd::QuantizedLinearNode& n, ExecContext& ctx) {
   auto x = ctx.in(n.x());
-  auto w = packed_words(ctx.in(n.w()));
+  auto w = packed_words(ctx, n.w());
   // The norm before the product: in the GEMV's call where it runs (cpu_product), as an op otherwise.
   const bool gemv = mx::default_device() == mx::Device::cpu && n.mode() == mlxd::QuantMode::Affine &&
                     !qgemm_cpu_applies(x, n.group_size(), n.bits()) &&
@@ -138,7 +143,7 @@ void exec_QuantizedEmbeddingNode(const mlxd::QuantizedEmbeddingNode& n, ExecCont
   auto flat = mx::flatten(idx);
   auto rows = [&](const mx::array& a) { return mx::take(a, flat, 0); };
   const auto& scales = ctx.in(n.scales());
-  auto y = mx::dequantize(rows(packed_words(ctx.in(n.w()))), rows(scales), rows(ctx.in(n.biases())),
+  auto y = mx::dequantize(rows(packed_words(ctx, n.w())), rows(scales), rows(ctx.in(n.biases())),
                           n.group_size(), n.bits(), "affine", std::nullopt, scales.dtype());
   auto shape = idx.shape();
   shape.push_back(y.shape(-1));
@@ -153,7 +158,7 @@ void exec_QuantizedEmbeddingNode(const mlxd::QuantizedEmbeddingNode& n, ExecCont
 // C++ compiler rejects.
 void exec_DequantizeNode(const mlxd::DequantizeNode& n, ExecContext& ctx) {
   const auto dtype = to_mlx(n.dtype());
-  auto w = packed_words(ctx.in(n.w()));
+  auto w = packed_words(ctx, n.w());
   mx::array y = w;
   if (n.mode() == mlxd::QuantMode::Affine) {
     if (!n.biases()) throw NodeError("affine dequantize needs biases");

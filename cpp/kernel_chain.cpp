@@ -1,0 +1,251 @@
+// Kernel chains (see kernel_chain.h): finding the runs in a traced graph, rebuilding the graph around
+// them, and the primitive that evaluates one.
+#include "kernel_chain.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <stdexcept>
+#include <unordered_map>
+#include <utility>
+
+#include <mlx/backend/cpu/encoder.h>
+#include <mlx/primitives.h>
+
+#include "kernels/cpu_parallel.h"
+
+namespace mlxd::rt {
+namespace mx = mlx::core;
+namespace {
+
+bool env_on() {
+  const char* v = std::getenv("MLX_DELEGATE_KERNEL_CHAINS");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+std::atomic<bool> g_on{env_on()};
+std::atomic<uint64_t> g_chains{0}, g_members{0};
+
+// A member's operand: the chain's input `index`, or (from_value) the output `index` of an earlier member,
+// counted over all members' outputs in order.
+struct Operand {
+  bool from_value;
+  int index;
+};
+
+struct Member {
+  std::shared_ptr<mx::Primitive> primitive;
+  std::vector<Operand> in;
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::Dtype> dtypes;
+};
+
+// What a chain runs: its members, which member values are its outputs (value_output[v]: the output
+// index, or -1 for an intermediate), and where each intermediate is read last. Shared with the task,
+// which may run after MLX has let go of the primitive.
+struct Plan {
+  std::vector<Member> members;
+  std::vector<int> value_output, last_use;
+
+  Plan(std::vector<Member> m, std::vector<int> outputs) : members(std::move(m)), value_output(std::move(outputs)) {
+    last_use.assign(value_output.size(), -1);
+    for (int i = 0; i < static_cast<int>(members.size()); ++i)
+      for (const auto& o : members[i].in)
+        if (o.from_value) last_use[o.index] = i;
+  }
+
+  // Each member as MLX would run it: its eval_cpu with the task recorded (buffers allocated, donation
+  // decided: an intermediate is never donated, `values` holds it too), then the task. An intermediate's
+  // buffer goes back once its last reader has run (a chain over a prefill's layers would otherwise hold
+  // every layer's activations at once).
+  void run(const std::vector<mx::array>& in, const std::vector<mx::array>& out) const {
+    std::vector<mx::array> values;
+    values.reserve(value_output.size());
+    std::vector<std::function<void()>> tasks;
+    std::vector<mx::array> args, results;
+    for (int i = 0; i < static_cast<int>(members.size()); ++i) {
+      const Member& m = members[i];
+      args.clear();
+      results.clear();
+      for (const auto& o : m.in) args.push_back(o.from_value ? values[o.index] : in[o.index]);
+      for (size_t j = 0; j < m.shapes.size(); ++j) {
+        const int at = value_output[values.size() + j];
+        results.push_back(at >= 0 ? out[at] : mx::array(m.shapes[j], m.dtypes[j], nullptr, {}));
+      }
+      {
+        CpuTaskRecording recording(tasks);
+        m.primitive->eval_cpu(args, results);
+      }
+      for (auto& t : tasks) t();
+      tasks.clear();
+      args.clear();
+      values.insert(values.end(), results.begin(), results.end());
+      for (size_t v = 0; v < values.size(); ++v)
+        if (last_use[v] == i && value_output[v] < 0) values[v] = mx::array(0.f);
+    }
+  }
+};
+
+class KernelChain : public mx::Primitive {
+ public:
+  KernelChain(mx::Stream s, std::shared_ptr<const Plan> plan) : mx::Primitive(s), plan_(std::move(plan)) {}
+
+  // The outputs get their buffers now (the nodes that read them take their pointers when MLX walks them,
+  // before the task runs); the members run in one task on the stream thread.
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
+    for (auto& o : out) o.set_data(mx::allocator::malloc(o.nbytes()));
+    mx::cpu::get_command_encoder(stream()).dispatch([plan = plan_, in, out] { plan->run(in, out); });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("KernelChain runs on the CPU only");
+  }
+  const char* name() const override { return "KernelChain"; }
+
+ private:
+  std::shared_ptr<const Plan> plan_;
+};
+
+// A node of the graph: a primitive, represented by its first output (the others are its siblings).
+struct Node {
+  mx::array a;
+  bool chainable;
+  int run = -1;  // the chain it joins, or -1
+};
+
+bool is_leaf(const mx::array& a) { return !a.has_primitive() || a.is_available(); }
+
+// The graph's nodes, inputs before the nodes that read them (depth first, as MLX orders its tape).
+std::vector<Node> topological(const std::vector<mx::array>& outputs, std::unordered_map<std::uintptr_t, int>& node_of) {
+  std::vector<Node> nodes;
+  std::vector<std::pair<mx::array, size_t>> stack;
+  for (const auto& root : outputs) {
+    if (is_leaf(root) || node_of.count(root.id())) continue;
+    stack.emplace_back(root, 0);
+    while (!stack.empty()) {
+      auto& [a, next] = stack.back();
+      if (next < a.inputs().size()) {
+        const mx::array& x = a.inputs()[next++];
+        if (!is_leaf(x) && !node_of.count(x.id())) {
+          // Marked when pushed, so a node reached twice on the way down is visited once.
+          for (const auto& o : x.outputs()) node_of[o.id()] = -1;
+          stack.emplace_back(x, 0);
+        }
+        continue;
+      }
+      const int index = static_cast<int>(nodes.size());
+      for (const auto& o : a.outputs()) node_of[o.id()] = index;
+      auto& p = a.primitive();
+      nodes.push_back({a, p.stream().device == mx::Device::cpu && cpu_kernel_chainable(p.name())});
+      stack.pop_back();
+    }
+  }
+  return nodes;
+}
+
+}  // namespace
+
+void set_kernel_chains(bool on) { g_on.store(on); }
+bool kernel_chains() { return g_on.load(); }
+KernelChainStats kernel_chain_stats() { return {g_chains.load(), g_members.load()}; }
+
+std::vector<mx::array> chain_cpu_kernels(const std::vector<mx::array>& outputs) {
+  if (!kernel_chains()) return outputs;
+  std::unordered_map<std::uintptr_t, int> node_of;
+  std::vector<Node> nodes = topological(outputs, node_of);
+
+  // Runs: maximal stretches of two or more chainable nodes in that order. Whatever feeds a run comes
+  // before it, and whatever reads it after, so each run can stand as one node.
+  std::vector<std::pair<int, int>> runs;  // [first, last] node
+  for (int i = 0; i < static_cast<int>(nodes.size());) {
+    int j = i;
+    while (j < static_cast<int>(nodes.size()) && nodes[j].chainable) ++j;
+    if (j - i >= 2) {
+      for (int k = i; k < j; ++k) nodes[k].run = static_cast<int>(runs.size());
+      runs.emplace_back(i, j - 1);
+    }
+    i = j == i ? i + 1 : j;
+  }
+  if (runs.empty()) return outputs;
+
+  // A member output escapes its run when a node outside the run or the caller reads it.
+  std::unordered_map<std::uintptr_t, bool> escapes;
+  auto run_of = [&](const mx::array& x) {
+    auto it = node_of.find(x.id());
+    return it == node_of.end() || it->second < 0 ? -1 : nodes[it->second].run;
+  };
+  for (const auto& n : nodes)
+    for (const auto& x : n.a.inputs())
+      if (const int r = run_of(x); r >= 0 && r != n.run) escapes[x.id()] = true;
+  for (const auto& root : outputs)
+    if (run_of(root) >= 0) escapes[root.id()] = true;
+
+  // The graph rebuilt in order: nodes reading a rebuilt array are made anew (same primitive), each run
+  // becomes a chain whose outputs stand for the escaping arrays.
+  std::unordered_map<std::uintptr_t, mx::array> remap;
+  auto now = [&](const mx::array& x) -> const mx::array& {
+    auto it = remap.find(x.id());
+    return it == remap.end() ? x : it->second;
+  };
+  for (int i = 0; i < static_cast<int>(nodes.size()); ++i) {
+    const Node& n = nodes[i];
+    if (n.run < 0) {
+      bool changed = false;
+      std::vector<mx::array> inputs;
+      for (const auto& x : n.a.inputs()) {
+        inputs.push_back(now(x));
+        changed |= inputs.back().id() != x.id();
+      }
+      if (!changed) continue;
+      auto olds = n.a.outputs();
+      std::vector<mx::Shape> shapes;
+      std::vector<mx::Dtype> dtypes;
+      for (const auto& o : olds) shapes.push_back(o.shape()), dtypes.push_back(o.dtype());
+      auto news = mx::array::make_arrays(std::move(shapes), dtypes, n.a.primitive_ptr(), inputs);
+      for (size_t k = 0; k < olds.size(); ++k) remap.emplace(olds[k].id(), news[k]);
+      continue;
+    }
+    const auto [first, last] = runs[n.run];
+    std::vector<Member> members;
+    std::vector<mx::array> inputs, escaping;
+    std::unordered_map<std::uintptr_t, int> input_of, value_of;
+    std::vector<int> value_output;
+    for (int k = first; k <= last; ++k) {
+      const mx::array& a = nodes[k].a;
+      Member m{a.primitive_ptr(), {}, {}, {}};
+      for (const auto& x : a.inputs()) {
+        if (auto v = value_of.find(x.id()); v != value_of.end()) {
+          m.in.push_back({true, v->second});
+          continue;
+        }
+        auto [it, added] = input_of.emplace(x.id(), static_cast<int>(inputs.size()));
+        if (added) inputs.push_back(now(x));
+        m.in.push_back({false, it->second});
+      }
+      for (const auto& o : a.outputs()) {
+        value_of.emplace(o.id(), static_cast<int>(value_output.size()));
+        m.shapes.push_back(o.shape());
+        m.dtypes.push_back(o.dtype());
+        const bool out = escapes.count(o.id()) > 0;
+        value_output.push_back(out ? static_cast<int>(escaping.size()) : -1);
+        if (out) escaping.push_back(o);
+      }
+      members.push_back(std::move(m));
+    }
+    std::vector<mx::Shape> shapes;
+    std::vector<mx::Dtype> dtypes;
+    for (const auto& o : escaping) shapes.push_back(o.shape()), dtypes.push_back(o.dtype());
+    const auto stream = nodes[first].a.primitive().stream();
+    g_chains.fetch_add(1, std::memory_order_relaxed);
+    g_members.fetch_add(members.size(), std::memory_order_relaxed);
+    auto chain = std::make_shared<KernelChain>(stream, std::make_shared<const Plan>(std::move(members), std::move(value_output)));
+    auto news = mx::array::make_arrays(std::move(shapes), dtypes, chain, inputs);
+    for (size_t k = 0; k < escaping.size(); ++k) remap.emplace(escaping[k].id(), news[k]);
+    i = last;
+  }
+  std::vector<mx::array> result;
+  result.reserve(outputs.size());
+  for (const auto& root : outputs) result.push_back(now(root));
+  return result;
+}
+
+}  // namespace mlxd::rt
