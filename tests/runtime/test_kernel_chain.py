@@ -28,7 +28,7 @@ def chains(on: bool) -> Iterator[None]:
 
 
 class Mixed(torch.nn.Module):
-    """Linear + GELU, a residual, LayerNorm, softmax (kernels), then a transpose and MLX ops."""
+    """Linears with GELU and a residual, LayerNorm, softmax (kernels), then a transpose and MLX ops."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -45,10 +45,12 @@ class Mixed(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         h = F.gelu(self.a(x))
         y = self.b(h) + x  # read by the norm (in the run) and returned
-        s = torch.softmax(self.c(self.ln(y)), dim=-1)
+        z = self.ln(y)  # read twice in the run
+        s = torch.softmax(self.c(z), dim=-1)
+        k = F.silu(z)
         t = torch.tanh(s.transpose(-1, -2)) * 2  # a view and MLX ops split the run
         u = self.ln(F.silu(self.d(t.transpose(-1, -2)) + y))  # a second run reading the first's
-        return y, s, u
+        return y, s, u, k
 
 
 class Accumulate(torch.nn.Module):
