@@ -55,7 +55,7 @@ the process's CPU time per timed call (all threads, mean; on a loaded machine th
 decode calls has shown a bias against the fused copy (one process per path measured it ahead);
 check a surprising `sdpa` row with one process per setting. Nothing fails here.
 
-    python benchmarks/kernels.py [--ops unary,rows,rope,qgemv,sdpa,attn] [--quick] [--nodes] [--budget S]
+    python benchmarks/cpu_kernels.py [--ops unary,rows,rope,qgemv,sdpa,attn] [--quick] [--nodes] [--budget S]
                                  [--match TEXT,...]
 """
 
