@@ -237,7 +237,8 @@ std::vector<mx::array> chain_cpu_kernels(const std::vector<mx::array>& outputs) 
     const auto stream = nodes[first].a.primitive().stream();
     g_chains.fetch_add(1, std::memory_order_relaxed);
     g_members.fetch_add(members.size(), std::memory_order_relaxed);
-    auto chain = std::make_shared<KernelChain>(stream, std::make_shared<const Plan>(std::move(members), std::move(value_output)));
+    auto plan = std::make_shared<const Plan>(std::move(members), std::move(value_output));
+    auto chain = std::make_shared<KernelChain>(stream, std::move(plan));
     auto news = mx::array::make_arrays(std::move(shapes), dtypes, chain, inputs);
     for (size_t k = 0; k < escaping.size(); ++k) remap.emplace(escaping[k].id(), news[k]);
     i = last;
