@@ -87,6 +87,20 @@ def runtime_switches(compile: bool | None = None, cpu_kernels: bool | None = Non
         _runtime.set_cpu_kernels(was[1])
 
 
+@contextmanager
+def runtime_switch(name: str, value: Any) -> Iterator[None]:
+    """One of the runtime's process-wide switches (`_runtime.<name>()` reads it, `_runtime.set_<name>(v)`
+    sets it) at `value` for a block, restored afterwards."""
+    from . import _runtime
+
+    was = getattr(_runtime, name)()
+    getattr(_runtime, f"set_{name}")(value)
+    try:
+        yield
+    finally:
+        getattr(_runtime, f"set_{name}")(was)
+
+
 def cpu_kernels_active() -> bool:
     """Whether the delegate's own CPU kernels serve ops now: switched on (not
     MLX_DELEGATE_CPU_KERNELS=0, not `set_cpu_kernels(False)`) and MLX's default device is the CPU

@@ -8,8 +8,6 @@ bfloat16 and float16, node by node and compiled. One program per dtype holds eve
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -18,7 +16,7 @@ import torch.nn.functional as F
 from mlx_delegate import _runtime
 from mlx_delegate.testing import (
     CALLS_TO_REPLAY, FP32_REFERENCE_TOLERANCE, assert_close, cpu_kernels_active, fp32_tolerance, lower,
-    runtime_switches,
+    runtime_switch, runtime_switches,
 )
 
 # (weight shape [O, C, *k], keyword arguments of F.conv2d): C of the input's first channels.
@@ -59,14 +57,6 @@ class Stems(torch.nn.Module):
         return out
 
 
-@contextmanager
-def conv_direct(on: bool) -> Iterator[None]:
-    was = _runtime.conv_direct()
-    _runtime.set_conv_direct(on)
-    try:
-        yield
-    finally:
-        _runtime.set_conv_direct(was)
 
 
 def direct_calls() -> int:
@@ -93,7 +83,7 @@ def test_conv_direct_matches_eager_im2col_and_kernels_off(model: Stems, dtype: t
     rtol, atol = fp32_tolerance(K_MAX) if dtype == torch.float32 else FP32_REFERENCE_TOLERANCE[dtype]
 
     before = direct_calls()
-    with conv_direct(True):
+    with runtime_switch("conv_direct", True):
         on = lowered.fresh_method()
         for _ in range(CALLS_TO_REPLAY):  # node by node, traced, replayed
             got = on.execute([x.to(dtype)])
@@ -102,7 +92,7 @@ def test_conv_direct_matches_eager_im2col_and_kernels_off(model: Stems, dtype: t
     if cpu_kernels_active() and _runtime.cpu_vector_kernels():  # every convolution but the residual's own
         assert direct_calls() - before >= CALLS_TO_REPLAY * (len(CONV2D) + 3)
 
-    with conv_direct(False):  # the im2col / sgemm path, same program
+    with runtime_switch("conv_direct", False):  # the im2col / sgemm path, same program
         before = direct_calls()
         im2col = lowered.fresh_method().execute([x.to(dtype)])
         assert direct_calls() == before

@@ -11,8 +11,6 @@ convolution: at batch 2 its images would share one whole-image product). One pro
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -22,7 +20,7 @@ from torch import nn
 from mlx_delegate import _blas, _runtime
 from mlx_delegate.testing import (
     CALLS_TO_REPLAY, FP32_REFERENCE_TOLERANCE, assert_close, cpu_kernels_active, fp32_tolerance, lower,
-    runtime_switches,
+    runtime_switch, runtime_switches,
 )
 
 C = 16
@@ -49,14 +47,6 @@ class Tiled(nn.Module):
                 F.relu6(self.wide(x)), torch.relu(self.small(z)), self.small_res(z) + z]
 
 
-@contextmanager
-def conv_tiles(on: bool) -> Iterator[None]:
-    was = _runtime.conv_tiles()
-    _runtime.set_conv_tiles(on)
-    try:
-        yield
-    finally:
-        _runtime.set_conv_tiles(was)
 
 
 def tiled_calls() -> tuple[int, int, int]:
@@ -87,7 +77,7 @@ def test_tiled_conv_matches_eager_whole_image_and_kernels_off(model: Tiled, dtyp
         reference = expected(*(i.float() for i in inputs))
     rtol, atol = fp32_tolerance(K_MAX) if dtype == torch.float32 else FP32_REFERENCE_TOLERANCE[dtype]
 
-    with conv_tiles(True):
+    with runtime_switch("conv_tiles", True):
         before = tiled_calls()
         method = lowered.fresh_method()
         for _ in range(CALLS_TO_REPLAY):  # node by node, traced, replayed
@@ -111,7 +101,7 @@ def test_tiled_conv_matches_eager_whole_image_and_kernels_off(model: Tiled, dtyp
             _blas.set_sgemm_kind(previous)
         assert_close([g.float() for g in stale], reference, rtol, atol)
 
-    with conv_tiles(False):  # the whole-image im2col / GEMM path (neither tiles nor blocks), same program
+    with runtime_switch("conv_tiles", False):  # whole-image im2col / GEMM (no tiles, no blocks), same program
         count = tiled_calls()
         whole = method.execute(inputs)
         assert tiled_calls() == count

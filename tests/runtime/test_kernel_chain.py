@@ -6,25 +6,17 @@ are program outputs, a mutable buffer updated from a chain, and float32 / bfloat
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from mlx_delegate import _runtime
-from mlx_delegate.testing import CALLS_TO_REPLAY, TOLERANCE, assert_close, cpu_kernels_active, lower, runtime_switches
+from mlx_delegate.testing import (
+    CALLS_TO_REPLAY, TOLERANCE, assert_close, cpu_kernels_active, lower, runtime_switch, runtime_switches,
+)
 
 
-@contextmanager
-def chains(on: bool) -> Iterator[None]:
-    was = _runtime.kernel_chains()
-    _runtime.set_kernel_chains(on)
-    try:
-        yield
-    finally:
-        _runtime.set_kernel_chains(was)
 
 
 class Mixed(torch.nn.Module):
@@ -68,7 +60,7 @@ class Accumulate(torch.nn.Module):
 
 
 def run(lowered, calls: list[torch.Tensor], compile: bool, chain: bool) -> list[list[torch.Tensor]]:
-    with runtime_switches(compile=compile), chains(chain):
+    with runtime_switches(compile=compile), runtime_switch("kernel_chains", chain):
         method = lowered.fresh_method()
         return [[o.clone() for o in method.execute([x.clone()])] for x in calls]
 
