@@ -390,9 +390,15 @@ NB_MODULE(_runtime, m) {
     return std::string(names[int(mlxd::rt::pool_omp_team())]);
   });
   m.def("omp_team_stats", [] {
-    const auto [calls, parts] = mlxd::rt::cpu_pool_omp_team_stats();
-    return std::map<std::string, uint64_t>{{"calls", calls}, {"parts", parts}};
-  }, "Calls that lent their OpenMP team to the kernel pool so far (calls) and the parts its workers ran (parts).");
+    const auto s = mlxd::rt::cpu_pool_omp_team_stats();
+    return std::map<std::string, uint64_t>{{"calls", s.calls}, {"parts", s.parts}, {"pauses", s.pauses}};
+  }, "Calls that lent their OpenMP team to the kernel pool so far (calls), the parts its workers ran (parts), and "
+     "the calls that paused the team's idle threads first (pauses).");
+  m.def("set_pool_omp_pause", &mlxd::rt::set_pool_omp_pause, nb::arg("on"),
+        "Whether a long call that does not lend its OpenMP team (torch's libgomp) first ends the team's idle "
+        "threads, which spin for milliseconds after each eager torch op against the kernel pool (on, the default; "
+        "MLX_DELEGATE_OMP_PAUSE=0 at start-up turns it off).");
+  m.def("pool_omp_pause", &mlxd::rt::pool_omp_pause);
   m.def("set_step_counters", &mlxd::rt::cpu_pool_set_stats, nb::arg("on"),
         "Per-step counters of the kernel pool's jobs and the quantized GEMV's calls (off by default: a few clock "
         "reads per product when on); read with step_counters().");

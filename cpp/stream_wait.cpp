@@ -38,6 +38,14 @@ constexpr double kOmpTeamMinCallUs = 200;
 // GOMP_SPINCOUNT, ~10-15 ms) until the next parallel region, which only burns a core where the caller
 // sleeps between calls (a 100 Hz timer: 2.4x the CPU per call of the demo block, 2026-11-26).
 constexpr double kOmpTeamMinGapBusy = 0.5;
+// A call not lending the team pauses it (cpu_pool_pause_omp_team) when its evaluations lately took at
+// least this long, so the ~50 us pause and the team's later restart are a small share of what a free
+// core saves (a SmolLM2 decode step through the stock runtime, whose clone of the logits wakes the team:
+// a 6.3 against 8.7 ms median step, 2026-12-06) ...
+constexpr double kOmpPauseMinCallUs = 1000;
+// ... and when the call follows the last one's end within this: the worker spins 4-7 ms after the
+// caller's last parallel op, so only then is it surely spinning; asleep, pausing it would cost ~0.2 ms.
+constexpr double kOmpPauseMaxGapUs = 4000;
 
 // The calling thread's CPU time (0 where the clock is missing: the caller then counts as idle).
 int64_t thread_cpu_ns() {
@@ -565,14 +573,18 @@ void eval_adaptive(std::vector<mx::array>& arrays, EvalPace& pace, bool small) {
   // which only waits here, may lend its OpenMP team to the kernel pool for the call (cpu_parallel.h).
   const int64_t start = now_ns(), start_cpu = thread_cpu_ns();
   const bool known = pace.last_end_ns > 0;  // not a method's first call (which may build its kernels)
+  const double gap = known ? (start - pace.last_end_ns) / 1e3 : -1;
   if (known) {
-    const double gap = (start - pace.last_end_ns) / 1e3;
     const double busy = std::clamp((start_cpu - pace.last_end_cpu_ns) / 1e3 / std::max(gap, 1.0), 0.0, 1.0);
     pace.gap_busy = pace.gap_busy < 0 ? busy : 0.75 * pace.gap_busy + 0.25 * busy;
   }
   // Only a graph on a CPU stream: on a GPU the pool has no parts to give a lent worker.
-  const bool lent = cpu_stream(arrays) && choose_lend(pace) && cpu_pool_run_with_omp_team([&] { eval_impl(arrays, &pace, small); });
-  if (!lent) eval_impl(arrays, &pace, small);
+  const bool cpu = cpu_stream(arrays).has_value();
+  const bool lent = cpu && choose_lend(pace) && cpu_pool_run_with_omp_team([&] { eval_impl(arrays, &pace, small); });
+  if (!lent) {
+    if (cpu && known && pace.call_us >= kOmpPauseMinCallUs && gap < kOmpPauseMaxGapUs) cpu_pool_pause_omp_team();
+    eval_impl(arrays, &pace, small);
+  }
   pace.last_end_ns = now_ns();
   pace.last_end_cpu_ns = thread_cpu_ns();
   if (known) {  // a method's first call may build its kernels

@@ -69,7 +69,7 @@ std::atomic<uint64_t> g_ps_jobs{0}, g_ps_caller_parts{0}, g_ps_helper_parts{0}, 
     g_ps_helper_late_ns{0}, g_ps_helper_missed{0}, g_ps_helper_sleeps{0};
 
 // Calls that lent their OpenMP team to the pool, and the parts its workers ran (cpu_pool_omp_team_stats).
-std::atomic<uint64_t> g_omp_team_calls{0}, g_omp_team_parts{0};
+std::atomic<uint64_t> g_omp_team_calls{0}, g_omp_team_parts{0}, g_omp_team_pauses{0};
 
 int64_t pool_now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -522,6 +522,7 @@ struct OmpRuntime {
   int (*thread_num)() = nullptr;
   int (*max_threads)() = nullptr;
   int (*in_parallel)() = nullptr;
+  int (*pause_all)(int) = nullptr;  // omp_pause_resource_all (OpenMP 5.0); optional
 };
 const OmpRuntime* omp_runtime() {
   static const OmpRuntime rt = [] {
@@ -530,6 +531,7 @@ const OmpRuntime* omp_runtime() {
     r.thread_num = reinterpret_cast<int (*)()>(dlsym(RTLD_DEFAULT, "omp_get_thread_num"));
     r.max_threads = reinterpret_cast<int (*)()>(dlsym(RTLD_DEFAULT, "omp_get_max_threads"));
     r.in_parallel = reinterpret_cast<int (*)()>(dlsym(RTLD_DEFAULT, "omp_in_parallel"));
+    r.pause_all = reinterpret_cast<int (*)(int)>(dlsym(RTLD_DEFAULT, "omp_pause_resource_all"));
     return r;
   }();
   return rt.parallel && rt.thread_num && rt.max_threads && rt.in_parallel ? &rt : nullptr;
@@ -541,11 +543,32 @@ std::atomic<int> g_omp_team{[] {
   if (v && std::strcmp(v, "always") == 0) return int(OmpTeam::Always);
   return int(OmpTeam::Auto);
 }()};
+std::atomic<bool> g_omp_pause{[] {
+  const char* v = std::getenv("MLX_DELEGATE_OMP_PAUSE");
+  return !(v && std::strcmp(v, "0") == 0);
+}()};
 }  // namespace
+
+void set_pool_omp_pause(bool on) { g_omp_pause.store(on, std::memory_order_relaxed); }
+bool pool_omp_pause() { return g_omp_pause.load(std::memory_order_relaxed); }
+
+bool cpu_pool_pause_omp_team() {
+  if (!pool_omp_pause()) return false;
+  const OmpRuntime* omp = omp_runtime();
+  if (omp == nullptr || omp->pause_all == nullptr || omp->in_parallel()) return false;
+  auto& pool = Pool::get();
+  if (pool.size() <= 1 || !pool.owned()) return false;
+  constexpr int kOmpPauseSoft = 1;  // omp_pause_soft: the runtime may end its idle threads; state is kept
+  if (omp->pause_all(kOmpPauseSoft) != 0) return false;
+  g_omp_team_pauses.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
 
 void set_pool_omp_team(OmpTeam mode) { g_omp_team.store(int(mode), std::memory_order_relaxed); }
 OmpTeam pool_omp_team() { return OmpTeam(g_omp_team.load(std::memory_order_relaxed)); }
-std::pair<uint64_t, uint64_t> cpu_pool_omp_team_stats() { return {g_omp_team_calls.load(), g_omp_team_parts.load()}; }
+OmpTeamStats cpu_pool_omp_team_stats() {
+  return {g_omp_team_calls.load(), g_omp_team_parts.load(), g_omp_team_pauses.load()};
+}
 
 bool cpu_pool_run_with_omp_team(const std::function<void()>& body) {
   const OmpRuntime* omp = pool_omp_team() != OmpTeam::Off ? omp_runtime() : nullptr;

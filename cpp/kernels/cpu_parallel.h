@@ -114,8 +114,21 @@ bool cpu_pool_run_with_omp_team(const std::function<void()>& body);
 enum class OmpTeam : int { Off = 0, Auto = 1, Always = 2 };
 void set_pool_omp_team(OmpTeam mode);
 OmpTeam pool_omp_team();
-// Calls run with a lent team so far, and the parts its workers took (tests, benchmarks).
-std::pair<uint64_t, uint64_t> cpu_pool_omp_team_stats();
+// Ends the calling thread's OpenMP team's idle threads now (omp_pause_resource_all, soft) rather than
+// letting them spin: after an eager torch op (the stock runtime's clone of a returned tensor is one) the
+// team's worker spins for 4-7 ms (GOMP_SPINCOUNT), through most of a decode step, on the core the pool's
+// helper needs. The team's next parallel region starts its threads again (~0.1-0.2 ms). False, doing
+// nothing, where the pause is off (set_pool_omp_pause, MLX_DELEGATE_OMP_PAUSE=0), the runtime has no such
+// call, the caller is in a parallel region or the pool has no helpers. Independent of lending
+// (set_pool_omp_team): stream_wait.cpp pauses a call's team when it does not lend it (eval_adaptive).
+bool cpu_pool_pause_omp_team();
+void set_pool_omp_pause(bool on);
+bool pool_omp_pause();
+// Calls run with a lent team so far, the parts its workers took, and the team's pauses (tests, benchmarks).
+struct OmpTeamStats {
+  uint64_t calls, parts, pauses;
+};
+OmpTeamStats cpu_pool_omp_team_stats();
 
 // Opt-in counters of the pool's jobs (off by default: two clock reads per job when on), for
 // benchmarks that split a decode step's time (benchmarks/decode_split.py). Jobs counted are those

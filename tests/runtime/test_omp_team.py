@@ -69,3 +69,64 @@ def test_omp_team_modes_match_eager() -> None:
         assert count("always") >= 50, out.stdout
     else:
         assert count("always") == count("auto") == 0, out.stdout
+
+
+PAUSE_CHILD = r"""
+import time
+
+import torch
+import mlx_delegate
+from mlx_delegate import _runtime
+from mlx_delegate.testing import assert_close, lower
+
+torch.manual_seed(0)
+# calls of several ms (long enough to pause for), however fast the machine
+layer = torch.nn.TransformerEncoderLayer(512, 8, 2048, dropout=0.0, activation="gelu", batch_first=True)
+model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+x = torch.randn(1, 256, 512)
+big = torch.randn(1, 1, 1 << 16)  # torch copies this on its OpenMP team (more than one grain)
+threads = torch.get_num_threads()
+with torch.no_grad():
+    expected = model(x)
+    method = lower(model, (x,)).method()
+    _runtime.set_pool_omp_team("off")  # no call lends the team: each one may pause it
+    pauses = {}
+    for on in (True, False, True):
+        _runtime.set_pool_omp_pause(on)
+        before = _runtime.omp_team_stats()
+        for _ in range(20):
+            copy = big.clone()  # a parallel op: the team's worker spins on into the call
+            out = method.execute([x])[0]
+            assert_close([out], [expected], 1e-4, 1e-4)
+            assert torch.equal(copy, big)
+        pauses[on] = pauses.get(on, 0) + _runtime.omp_team_stats()["pauses"] - before["pauses"]
+    # calls 10 ms after the last one's end: the worker has stopped spinning, so no pause
+    before = _runtime.omp_team_stats()["pauses"]
+    for _ in range(5):
+        time.sleep(0.01)
+        assert_close(method.execute([x]), [expected], 1e-4, 1e-4)
+    pauses["late"] = _runtime.omp_team_stats()["pauses"] - before
+    # eager torch after the pauses: the team starts again, same threads, same results
+    assert_close([model(x)], [expected], 1e-5, 1e-5)
+    assert torch.get_num_threads() == threads
+print("pauses on", pauses[True], "off", pauses[False], "late", pauses["late"], "threads", threads, "default", int(_runtime.pool_omp_pause()))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="torch's libgomp: the Linux wheel's OpenMP runtime")
+def test_omp_team_paused_before_long_calls() -> None:
+    """A long call that does not lend the team first pauses it when it follows the last call closely (the
+    team's worker would spin into it after the caller's parallel op), not when the worker has stopped
+    spinning; off, it never does; eager torch runs on unchanged after the pauses."""
+    out = subprocess.run([sys.executable, "-c", PAUSE_CHILD], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    words = out.stdout.split()
+    count = lambda key: int(words[words.index(key) + 1])  # noqa: E731
+    assert count("off") == count("late") == 0, out.stdout
+    assert count("default") == 1, out.stdout
+    if len(os.sched_getaffinity(0)) > 1 and count("threads") > 1:
+        # of 40 calls: all but the first, which times the evaluation, and those whose gap a loaded machine
+        # stretched past the worker's spin (4 ms; 13 of 40 beside another test run)
+        assert count("on") >= 20, out.stdout
+    else:
+        assert count("on") == 0, out.stdout
