@@ -38,6 +38,12 @@ constexpr double kOmpTeamMinCallUs = 200;
 // GOMP_SPINCOUNT, ~10-15 ms) until the next parallel region, which only burns a core where the caller
 // sleeps between calls (a 100 Hz timer: 2.4x the CPU per call of the demo block, 2026-11-26).
 constexpr double kOmpTeamMinGapBusy = 0.5;
+// ... and only where that work is at least this share of a call: eager torch between calls (the demo:
+// ~1.6 ms of it around a 1.4 ms call) keeps the worker busy, and lent it is warm for both; a decode loop's
+// few hundred microseconds of sampling and the stock runtime's clone of the logits leave it spinning
+// idle, and pausing it is faster than lending it (a SmolLM2 Q4_1 step, separate runs: 5.9-6.7 against
+// 6.2-7.9 ms, 2026-12-06).
+constexpr double kOmpTeamMinGapWork = 0.25;
 // A call not lending the team pauses it (cpu_pool_pause_omp_team) when its evaluations lately took at
 // least this long, so the ~50 us pause and the team's later restart are a small share of what a free
 // core saves (a SmolLM2 decode step through the stock runtime, whose clone of the logits wakes the team:
@@ -535,7 +541,7 @@ bool choose_lend(EvalPace& pace) {
   const OmpTeam mode = pool_omp_team();
   if (mode == OmpTeam::Off || pace.call_us < kOmpTeamMinCallUs) return false;
   if (mode == OmpTeam::Always) return true;
-  if (pace.gap_busy < kOmpTeamMinGapBusy) return false;
+  if (pace.gap_busy < kOmpTeamMinGapBusy || pace.gap_busy * pace.gap_us < kOmpTeamMinGapWork * pace.call_us) return false;
   // A method's first calls fill both windows, lent first: deciding on one or two samples of a mode
   // (a warm-up call's) settled a 60-call run on the slower mode, and probes grew rarer from there.
   if (pace.lent.n < EvalPace::kWindow) return true;
@@ -577,6 +583,7 @@ void eval_adaptive(std::vector<mx::array>& arrays, EvalPace& pace, bool small) {
   if (known) {
     const double busy = std::clamp((start_cpu - pace.last_end_cpu_ns) / 1e3 / std::max(gap, 1.0), 0.0, 1.0);
     pace.gap_busy = pace.gap_busy < 0 ? busy : 0.75 * pace.gap_busy + 0.25 * busy;
+    pace.gap_us = pace.gap_us < 0 ? gap : 0.75 * pace.gap_us + 0.25 * gap;
   }
   // Only a graph on a CPU stream: on a GPU the pool has no parts to give a lent worker.
   const bool cpu = cpu_stream(arrays).has_value();

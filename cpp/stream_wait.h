@@ -44,6 +44,7 @@ struct EvalPace {
   // smoothed share of the time from one evaluation's result to the next one's start that the calling
   // thread spent on the CPU; < 0 until known
   double gap_busy = -1;
+  double gap_us = -1;  // smoothed wall time from one evaluation's result to the next one's start
   int64_t last_end_ns = 0, last_end_cpu_ns = 0;
   // The OpenMP team's lending, chosen by measurement (stream_wait.cpp, eval_adaptive): recent wall times
   // of an evaluation with the team lent and without (compared by their means: unlent calls alternating
