@@ -541,7 +541,8 @@ bool choose_lend(EvalPace& pace) {
   const OmpTeam mode = pool_omp_team();
   if (mode == OmpTeam::Off || pace.call_us < kOmpTeamMinCallUs) return false;
   if (mode == OmpTeam::Always) return true;
-  if (pace.gap_busy < kOmpTeamMinGapBusy || pace.gap_busy * pace.gap_us < kOmpTeamMinGapWork * pace.call_us) return false;
+  if (pace.gap_busy < kOmpTeamMinGapBusy) return false;
+  if (pace.gap_busy * pace.gap_us < kOmpTeamMinGapWork * pace.call_us) return false;
   // A method's first calls fill both windows, lent first: deciding on one or two samples of a mode
   // (a warm-up call's) settled a 60-call run on the slower mode, and probes grew rarer from there.
   if (pace.lent.n < EvalPace::kWindow) return true;

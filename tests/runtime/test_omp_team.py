@@ -109,7 +109,8 @@ with torch.no_grad():
     # eager torch after the pauses: the team starts again, same threads, same results
     assert_close([model(x)], [expected], 1e-5, 1e-5)
     assert torch.get_num_threads() == threads
-print("pauses on", pauses[True], "off", pauses[False], "late", pauses["late"], "threads", threads, "default", int(_runtime.pool_omp_pause()))
+print("pauses on", pauses[True], "off", pauses[False], "late", pauses["late"], "threads", threads,
+      "default", int(_runtime.pool_omp_pause()))
 """
 
 
