@@ -83,14 +83,18 @@ const char* dtype_name(mlxd::DType dtype) {
 }
 
 void check_index_guard(const mx::array& index, const IndexGuard& guard) {
-  if (index.status() != mx::array::Status::available || index.size() != 1) return;
-  int64_t v;
-  if (index.dtype() == mx::int64) v = index.data<int64_t>()[0];
-  else if (index.dtype() == mx::int32) v = index.data<int32_t>()[0];
-  else return;  // other dtypes are not produced by the exporters we know; MLX clamps them
-  if (v < guard.lo || v > guard.hi)
-    throw NodeError(guard.what + " " + std::to_string(v) + " is outside [" + std::to_string(guard.lo) + ", " +
-                    std::to_string(guard.hi) + "]");
+  if (index.status() != mx::array::Status::available || !index.flags().row_contiguous) return;
+  auto check = [&](auto* values) {
+    for (size_t i = 0; i < index.size(); ++i) {
+      const int64_t v = values[i];
+      if (v < guard.lo || v > guard.hi)
+        throw NodeError(guard.what + " " + std::to_string(v) + " is outside [" + std::to_string(guard.lo) + ", " +
+                        std::to_string(guard.hi) + "]");
+    }
+  };
+  if (index.dtype() == mx::int64) check(index.data<int64_t>());
+  else if (index.dtype() == mx::int32) check(index.data<int32_t>());
+  // other dtypes are not produced by the exporters we know; MLX clamps them
 }
 
 namespace {

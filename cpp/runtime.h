@@ -53,16 +53,17 @@ size_t max_tensor_bytes();
 void set_max_tensor_bytes(size_t bytes);
 void check_tensor_size(const mx::array& a);
 
-// An index a node reads from a one-element integer tensor (e.g. a KV-cache
-// write position) and must lie in [lo, hi]. MLX clamps array indices without
-// a word, so the runtime checks them on the host: at once when the tensor is a
-// bound input, and on every replay of a compiled graph (recorded while tracing).
+// Indices a node reads from an integer tensor (a KV-cache write position, an
+// embedding's token ids) that must lie in [lo, hi]. MLX clamps array indices
+// without a word, so the runtime checks them on the host: at once when the
+// tensor is a bound input, and on every replay of a compiled graph (recorded
+// while tracing).
 struct IndexGuard {
   uint32_t tid;
   int64_t lo, hi;
   std::string what;
 };
-// Throws NodeError when `index`'s value (host memory) is outside [lo, hi].
+// Throws NodeError when one of `index`'s values (host memory) is outside [lo, hi].
 void check_index_guard(const mx::array& index, const IndexGuard& guard);
 
 // Constants converted to another dtype, once per loaded program and kept (ExecContext::in_as).

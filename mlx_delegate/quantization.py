@@ -250,10 +250,12 @@ def quantized_embedding(w: Tensor, scales: Tensor, biases: Tensor | None, indice
                         bits: int, mode: str = "affine", global_scale: float = 1.0,
                         dtype: torch.dtype | None = None) -> Tensor:
     """Rows `indices` of the dequantized [N, K] table (times global_scale), in `dtype` (default for affine:
-    the scales')."""
+    the scales'). An index outside [0, N) is an IndexError, as for torch's embedding."""
     if mode == "affine":
-        return dequantize_mlx(w, scales, biases, group_size, bits, dtype=dtype)[indices]
-    return dequantize(w, scales, biases, group_size, bits, mode, global_scale, dtype)[indices]
+        table = dequantize_mlx(w, scales, biases, group_size, bits, dtype=dtype)
+    else:
+        table = dequantize(w, scales, biases, group_size, bits, mode, global_scale, dtype)
+    return torch.nn.functional.embedding(indices, table)
 
 
 @quantized_embedding.register_fake

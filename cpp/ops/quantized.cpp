@@ -2,6 +2,7 @@
 // weights (stored as int32 words, viewed as uint32 here) with per-group scales
 // and biases, w = scales * q + biases along the last axis.
 #include "../ops_common.h"
+#include "kernels/qembed_cpu.h"
 #include "kernels/qgemm_cpu.h"
 #include "kernels/qgemv_cpu.h"
 
@@ -137,14 +138,26 @@ void exec_QuantizedLinearNode(const mlxd::QuantizedLinearNode& n, ExecContext& c
   ctx.set(n.out(), epilogue(ctx, n, y));
 }
 
-// Gathers the packed rows with their scales and biases, then dequantizes only those.
+// The rows the indices pick, dequantized: on the CPU one kernel (kernels/qembed_cpu.h); otherwise the
+// packed rows with their scales and biases are gathered, and only those dequantized (in float32 for
+// float32_out, as the wider type: exact for fp16 / bf16 scales).
 void exec_QuantizedEmbeddingNode(const mlxd::QuantizedEmbeddingNode& n, ExecContext& ctx) {
   const auto& idx = ctx.in(n.indices());
+  const auto& scales = ctx.in(n.scales());
+  const auto& biases = ctx.in(n.biases());
+  auto w = packed_words(ctx, n.w());
+  const auto dtype = n.float32_out() ? mx::float32 : scales.dtype();
+  // torch's embedding rejects such an index; MLX's take would read a clamped row without a word.
+  ctx.guard_index(n.indices(), 0, w.shape(0) - 1, "embedding index");
+  if (qembed_cpu_applies(w, scales, biases, idx, n.group_size(), n.bits(), dtype)) {
+    ctx.set(n.out(), qembed_cpu(w, scales, biases, idx, n.group_size(), n.bits(), dtype));
+    return;
+  }
   auto flat = mx::flatten(idx);
   auto rows = [&](const mx::array& a) { return mx::take(a, flat, 0); };
-  const auto& scales = ctx.in(n.scales());
-  auto y = mx::dequantize(rows(packed_words(ctx, n.w())), rows(scales), rows(ctx.in(n.biases())),
-                          n.group_size(), n.bits(), "affine", std::nullopt, scales.dtype());
+  auto widened = [&](const mx::array& a) { return a.dtype() == dtype ? a : mx::astype(a, dtype); };
+  auto y = mx::dequantize(rows(w), widened(rows(scales)), widened(rows(biases)), n.group_size(), n.bits(), "affine",
+                          std::nullopt, dtype);
   auto shape = idx.shape();
   shape.push_back(y.shape(-1));
   ctx.set(n.out(), mx::reshape(y, shape));

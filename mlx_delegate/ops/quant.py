@@ -169,19 +169,25 @@ def _stacked_product(b: ProgramBuilder, n: torch.fx.Node, out: Any, glu: bool) -
 def quantized_embedding(b: ProgramBuilder, n: torch.fx.Node) -> None:
     """Gathers packed rows, then mx::dequantize; affine (groups 32/64/128, 2/4/8 bits) or nvfp4 / mxfp8 / mxfp4.
 
-    Affine in the scales' dtype is one QuantizedEmbeddingNode; otherwise (another mode, or affine
-    scales narrower or wider than the output, e.g. GGUF's fp16 under fp32) rows of w, scales (and
-    biases) are taken, then DequantizeNode to the output dtype (* global scale)."""
+    Affine is one QuantizedEmbeddingNode: in the scales' dtype, or, where they differ from the output
+    (GGUF's fp16 scales under fp32), dequantized in float32 (`float32_out`) and cast where the output is
+    narrower. Otherwise rows of w, scales (and biases) are taken, then DequantizeNode to the output
+    dtype (* global scale)."""
     a = b.args(n)
     w, scales, biases, indices, mode = a["w"], a["scales"], a["biases"], a["indices"], a["mode"]
     dtype = b.dtype_of(n)
     if dtype not in FLOAT_DTYPES:
         raise b.unsupported(f"{mode} embedding needs a float output dtype, got {dtype}")
     k = _packed(b, w, scales, biases, a["group_size"], a["bits"], dtype, mode)
-    if mode == "affine" and b.dtype_of(scales) == dtype:
+    if mode == "affine" and float(a["global_scale"]) == 1.0:
+        widen = b.dtype_of(scales) != dtype
+        cast = widen and dtype != torch.float32
+        rows = b.temp() if cast else b.out(n)
         b.emit(N.QuantizedEmbeddingNode(w=b.tensor(w), scales=b.tensor(scales), biases=b.tensor(biases),
                                         indices=index_tensor(b, indices), group_size=a["group_size"],
-                                        bits=a["bits"], out=b.out(n)))
+                                        bits=a["bits"], out=rows, float32_out=widen))
+        if cast:
+            b.emit(N.AsTypeNode(x=rows, dtype=b.ir_dtype(dtype), out=b.out(n)))
         return
     flat = _reshape(b, index_tensor(b, indices), [-1])
     rows = []
