@@ -21,7 +21,7 @@ Llama-3.2-shaped model's `--quantize int4` program, random weights, as `benchmar
 With `--switch`, each program runs with the runtime switch off and on in turn (ABBA rounds), as in
 `decode_ab.py`. `cpu ms/token` is the process's CPU time per step (all threads).
 
-    python benchmarks/decode_split.py PROGRAM.pte ... [--rounds 6] [--block 16] [--switch pool_hold|huge_pages|arena|guided|omp_team|omp_team_always|spin_yield|torch_threads|rope_kv_packed|kernel_chains|omp_pause] [--probe]
+    python benchmarks/decode_split.py PROGRAM.pte ... [--rounds 6] [--block 16] [--switch pool_hold|huge_pages|arena|guided|omp_team|omp_team_always|spin_yield|torch_threads|rope_kv_packed|kernel_chains|chain_writes|omp_pause] [--probe]
     python benchmarks/decode_split.py --export 1b-int4.pte [--layers 16]
 """
 
@@ -57,10 +57,11 @@ SWITCHES = {"none": ("-", lambda on: None, None),
                               lambda on: torch.set_num_threads(common.THREADS if on else 1), True),
             "rope_kv_packed": ("q / k / v read from their projection", _runtime.set_rope_kv_packed, True),
             "kernel_chains": ("kernel runs folded into chains", _runtime.set_kernel_chains, True),
+            "chain_writes": ("cache writes in chains, weights held by them", _runtime.set_kernel_chain_writes, True),
             # the stock runtime's clone of returned logits wakes torch's OpenMP team, whose worker then spins
             "omp_pause": ("OpenMP team paused before a long call", _runtime.set_pool_omp_pause, True)}
 # Read at load or when a graph is traced: each setting loads (and warms up) the program once.
-LOAD_SWITCHES = {"huge_pages", "arena", "rope_kv_packed", "kernel_chains"}
+LOAD_SWITCHES = {"huge_pages", "arena", "rope_kv_packed", "kernel_chains", "chain_writes"}
 
 
 def export_1b(path: Path, layers: int) -> None:

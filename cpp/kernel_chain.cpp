@@ -19,17 +19,19 @@ namespace mlxd::rt {
 namespace mx = mlx::core;
 namespace {
 
-bool env_on() {
-  const char* v = std::getenv("MLX_DELEGATE_KERNEL_CHAINS");
+bool env_on(const char* name) {
+  const char* v = std::getenv(name);
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
-std::atomic<bool> g_on{env_on()};
+std::atomic<bool> g_on{env_on("MLX_DELEGATE_KERNEL_CHAINS")};
+std::atomic<bool> g_writes{env_on("MLX_DELEGATE_CHAIN_WRITES")};
 std::atomic<uint64_t> g_chains{0}, g_members{0};
 
-// A member's operand: the chain's input `index`, or (from_value) the output `index` of an earlier member,
-// counted over all members' outputs in order.
+// A member's operand: the chain's input `index`, the output `index` of an earlier member (counted over
+// all members' outputs in order), or the chain's constant `index`.
+enum class From : uint8_t { input, value, constant };
 struct Operand {
-  bool from_value;
+  From from;
   int index;
 };
 
@@ -43,15 +45,22 @@ struct Member {
 // What a chain runs: its members, which member values are its outputs (value_output[v]: the output
 // index, or -1 for an intermediate), and where each intermediate is read last. Shared with the task,
 // which may run after MLX has let go of the primitive.
+// Constants (weights, tables) are held here rather than as graph inputs: MLX gives each output of a
+// primitive its own copy of the input list, and a step's one chain has ~60 outputs (its caches) and
+// ~500 weights. output_alias[k]: the chain input that output k may update in place (a KV cache written by
+// a member, cpu_kernel_in_place, that nothing else in the chain reads), or -1.
 struct Plan {
   std::vector<Member> members;
   std::vector<int> value_output, last_use;
+  std::vector<mx::array> constants;
+  std::vector<int> output_alias;
 
-  Plan(std::vector<Member> m, std::vector<int> outputs) : members(std::move(m)), value_output(std::move(outputs)) {
+  Plan(std::vector<Member> m, std::vector<int> outputs, std::vector<mx::array> c, std::vector<int> alias)
+      : members(std::move(m)), value_output(std::move(outputs)), constants(std::move(c)), output_alias(std::move(alias)) {
     last_use.assign(value_output.size(), -1);
     for (int i = 0; i < static_cast<int>(members.size()); ++i)
       for (const auto& o : members[i].in)
-        if (o.from_value) last_use[o.index] = i;
+        if (o.from == From::value) last_use[o.index] = i;
   }
 
   // Each member as MLX would run it: its eval_cpu with the task recorded (buffers allocated, donation
@@ -67,7 +76,8 @@ struct Plan {
       const Member& m = members[i];
       args.clear();
       results.clear();
-      for (const auto& o : m.in) args.push_back(o.from_value ? values[o.index] : in[o.index]);
+      for (const auto& o : m.in)
+        args.push_back(o.from == From::value ? values[o.index] : o.from == From::input ? in[o.index] : constants[o.index]);
       for (size_t j = 0; j < m.shapes.size(); ++j) {
         const int at = value_output[values.size() + j];
         results.push_back(at >= 0 ? out[at] : mx::array(m.shapes[j], m.dtypes[j], nullptr, {}));
@@ -91,9 +101,19 @@ class KernelChain : public mx::Primitive {
   KernelChain(mx::Stream s, std::shared_ptr<const Plan> plan) : mx::Primitive(s), plan_(std::move(plan)) {}
 
   // The outputs get their buffers now (the nodes that read them take their pointers when MLX walks them,
-  // before the task runs); the members run in one task on the stream thread.
+  // before the task runs); the members run in one task on the stream thread. An output that may update
+  // an input in place takes the input's buffer where nothing else holds it (the siblings' copies of the
+  // input list dropped first, as RopeKvWriteCpu does outside a chain).
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
-    for (auto& o : out) o.set_data(mx::allocator::malloc(o.nbytes()));
+    for (auto& o : out)
+      if (&o.inputs() != &in) o.inputs().clear();
+    for (size_t k = 0; k < out.size(); ++k) {
+      const int a = plan_->output_alias[k];
+      if (a >= 0 && in[a].flags().row_contiguous && in[a].nbytes() == out[k].nbytes() && in[a].is_donatable())
+        out[k].copy_shared_buffer(in[a]);
+      else
+        out[k].set_data(mx::allocator::malloc(out[k].nbytes()));
+    }
     mx::cpu::get_command_encoder(stream()).dispatch([plan = plan_, in, out] { plan->run(in, out); });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -135,16 +155,42 @@ std::vector<Node> topological(const std::vector<mx::array>& outputs, std::unorde
       const int index = static_cast<int>(nodes.size());
       for (const auto& o : a.outputs()) node_of[o.id()] = index;
       auto& p = a.primitive();
-      nodes.push_back({a, p.stream().device == mx::Device::cpu && cpu_kernel_chainable(p.name())});
+      const bool chainable = p.stream().device == mx::Device::cpu && cpu_kernel_chainable(p.name()) &&
+                             (kernel_chain_writes() || cpu_kernel_in_place(p.name()).empty());
+      nodes.push_back({a, chainable});
       stack.pop_back();
     }
   }
   return nodes;
 }
 
+// The same nodes with those that depend on no chainable node (through any path) moved to the front, in
+// their order: side computations such as a decode step's position mask then come before the kernels and
+// no longer split a run. Still topological: a moved node's inputs are leaves or moved nodes.
+void hoist_independent(std::vector<Node>& nodes, std::unordered_map<std::uintptr_t, int>& node_of) {
+  std::vector<char> depends(nodes.size(), 0);
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    depends[i] = nodes[i].chainable;
+    for (const auto& x : nodes[i].a.inputs())
+      if (auto it = node_of.find(x.id()); it != node_of.end() && it->second >= 0 && depends[it->second]) depends[i] = 1;
+  }
+  std::vector<Node> order;
+  order.reserve(nodes.size());
+  for (int pass = 0; pass < 2; ++pass)
+    for (size_t i = 0; i < nodes.size(); ++i)
+      if (depends[i] == pass) order.push_back(nodes[i]);
+  nodes = std::move(order);
+  for (int i = 0; i < static_cast<int>(nodes.size()); ++i)
+    for (const auto& o : nodes[i].a.outputs()) node_of[o.id()] = i;
+}
+
+bool is_constant(const mx::array& x) { return x.is_available() && !x.is_tracer(); }
+
 }  // namespace
 
 void set_kernel_chains(bool on) { g_on.store(on); }
+void set_kernel_chain_writes(bool on) { g_writes.store(on); }
+bool kernel_chain_writes() { return g_writes.load(); }
 bool kernel_chains() { return g_on.load(); }
 KernelChainStats kernel_chain_stats() { return {g_chains.load(), g_members.load()}; }
 
@@ -152,6 +198,7 @@ std::vector<mx::array> chain_cpu_kernels(const std::vector<mx::array>& outputs) 
   if (!kernel_chains()) return outputs;
   std::unordered_map<std::uintptr_t, int> node_of;
   std::vector<Node> nodes = topological(outputs, node_of);
+  if (kernel_chain_writes()) hoist_independent(nodes, node_of);
 
   // Runs: maximal stretches of two or more chainable nodes in that order. Whatever feeds a run comes
   // before it, and whatever reads it after, so each run can stand as one node.
@@ -205,39 +252,57 @@ std::vector<mx::array> chain_cpu_kernels(const std::vector<mx::array>& outputs) 
       continue;
     }
     const auto [first, last] = runs[n.run];
+    const bool writes = kernel_chain_writes();
     std::vector<Member> members;
-    std::vector<mx::array> inputs, escaping;
-    std::unordered_map<std::uintptr_t, int> input_of, value_of;
-    std::vector<int> value_output;
+    std::vector<mx::array> inputs, escaping, constants;
+    std::unordered_map<std::uintptr_t, int> input_of, value_of, constant_of;
+    std::vector<int> value_output, input_reads, alias;
     for (int k = first; k <= last; ++k) {
       const mx::array& a = nodes[k].a;
       Member m{a.primitive_ptr(), {}, {}, {}};
       for (const auto& x : a.inputs()) {
         if (auto v = value_of.find(x.id()); v != value_of.end()) {
-          m.in.push_back({true, v->second});
-          continue;
+          m.in.push_back({From::value, v->second});
+        } else if (writes && is_constant(x)) {
+          auto [it, added] = constant_of.emplace(x.id(), static_cast<int>(constants.size()));
+          if (added) constants.push_back(x);
+          m.in.push_back({From::constant, it->second});
+        } else {
+          auto [it, added] = input_of.emplace(x.id(), static_cast<int>(inputs.size()));
+          if (added) inputs.push_back(now(x)), input_reads.push_back(0);
+          ++input_reads[it->second];
+          m.in.push_back({From::input, it->second});
         }
-        auto [it, added] = input_of.emplace(x.id(), static_cast<int>(inputs.size()));
-        if (added) inputs.push_back(now(x));
-        m.in.push_back({false, it->second});
       }
-      for (const auto& o : a.outputs()) {
+      const auto& in_place = cpu_kernel_in_place(a.primitive().name());
+      const auto outs = a.outputs();  // a new vector (siblings and a itself)
+      for (int j = 0; j < static_cast<int>(outs.size()); ++j) {
+        const auto& o = outs[j];
         value_of.emplace(o.id(), static_cast<int>(value_output.size()));
         m.shapes.push_back(o.shape());
         m.dtypes.push_back(o.dtype());
         const bool out = escapes.count(o.id()) > 0;
         value_output.push_back(out ? static_cast<int>(escaping.size()) : -1);
-        if (out) escaping.push_back(o);
+        if (!out) continue;
+        escaping.push_back(o);
+        int from = -1;
+        for (const auto& [output, input] : in_place)
+          if (output == j && m.in[input].from == From::input) from = m.in[input].index;
+        alias.push_back(from);
       }
       members.push_back(std::move(m));
     }
+    // In place only where this member is the chain's one reader of that input.
+    for (auto& a : alias)
+      if (a >= 0 && input_reads[a] != 1) a = -1;
     std::vector<mx::Shape> shapes;
     std::vector<mx::Dtype> dtypes;
     for (const auto& o : escaping) shapes.push_back(o.shape()), dtypes.push_back(o.dtype());
     const auto stream = nodes[first].a.primitive().stream();
     g_chains.fetch_add(1, std::memory_order_relaxed);
     g_members.fetch_add(members.size(), std::memory_order_relaxed);
-    auto plan = std::make_shared<const Plan>(std::move(members), std::move(value_output));
+    auto plan = std::make_shared<const Plan>(std::move(members), std::move(value_output), std::move(constants),
+                                             std::move(alias));
     auto chain = std::make_shared<KernelChain>(stream, std::move(plan));
     auto news = mx::array::make_arrays(std::move(shapes), dtypes, chain, inputs);
     for (size_t k = 0; k < escaping.size(); ++k) remap.emplace(escaping[k].id(), news[k]);

@@ -29,6 +29,12 @@ std::vector<mlx::core::array> chain_cpu_kernels(const std::vector<mlx::core::arr
 void set_kernel_chains(bool on);
 bool kernel_chains();
 
+// On by default; MLX_DELEGATE_CHAIN_WRITES=0 or set_kernel_chain_writes(false) keeps the kernels that
+// update an input in place (the KV-cache writes) out of chains, and each chain's weights among its graph
+// inputs, as before (A/B runs in one process; graphs traced afterwards).
+void set_kernel_chain_writes(bool on);
+bool kernel_chain_writes();
+
 // Chains built and kernels folded into them, since the process started (tests prove chains ran).
 struct KernelChainStats {
   uint64_t chains = 0, members = 0;

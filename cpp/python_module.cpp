@@ -254,6 +254,9 @@ NB_MODULE(_runtime, m) {
         "Fold runs of the runtime's CPU kernels in graphs traced from now on into one MLX primitive each "
         "(on by default; MLX_DELEGATE_KERNEL_CHAINS=0 starts with it off).");
   m.def("kernel_chains", &mlxd::rt::kernel_chains);
+  m.def("set_kernel_chain_writes", &mlxd::rt::set_kernel_chain_writes, nb::arg("on"),
+        "KV-cache writes as chain members, weights held by their chain (graphs traced afterwards).");
+  m.def("kernel_chain_writes", &mlxd::rt::kernel_chain_writes);
   m.def("kernel_chain_stats", [] {
     auto s = mlxd::rt::kernel_chain_stats();
     return std::map<std::string, uint64_t>{{"chains", s.chains}, {"members", s.members}};

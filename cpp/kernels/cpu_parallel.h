@@ -192,10 +192,15 @@ CpuTaskSink& begin_cpu_task(const mlx::core::Stream& s, const std::vector<mlx::c
 // Kernels a chain may record (kernel_chain.h), by their primitive's name: each eval_cpu dispatches
 // only through cpu_task_sink and reads no input's values before its task runs (pointers, shapes and
 // strides only). Each kernel file registers its own with a static ChainableKernel.
+// `in_place`: (output, input) pairs the kernel updates in place when, as a chain member, it finds that
+// output already holding that input's buffer (the chain hands over a KV cache nothing else reads).
 bool cpu_kernel_chainable(const char* primitive_name);
+const std::vector<std::pair<int, int>>& cpu_kernel_in_place(const char* primitive_name);
 struct ChainableKernel {
-  explicit ChainableKernel(const char* primitive_name);
+  explicit ChainableKernel(const char* primitive_name, std::vector<std::pair<int, int>> in_place = {});
 };
+// Whether this thread is recording a chain member's tasks (its eval_cpu runs inside the chain's task).
+bool cpu_task_recording();
 
 // A kept (thread_local) scratch vector holding at least n elements, contents unspecified. It never shrinks:
 // resized down and back up, layer after layer of other sizes, a vector zero-fills the regrown part on

@@ -2,6 +2,7 @@
 // registry of kernels a chain may hold; see cpu_parallel.h.
 #include <cstring>
 #include <functional>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu_parallel.h"
@@ -11,9 +12,18 @@ namespace mlxd::rt {
 
 namespace {
 thread_local std::vector<std::function<void()>>* t_recording = nullptr;
-std::vector<const char*>& chainable_names() {
-  static std::vector<const char*> names;
-  return names;
+struct Chainable {
+  const char* name;
+  std::vector<std::pair<int, int>> in_place;
+};
+std::vector<Chainable>& chainable_kernels() {
+  static std::vector<Chainable> kernels;
+  return kernels;
+}
+const Chainable* find_chainable(const char* name) {
+  for (const auto& k : chainable_kernels())
+    if (std::strcmp(k.name, name) == 0) return &k;
+  return nullptr;
 }
 }  // namespace
 
@@ -37,12 +47,18 @@ CpuTaskSink& begin_cpu_task(const mlx::core::Stream& s, const std::vector<mlx::c
   return cpu_task_sink(s);
 }
 
-bool cpu_kernel_chainable(const char* primitive_name) {
-  for (const char* n : chainable_names())
-    if (std::strcmp(n, primitive_name) == 0) return true;
-  return false;
+bool cpu_kernel_chainable(const char* primitive_name) { return find_chainable(primitive_name) != nullptr; }
+
+const std::vector<std::pair<int, int>>& cpu_kernel_in_place(const char* primitive_name) {
+  static const std::vector<std::pair<int, int>> none;
+  const Chainable* k = find_chainable(primitive_name);
+  return k ? k->in_place : none;
 }
 
-ChainableKernel::ChainableKernel(const char* primitive_name) { chainable_names().push_back(primitive_name); }
+ChainableKernel::ChainableKernel(const char* primitive_name, std::vector<std::pair<int, int>> in_place) {
+  chainable_kernels().push_back({primitive_name, std::move(in_place)});
+}
+
+bool cpu_task_recording() { return t_recording != nullptr; }
 
 }  // namespace mlxd::rt

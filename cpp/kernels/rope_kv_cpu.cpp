@@ -157,6 +157,9 @@ std::optional<std::pair<mx::array, PackedQkv>> packed_source(const mx::array& q,
   return std::make_pair(*x, p);
 }
 
+// Outputs 1 and 2 (the caches written) in place of inputs 3 and 4 (the caches read) in a chain.
+const ChainableKernel kRopeKvWriteCpuChainable{"RopeKvWriteCpu", {{1, 3}, {2, 4}}};  // kernel_chain.h
+
 class RopeKvWriteCpu : public mx::Primitive {
  public:
   RopeKvWriteCpu(mx::Stream s, RopeKvWriteArgs args, bool freqs_input, std::optional<PackedQkv> packed)
@@ -169,24 +172,28 @@ class RopeKvWriteCpu : public mx::Primitive {
     // referenced once per output and never looks donatable. The outputs are being
     // evaluated now (MLX detaches them right after), so the copies that `in` is not are
     // dropped first; a cache is then donatable exactly when a single-output slice update's
-    // would be.
-    for (auto& o : out)
-      if (&o.inputs() != &in) o.inputs().clear();
-    out[0].set_data(mx::allocator::malloc(out[0].nbytes()));
+    // would be. As a chain member (run inside the chain's task) the chain has decided: a cache
+    // output already holding the cache's buffer is updated in place, one with a buffer of its own
+    // gets a copy first.
+    const bool member = cpu_task_recording();
+    if (!member)
+      for (auto& o : out)
+        if (&o.inputs() != &in) o.inputs().clear();
+    if (!out[0].data_shared_ptr()) out[0].set_data(mx::allocator::malloc(out[0].nbytes()));
     CacheCopy copies[2];
     for (int j = 0; j < 2; ++j) {
       const auto& cache = in[3 + j];
       auto& dst = out[1 + j];
-      if (cache.flags().row_contiguous && cache.is_donatable()) {
+      const CacheCopy copy{cache.data<void>(), cache.itemsize(), cache.shape(), cache.strides()};
+      if (dst.data_shared_ptr()) {
+        if (dst.data<void>() != cache.data<void>()) copies[j] = copy;
+      } else if (!member && cache.flags().row_contiguous && cache.is_donatable()) {
         dst.copy_shared_buffer(cache);  // nothing else reads the old cache: update it in place
       } else {
         dst.set_data(mx::allocator::malloc(dst.nbytes()));
-        copies[j] = {cache.data<void>(), cache.itemsize(), cache.shape(), cache.strides()};
+        copies[j] = copy;
       }
     }
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : in) encoder.set_input_array(a);
-    for (auto& a : out) encoder.set_output_array(a);
     const bool sf = args_.seq_first;
     mx::Shape shapes[3];  // q, k, v as [B, H, L, D]
     for (int i = 0; i < 3; ++i) shapes[i] = packed_ ? packed_->shape[i] : heads_first_shape(in[i], sf);
@@ -205,7 +212,7 @@ class RopeKvWriteCpu : public mx::Primitive {
       c.freqs_stride = f.ndim() ? f.strides().back() : 0;
     }
     cpu_kernel_note_call(packed_ ? "rope_kv_write_packed" : "rope_kv_write");
-    encoder.dispatch([c = std::move(c)] { run(c); });
+    cpu_task_sink(stream()).dispatch([c = std::move(c)] { run(c); });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("RopeKvWriteCpu runs on the CPU only");

@@ -5,7 +5,8 @@ a middle and the last slot, with the compiled graph replayed across them, node b
 the CPU kernels off and under the per-node profiler (which used to hold every cache and so
 reported each write as a copy of it); logits against the eager model run the same steps. The writes
 are RopeKvWriteNodes (a layer's RoPE and both writes, fuse_rope_kv_write): a primitive with three
-outputs, which must still take its caches over in place."""
+outputs, which must still take its caches over in place, also as a member of a kernel chain (the chain
+hands the write its cache's buffer; cpp/kernel_chain.cpp)."""
 
 import copy
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ from mlx_delegate import _runtime
 from mlx_delegate.models import loading
 from mlx_delegate.pipelines.llm import export as llm_export
 from mlx_delegate.pipelines.llm.generate import Generator
-from mlx_delegate.testing import RUNTIME_PATHS, assert_close, runtime_switches
+from mlx_delegate.testing import RUNTIME_PATHS, assert_close, cpu_kernels_active, runtime_switch, runtime_switches
 
 MAX_SEQ_LEN = 2048  # one cache (2 kv heads x 16) is 256 KiB: far above a step's other memory
 KV_HEADS, HEAD_DIM = 2, 16
@@ -80,6 +81,21 @@ def test_cache_write_is_in_place(tiny, eager, path):
     if path != "compile-off":
         # The first step runs node by node, the second traces, the rest (middle, last slot) replay.
         assert stats["compiled_calls"] == len(POSITIONS) - 1 and stats["traces"] == 1, stats
+
+
+def test_cache_write_in_a_chain_is_in_place(tiny, eager):
+    """With the cache writes kept apart and as chain members (the default): the same logits, no copy."""
+    members = {}
+    for writes in (False, True):
+        with runtime_switch("kernel_chain_writes", writes):
+            before = _runtime.kernel_chain_stats()["members"]
+            logits, extra = run_steps(tiny[1])
+            members[writes] = _runtime.kernel_chain_stats()["members"] - before
+        for got, want in zip(logits, eager):
+            assert_close([got], want, 1e-4, 1e-5)
+        assert max(extra[1:]) < CACHE_BYTES // 2, (writes, extra, CACHE_BYTES)
+    if cpu_kernels_active():  # both layers' writes joined a chain in the traced step
+        assert members[True] >= members[False] + 2, members
 
 
 def test_profiled_cache_write_is_in_place(tiny, eager, profiling):
