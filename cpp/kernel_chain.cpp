@@ -56,7 +56,8 @@ struct Plan {
   std::vector<int> output_alias;
 
   Plan(std::vector<Member> m, std::vector<int> outputs, std::vector<mx::array> c, std::vector<int> alias)
-      : members(std::move(m)), value_output(std::move(outputs)), constants(std::move(c)), output_alias(std::move(alias)) {
+      : members(std::move(m)), value_output(std::move(outputs)), constants(std::move(c)),
+        output_alias(std::move(alias)) {
     last_use.assign(value_output.size(), -1);
     for (int i = 0; i < static_cast<int>(members.size()); ++i)
       for (const auto& o : members[i].in)
@@ -77,7 +78,9 @@ struct Plan {
       args.clear();
       results.clear();
       for (const auto& o : m.in)
-        args.push_back(o.from == From::value ? values[o.index] : o.from == From::input ? in[o.index] : constants[o.index]);
+        args.push_back(o.from == From::value   ? values[o.index]
+                       : o.from == From::input ? in[o.index]
+                                               : constants[o.index]);
       for (size_t j = 0; j < m.shapes.size(); ++j) {
         const int at = value_output[values.size() + j];
         results.push_back(at >= 0 ? out[at] : mx::array(m.shapes[j], m.dtypes[j], nullptr, {}));

@@ -31,4 +31,12 @@ mlx::core::array rows_cpu(const mlx::core::array& x, RowKernel kind, float eps =
                           const std::optional<mlx::core::array>& weight = std::nullopt,
                           const std::optional<mlx::core::array>& bias = std::nullopt);
 
+// The index of each row's largest (max) or smallest element along x's last axis, as int64: the first
+// such, a NaN counting as both the largest and the smallest (torch's and MLX's rule), the axis kept as 1
+// with keepdims (arg_rows_cpu.cpp). A reshape of y (a squeeze, an added axis) reads y itself, in the
+// same element order, so the view is no graph node of its own: an LLM's greedy argmax over its logits
+// joins the step's kernel chain. For float32 / bfloat16 / float16 x with ndim >= 1, kernels on.
+bool arg_rows_cpu_applies(const mlx::core::array& x);
+mlx::core::array arg_rows_cpu(const mlx::core::array& x, bool max, bool keepdims);
+
 }  // namespace mlxd::rt

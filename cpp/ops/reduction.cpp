@@ -76,6 +76,8 @@ void exec_ReduceNode(const mlxd::ReduceNode& n, ExecContext& ctx) {
 void exec_ArgReduceNode(const mlxd::ArgReduceNode& n, ExecContext& ctx) {
   const auto& x = ctx.in(n.x());
   int axis = normalize_axis(n.axis(), x.ndim());
+  if (axis == x.ndim() - 1 && arg_rows_cpu_applies(x))
+    return ctx.set(n.out(), arg_rows_cpu(x, n.op() == mlxd::ArgReduceOp::ArgMax, n.keepdims()));
   auto r = n.op() == mlxd::ArgReduceOp::ArgMax ? mx::argmax(x, axis, n.keepdims()) : mx::argmin(x, axis, n.keepdims());
   ctx.set(n.out(), mx::astype(r, mx::int64));
 }
