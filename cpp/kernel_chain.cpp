@@ -51,17 +51,21 @@ struct Member {
 // a member, cpu_kernel_in_place, that nothing else in the chain reads), or -1.
 struct Plan {
   std::vector<Member> members;
-  std::vector<int> value_output, last_use;
+  std::vector<int> value_output;
+  std::vector<std::vector<int>> release_after;  // per member: the intermediates it reads last
   std::vector<mx::array> constants;
   std::vector<int> output_alias;
 
   Plan(std::vector<Member> m, std::vector<int> outputs, std::vector<mx::array> c, std::vector<int> alias)
       : members(std::move(m)), value_output(std::move(outputs)), constants(std::move(c)),
         output_alias(std::move(alias)) {
-    last_use.assign(value_output.size(), -1);
+    std::vector<int> last_use(value_output.size(), -1);
     for (int i = 0; i < static_cast<int>(members.size()); ++i)
       for (const auto& o : members[i].in)
         if (o.from == From::value) last_use[o.index] = i;
+    release_after.resize(members.size());
+    for (size_t v = 0; v < last_use.size(); ++v)
+      if (last_use[v] >= 0 && value_output[v] < 0) release_after[last_use[v]].push_back(static_cast<int>(v));
   }
 
   // Each member as MLX would run it: its eval_cpu with the task recorded (buffers allocated, donation
@@ -92,9 +96,11 @@ struct Plan {
       for (auto& t : tasks) t();
       tasks.clear();
       args.clear();
-      values.insert(values.end(), results.begin(), results.end());
-      for (size_t v = 0; v < values.size(); ++v)
-        if (last_use[v] == i && value_output[v] < 0) values[v] = mx::array(0.f);
+      for (auto& r : results) values.push_back(std::move(r));
+      // Moved out and dropped (the moved-from array holds nothing): the buffer goes back. Assigning an
+      // array(0.f) placeholder allocated a scalar each time, and finding the last reads scanned every value
+      // per member: ~140 us of a SmolLM2 decode step's 184-member chain.
+      for (const int v : release_after[i]) mx::array(std::move(values[v]));
     }
   }
 };
