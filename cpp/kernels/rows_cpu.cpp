@@ -76,15 +76,6 @@ void log_softmax_portable(const Row& r) {
   for (int64_t i = 0; i < r.n; ++i) r.y[i] = r.x[i] - shift;
 }
 
-float sum_row_portable(const Row& r) {
-  float s = 0.f;
-  for (int64_t i = 0; i < r.n; ++i) s += r.x[i];
-  return s;
-}
-
-void sum_portable(const Row& r) { r.y[0] = sum_row_portable(r); }
-void mean_portable(const Row& r) { r.y[0] = sum_row_portable(r) / r.n; }
-
 #ifdef MLXD_CPU_X86
 using vmath::set1;
 
@@ -118,19 +109,6 @@ MLXD_AVX2 void affine_avx2(const Row& r, float shift, float scale) {
     store(r.y + i, v, lanes);
   });
 }
-
-// Four independent accumulators: the adds pipeline instead of waiting on each other.
-MLXD_AVX2 float sum_row_avx2(const Row& r) {
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  int64_t i = 0;
-  for (; i + 32 <= r.n; i += 32)
-    for (int k = 0; k < 4; ++k) acc[k] = _mm256_add_ps(acc[k], _mm256_loadu_ps(r.x + i + 8 * k));
-  for_vectors(r.x + i, r.n - i, 0.f, [&](int64_t, __m256 v, int) MLXD_AVX2 { acc[0] = _mm256_add_ps(acc[0], v); });
-  return vmath::hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-}
-
-MLXD_AVX2 void sum_avx2(const Row& r) { r.y[0] = sum_row_avx2(r); }
-MLXD_AVX2 void mean_avx2(const Row& r) { r.y[0] = sum_row_avx2(r) / r.n; }
 
 MLXD_AVX2 void rms_norm_avx2(const Row& r) {
   __m256 acc = _mm256_setzero_ps();
@@ -198,18 +176,15 @@ const KernelInfo kKernels[] = {
     MLXD_ROW(layer_norm, layer_norm),
     MLXD_ROW(softmax, softmax),
     MLXD_ROW(log_softmax, log_softmax),
-    MLXD_ROW(sum, sum),
-    MLXD_ROW(mean, mean),
 };
 #undef MLXD_ROW
 
 const KernelInfo& info(RowKernel k) { return kKernels[static_cast<int>(k)]; }
 RowFn pick(RowKernel k) { return cpu_use_avx2() && info(k).avx2 ? info(k).avx2 : info(k).portable; }
 
-// What one call reads and writes: x [rows, n] in `in_type`, y [rows, y_len] in `out_type`.
+// What one call reads and writes: x [rows, n] in `in_type`, y [rows, n] in `out_type`.
 struct Problem {
   RowFn fn;
-  int64_t y_len;  // n, or 1 for reductions
   const void* x;
   void* y;
   mx::Dtype in_type, out_type;
@@ -225,12 +200,12 @@ void run_rows(const Problem& p) {
     std::vector<float> buf(direct ? 0 : p.n);
     for (int64_t r = begin; r < end; ++r) {
       if (direct) {
-        p.fn({static_cast<const float*>(p.x) + r * p.n, static_cast<float*>(p.y) + r * p.y_len, p.n, p.w, p.b, p.eps});
+        p.fn({static_cast<const float*>(p.x) + r * p.n, static_cast<float*>(p.y) + r * p.n, p.n, p.w, p.b, p.eps});
         continue;
       }
       cpu_load_f32(p.x, p.in_type, r * p.n, p.n, buf.data());
       p.fn({buf.data(), buf.data(), p.n, p.w, p.b, p.eps});
-      cpu_store_f32(buf.data(), p.out_type, r * p.y_len, p.y_len, p.y);
+      cpu_store_f32(buf.data(), p.out_type, r * p.n, p.n, p.y);
     }
   });
 }
@@ -251,7 +226,7 @@ class RowsCpu : public mx::UnaryPrimitive {
     size_t next = 1;
     const float* w = weight_ ? in[next++].data<float>() : nullptr;
     const float* b = bias_ ? in[next++].data<float>() : nullptr;
-    Problem p{pick(kind_), row_kernel_reduces(kind_) ? 1 : n, x.data<void>(), out.data<void>(), x.dtype(), out.dtype(),
+    Problem p{pick(kind_), x.data<void>(), out.data<void>(), x.dtype(), out.dtype(),
               static_cast<int64_t>(x.size()) / n, n, w, b, eps_};
     cpu_kernel_note_call(info(kind_).name);
     encoder.dispatch([p, shape = x.shape(), strides = x.strides(), contiguous = x.flags().row_contiguous,
@@ -270,12 +245,7 @@ class RowsCpu : public mx::UnaryPrimitive {
     return kind_ == o.kind_ && eps_ == o.eps_ && weight_ == o.weight_ && bias_ == o.bias_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
-    return {out_shape(in[0], kind_)};
-  }
-
-  static mx::Shape out_shape(const mx::array& x, RowKernel kind) {
-    if (!row_kernel_reduces(kind)) return x.shape();
-    return mx::Shape(x.shape().begin(), x.shape().end() - 1);
+    return {in[0].shape()};
   }
 
  private:
@@ -296,8 +266,6 @@ bool param_ok(const std::optional<mx::array>& p, int64_t n) {
 }
 
 }  // namespace
-
-bool row_kernel_reduces(RowKernel kind) { return kind == RowKernel::sum || kind == RowKernel::mean; }
 
 bool rows_cpu_applies(const mx::array& x, const std::optional<mx::array>& weight,
                       const std::optional<mx::array>& bias) {
@@ -320,8 +288,7 @@ mx::array rows_cpu(const mx::array& x, RowKernel kind, float eps, const std::opt
   }
   auto prim = std::make_shared<RowsCpu>(mx::default_stream(mx::Device::cpu), kind, eps, weight.has_value(),
                                         bias.has_value());
-  auto shape = RowsCpu::out_shape(x, kind);
-  return mx::array(std::move(shape), out_type, std::move(prim), std::move(inputs));
+  return mx::array(x.shape(), out_type, std::move(prim), std::move(inputs));
 }
 
 }  // namespace mlxd::rt

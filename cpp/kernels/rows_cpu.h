@@ -1,5 +1,5 @@
 // CPU kernels over the last axis of a row-major array: RMSNorm, LayerNorm,
-// softmax, log-softmax, sum and mean, in float32 math for float32 / bfloat16 / float16
+// softmax and log-softmax, in float32 math for float32 / bfloat16 / float16
 // inputs, as one MLX primitive vectorised with AVX2 + FMA (exp included) and
 // splitting the rows across the cores. MLX's CPU versions run on one core with
 // a scalar exp.
@@ -12,10 +12,7 @@
 
 namespace mlxd::rt {
 
-enum class RowKernel : uint8_t { rms_norm, layer_norm, softmax, log_softmax, sum, mean };
-
-// Whether the kernel reduces each row to one value (sum, mean) rather than mapping it.
-bool row_kernel_reduces(RowKernel kind);
+enum class RowKernel : uint8_t { rms_norm, layer_norm, softmax, log_softmax };
 
 // Whether rows_cpu takes x (and the optional per-column weight / bias of an
 // affine norm): kernels on (cpu_kernels_active), non-empty float32 / bfloat16 /
@@ -24,8 +21,7 @@ bool row_kernel_reduces(RowKernel kind);
 bool rows_cpu_applies(const mlx::core::array& x, const std::optional<mlx::core::array>& weight = std::nullopt,
                       const std::optional<mlx::core::array>& bias = std::nullopt);
 
-// The kernel over x's last axis. The result has x's shape (without the last
-// axis for sum and mean) and the dtype MLX's own op gives: mx::fast norms
+// The kernel over x's last axis. The result has x's shape and the dtype MLX's own op gives: mx::fast norms
 // promote x with weight and bias, the others keep x's.
 mlx::core::array rows_cpu(const mlx::core::array& x, RowKernel kind, float eps = 0.f,
                           const std::optional<mlx::core::array>& weight = std::nullopt,

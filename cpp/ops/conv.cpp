@@ -14,7 +14,7 @@
 #include "kernels/block_cpu.h"
 #include "kernels/conv_cpu.h"
 #include "kernels/pool_cpu.h"
-#include "kernels/rows_cpu.h"
+#include "kernels/reduce_cpu.h"
 #include "kernels/winograd_cpu.h"
 
 namespace mlxd::rt {
@@ -232,23 +232,16 @@ mx::array avg_pool(const mx::array& x, Window w, bool count_include_pad, int div
   w = within_input(w, spatial);  // after the output sizes, which depend on the full kernel
   // One unpadded window over the whole map (global average pooling: a CNN's
   // head, every squeeze-excite gate) is a mean over the flattened map: on the
-  // CPU the row kernel, instead of MLX's window view and single-core sum (0.6
+  // CPU the reduction kernel, instead of MLX's window view and single-core sum (0.6
   // ms for MobileNetV2's 1280 x 7x7 head).
   bool whole = divisor <= 0;
-  int64_t cells = 1;
+  std::vector<int> map_axes;
   for (int i = 0; i < nd; ++i) {
     whole = whole && outs[i] == 1 && w.padding[i] == 0 && w.kernel[i] == spatial[i] &&
             (w.dilation[i] == 1 || spatial[i] == 1);
-    cells *= spatial[i];
+    map_axes.push_back(static_cast<int>(x.ndim()) - nd + i);
   }
-  if (whole && cells > 0) {
-    mx::Shape rows(x.shape().begin(), x.shape().end() - nd);
-    mx::Shape out = rows;
-    rows.push_back(static_cast<int>(cells));
-    out.insert(out.end(), nd, 1);
-    auto flat = mx::reshape(x, rows);
-    if (rows_cpu_applies(flat)) return mx::reshape(rows_cpu(flat, RowKernel::mean), out);
-  }
+  if (whole && reduce_cpu_applies(x, map_axes)) return reduce_cpu(x, ReduceKind::mean, map_axes, true);
   auto xf = is_half(dtype) ? mx::astype(x, mx::float32) : x;  // torch accumulates halves in float
   auto pads = window_padding(spatial, w, outs);
   auto zero = mx::array(0, xf.dtype());

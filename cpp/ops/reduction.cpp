@@ -5,6 +5,7 @@
 #include <optional>
 
 #include "../ops_common.h"
+#include "kernels/reduce_cpu.h"
 #include "kernels/rows_cpu.h"
 
 namespace mlxd::rt {
@@ -52,14 +53,15 @@ std::vector<int> axes_or_all(const flatbuffers::Vector<int32_t>* v, int ndim) {
   return axes;
 }
 
-// Sum / mean over the last axis alone through the CPU row kernel (float32
-// accumulation for every input type, as accumulate_fp32 does); nullopt where it does not apply.
-std::optional<mx::array> last_axis_sum_cpu(const mx::array& x, mlxd::ReduceOp op, const std::vector<int>& axes,
-                                           bool keepdims) {
-  if (op != mlxd::ReduceOp::Sum && op != mlxd::ReduceOp::Mean) return std::nullopt;
-  if (axes.size() != 1 || axes[0] != x.ndim() - 1 || !rows_cpu_applies(x)) return std::nullopt;
-  auto r = rows_cpu(x, op == mlxd::ReduceOp::Sum ? RowKernel::sum : RowKernel::mean);
-  return keepdims ? mx::expand_dims(r, -1) : r;
+// The CPU kernel's kind for op (sum, mean, max, min), or nullopt.
+std::optional<ReduceKind> cpu_kind(mlxd::ReduceOp op) {
+  switch (op) {
+    case mlxd::ReduceOp::Sum: return ReduceKind::sum;
+    case mlxd::ReduceOp::Mean: return ReduceKind::mean;
+    case mlxd::ReduceOp::Max: return ReduceKind::max;
+    case mlxd::ReduceOp::Min: return ReduceKind::min;
+    default: return std::nullopt;
+  }
 }
 
 }  // namespace
@@ -68,7 +70,9 @@ void exec_ReduceNode(const mlxd::ReduceNode& n, ExecContext& ctx) {
   const auto& x = ctx.in(n.x());
   auto reduce = table_at(kReduce, n.op(), "reduce op");
   auto axes = axes_or_all(n.axes(), x.ndim());
-  if (auto fast = last_axis_sum_cpu(x, n.op(), axes, n.keepdims())) return ctx.set(n.out(), *fast);
+  // Over adjacent axes on the CPU, the reduction kernel (sums in float64 for every input type).
+  if (auto kind = cpu_kind(n.op()); kind && reduce_cpu_applies(x, axes))
+    return ctx.set(n.out(), reduce_cpu(x, *kind, axes, n.keepdims()));
   auto run = [&](const mx::array& a) { return reduce(a, axes, n.keepdims()); };
   ctx.set(n.out(), accumulates(n.op()) ? accumulate_fp32(x, run) : run(x));
 }
