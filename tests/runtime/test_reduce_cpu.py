@@ -29,8 +29,8 @@ def special() -> torch.Tensor:
 
 
 def long_rows() -> torch.Tensor:
-    x = randn(2, 3, 40000, seed=2)  # six rows of 40000: fewer than the pool's rows, cut into chunks
-    x[1, 2, 39000] = NAN  # in a later chunk
+    x = randn(1, 3, 40000, seed=2)  # three rows of 40000, fewer than two a pool thread: each cut in two
+    x[0, 2, 39000] = NAN  # in a later chunk
     return x
 
 
