@@ -105,9 +105,14 @@ void exec_VarNode(const mlxd::VarNode& n, ExecContext& ctx) {
   double count = 1;
   for (int a : axes) count *= x.shape(a);
   double denom = std::max(count - n.ddof(), 0.0);
+  // Its mean and sum of squares on the CPU reduction kernel where it takes the axes (the last ones).
+  auto reduce = [&](const mx::array& a, ReduceKind kind, bool keep) {
+    if (reduce_cpu_applies(a, axes)) return reduce_cpu(a, kind, axes, keep);
+    return kind == ReduceKind::mean ? mx::mean(a, axes, keep) : mx::sum(a, axes, keep);
+  };
   ctx.set(n.out(), accumulate_fp32(x, [&](const mx::array& a) {
-    auto centered = mx::subtract(a, mx::mean(a, axes, true));
-    auto v = mx::divide(mx::sum(mx::square(centered), axes, n.keepdims()), mx::array(denom, a.dtype()));
+    auto centered = mx::subtract(a, reduce(a, ReduceKind::mean, true));
+    auto v = mx::divide(reduce(mx::square(centered), ReduceKind::sum, n.keepdims()), mx::array(denom, a.dtype()));
     return n.std() ? mx::sqrt(v) : v;
   }));
 }

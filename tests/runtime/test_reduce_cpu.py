@@ -98,3 +98,16 @@ def test_leading_axes_stay_on_mlx():
     before = _runtime.cpu_kernel_call_counts().get("sum", 0)
     assert_close(lowered.method().execute([x]), fn(x), 1e-5, 1e-5)
     assert _runtime.cpu_kernel_call_counts().get("sum", 0) == before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d)[6:])
+def test_variance_over_trailing_axes_takes_the_kernel(dtype):
+    x = (3 * randn(6, 5, 300, seed=5)).to(dtype)
+    fn = lambda t: t.var((-2, -1), correction=1)  # noqa: E731
+    lowered = lower(Lambda(fn), (x,))
+    before = _runtime.cpu_kernel_call_counts()
+    got = lowered.method().execute([x])
+    assert_close(got, fn(x.double()).to(dtype), *TOLERANCE[dtype])
+    if cpu_kernels_active():  # its mean, then its sum of squares
+        after = _runtime.cpu_kernel_call_counts()
+        assert (after.get("mean", 0) - before.get("mean", 0), after.get("sum", 0) - before.get("sum", 0)) == (1, 1)
