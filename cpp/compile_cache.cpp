@@ -42,7 +42,7 @@ bool env_compile_enabled() {
 }
 
 std::atomic<bool> g_compile_enabled{env_compile_enabled()};
-std::atomic<uint64_t> g_compiled_calls{0}, g_interpreted_calls{0}, g_traces{0}, g_rejected{0};
+std::atomic<uint64_t> g_compiled_calls{0}, g_interpreted_calls{0}, g_traces{0}, g_rejected{0}, g_buffer_copies{0};
 
 // A signature is compiled the second time it is seen: shapes seen once (a
 // growing prompt, a KV cache that lengthens every step) never pay for tracing.
@@ -59,6 +59,8 @@ void set_compile_enabled(bool on) { g_compile_enabled.store(on); }
 CompileStats compile_stats() {
   return {g_compiled_calls.load(), g_interpreted_calls.load(), g_traces.load(), g_rejected.load()};
 }
+
+uint64_t owned_buffer_copies() { return g_buffer_copies.load(); }
 
 void reset_compile_stats() {
   for (auto* c : {&g_compiled_calls, &g_interpreted_calls, &g_traces, &g_rejected}) c->store(0);
@@ -157,10 +159,34 @@ std::vector<mx::array> Handle::trace(const std::vector<mx::array>& in, Graph& gr
     if (a.dtype() != to_mlx(s->dtype())) a = mx::astype(a, to_mlx(s->dtype()));
     outs.push_back(std::move(a));
   }
-  for (const auto& b : lp.buffers)
-    if (b.update_tid >= 0) outs.push_back(*ctx.tensors[b.update_tid]);
+  // Updated buffers are the handle's own at every replay (own_buffers) where a chain may write one in place.
+  std::vector<OwnedState> states;
+  const size_t first_buffer = k - lp.buffers.size();
+  for (size_t i = 0; i < lp.buffers.size(); ++i)
+    if (lp.buffers[i].update_tid >= 0) {
+      states.push_back({in[first_buffer + i], outs.size()});
+      outs.push_back(*ctx.tensors[lp.buffers[i].update_tid]);
+    }
   g_traces.fetch_add(1, std::memory_order_relaxed);
-  return chain_cpu_kernels(outs);
+  outs = chain_cpu_kernels(outs, states);
+  graph.writes_states = std::any_of(states.begin(), states.end(),
+                                    [&](const OwnedState& s) { return outs[s.output].id() == s.state.id(); });
+  return outs;
+}
+
+// Gives each buffer the graph may update in place memory of its own: a buffer that shares its memory (the
+// program's initial value after a reset, a constant, another buffer, a view) is copied first, once.
+void Handle::own_buffers() {
+  for (size_t i = 0; i < buffers_.size(); ++i) {
+    if (program_->buffers[i].update_tid < 0) continue;
+    auto& slot = ctx_.tensors[program_->buffers[i].tid];
+    slot.reset();  // bind_inputs' reference: buffers_ must hold the only one
+    if (!buffers_[i].is_donatable() || !buffers_[i].flags().row_contiguous) {
+      buffers_[i] = owned_copy(buffers_[i]);
+      g_buffer_copies.fetch_add(1, std::memory_order_relaxed);
+    }
+    slot = buffers_[i];
+  }
 }
 
 // Runs the call through the compiled graph for its signature; false when the
@@ -174,10 +200,14 @@ bool Handle::run_compiled(Span<EValue*> args) {
     it = graphs_.emplace(std::move(sig), Graph{}).first;
   }
   Graph& graph = it->second;
-  if (!graph.fn) {
+  const bool tracing = !graph.fn;
+  if (tracing) {
     if (++graph.seen < kCompileAfter) return false;
     graph.fn = mx::compile([this, &graph](const std::vector<mx::array>& in) { return trace(in, graph); });
   }
+  // Chains (CPU only) may write buffers in place: owned before the trace, which may decide to.
+  if (graph.writes_states || (tracing && mx::default_device() == mx::Device::cpu && kernel_chains()))
+    own_buffers();
 
   const auto* p = program_->program;
   std::vector<mx::array> in;

@@ -123,16 +123,6 @@ mx::array bind_tensor(const Tensor& t, mx::Dtype dtype) {
   return mx::transpose(wrap_caller_memory(data, physical, dtype), logical);
 }
 
-// A copy of `a` in memory MLX owns (used when a value would otherwise keep
-// pointing at caller memory after the call).
-mx::array owned_copy(const mx::array& a) {
-  mx::array c = mx::contiguous(a);
-  eval_follow_up({c});
-  mx::array out(mx::allocator::malloc(c.nbytes()), c.shape(), c.dtype());
-  std::memcpy(out.data<uint8_t>(), c.data<uint8_t>(), c.nbytes());
-  return out;
-}
-
 // Writes an evaluated result into `dst` in row-major order. Results stay
 // views (no Contiguous node in the graph: one primitive fewer per call); only
 // a strided or broadcast one is made contiguous here, in a second evaluation.
@@ -152,6 +142,14 @@ void copy_result(const mx::array& a, void* dst) {
 constexpr size_t kSmallGraphNodes = 32;
 
 }  // namespace
+
+mx::array owned_copy(const mx::array& a) {
+  mx::array c = mx::contiguous(a);
+  eval_follow_up({c});
+  mx::array out(mx::allocator::malloc(c.nbytes()), c.shape(), c.dtype());
+  std::memcpy(out.data<uint8_t>(), c.data<uint8_t>(), c.nbytes());
+  return out;
+}
 
 Handle::Handle(std::shared_ptr<const LoadedProgram> program) : program_(std::move(program)) {
   ctx_.converted = program_->converted.get();

@@ -38,6 +38,8 @@ struct CompileStats {
 };
 CompileStats compile_stats();
 void reset_compile_stats();
+// Buffers copied so that a compiled graph may update them in place (Handle::own_buffers), process-wide.
+uint64_t owned_buffer_copies();
 
 // Per-node profiling (MLX_DELEGATE_PROFILE=1 at start-up, or set_profile):
 // calls run node by node and each node's results are evaluated on their own,
@@ -52,6 +54,10 @@ struct ProfileEntry {
 };
 std::vector<ProfileEntry> profile_report();  // slowest first
 void reset_profile();
+
+// A copy of `a` in memory MLX owns, row-contiguous (a buffer value that would otherwise keep pointing at
+// caller memory after the call, or share memory with another array).
+mx::array owned_copy(const mx::array& a);
 
 class Handle {
  public:
@@ -79,6 +85,7 @@ class Handle {
     GraphFn fn;    // empty until the signature comes back
     std::vector<int64_t> value_outputs;  // scalar outputs, fixed by the signature (set while tracing)
     std::vector<IndexGuard> guards;      // index checks on this call's inputs (set while tracing)
+    bool writes_states = false;          // a kernel chain updates buffers in place (set while tracing)
     // How this graph's evaluations went lately (stream_wait.h): per signature, so a prefill's calls
     // do not enter the decode steps' timings (the OpenMP team's lending compares those).
     EvalPace pace;
@@ -90,6 +97,7 @@ class Handle {
   bool run_compiled(executorch::runtime::Span<executorch::runtime::EValue*> args);
   std::vector<mx::array> trace(const std::vector<mx::array>& in, Graph& graph);
   void exec_node(size_t i, ExecContext& ctx) const;
+  void own_buffers();
   void run_nodes();
   void run_nodes_profiled();
   void profile_nodes(std::vector<mx::array>& produced);

@@ -25,7 +25,8 @@ bool env_on(const char* name) {
 }
 std::atomic<bool> g_on{env_on("MLX_DELEGATE_KERNEL_CHAINS")};
 std::atomic<bool> g_writes{env_on("MLX_DELEGATE_CHAIN_WRITES")};
-std::atomic<uint64_t> g_chains{0}, g_members{0};
+std::atomic<bool> g_states{env_on("MLX_DELEGATE_CHAIN_STATES")};
+std::atomic<uint64_t> g_chains{0}, g_members{0}, g_state_writes{0};
 
 // A member's operand: the chain's input `index`, the output `index` of an earlier member (counted over
 // all members' outputs in order), or the chain's constant `index`.
@@ -48,17 +49,20 @@ struct Member {
 // Constants (weights, tables) are held here rather than as graph inputs: MLX gives each output of a
 // primitive its own copy of the input list, and a step's one chain has ~60 outputs (its caches) and
 // ~500 weights. output_alias[k]: the chain input that output k may update in place (a KV cache written by
-// a member, cpu_kernel_in_place, that nothing else in the chain reads), or -1.
+// a member, cpu_kernel_in_place, that nothing else in the chain reads), or -1. value_state[v]: the chain
+// input (an owned state, chain_cpu_kernels) whose memory value v is written into, or -1.
 struct Plan {
   std::vector<Member> members;
   std::vector<int> value_output;
   std::vector<std::vector<int>> release_after;  // per member: the intermediates it reads last
   std::vector<mx::array> constants;
   std::vector<int> output_alias;
+  std::vector<int> value_state;
 
-  Plan(std::vector<Member> m, std::vector<int> outputs, std::vector<mx::array> c, std::vector<int> alias)
+  Plan(std::vector<Member> m, std::vector<int> outputs, std::vector<mx::array> c, std::vector<int> alias,
+       std::vector<int> states)
       : members(std::move(m)), value_output(std::move(outputs)), constants(std::move(c)),
-        output_alias(std::move(alias)) {
+        output_alias(std::move(alias)), value_state(std::move(states)) {
     std::vector<int> last_use(value_output.size(), -1);
     for (int i = 0; i < static_cast<int>(members.size()); ++i)
       for (const auto& o : members[i].in)
@@ -86,8 +90,13 @@ struct Plan {
                        : o.from == From::input ? in[o.index]
                                                : constants[o.index]);
       for (size_t j = 0; j < m.shapes.size(); ++j) {
-        const int at = value_output[values.size() + j];
-        results.push_back(at >= 0 ? out[at] : mx::array(m.shapes[j], m.dtypes[j], nullptr, {}));
+        const size_t v = values.size() + j;
+        if (value_output[v] >= 0) {
+          results.push_back(out[value_output[v]]);
+          continue;
+        }
+        results.emplace_back(m.shapes[j], m.dtypes[j], nullptr, std::vector<mx::array>{});
+        if (value_state[v] >= 0) results.back().copy_shared_buffer(in[value_state[v]]);  // updated in place
       }
       {
         CpuTaskRecording recording(tasks);
@@ -114,6 +123,9 @@ class KernelChain : public mx::Primitive {
   // an input in place takes the input's buffer where nothing else holds it (the siblings' copies of the
   // input list dropped first, as RopeKvWriteCpu does outside a chain).
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
+    for (size_t v = 0; v < plan_->value_state.size(); ++v)
+      if (const int s = plan_->value_state[v]; s >= 0 && !in[s].flags().row_contiguous)
+        throw std::runtime_error("KernelChain: a state written in place is not row-contiguous");
     for (auto& o : out)
       if (&o.inputs() != &in) o.inputs().clear();
     for (size_t k = 0; k < out.size(); ++k) {
@@ -123,7 +135,14 @@ class KernelChain : public mx::Primitive {
       else
         out[k].set_data(mx::allocator::malloc(out[k].nbytes()));
     }
-    mx::cpu::get_command_encoder(stream()).dispatch([plan = plan_, in, out] { plan->run(in, out); });
+    // The task lets go of the arrays when it is done, ahead of the stream's completion signal: the caller
+    // finds a state it owns donatable again at its next call (Handle::own_buffers).
+    auto task = [plan = plan_, in = std::vector<mx::array>(in), out = std::vector<mx::array>(out)]() mutable {
+      plan->run(in, out);
+      in.clear();
+      out.clear();
+    };
+    mx::cpu::get_command_encoder(stream()).dispatch(std::move(task));
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("KernelChain runs on the CPU only");
@@ -199,11 +218,13 @@ bool is_constant(const mx::array& x) { return x.is_available() && !x.is_tracer()
 
 void set_kernel_chains(bool on) { g_on.store(on); }
 void set_kernel_chain_writes(bool on) { g_writes.store(on); }
+void set_kernel_chain_states(bool on) { g_states.store(on); }
+bool kernel_chain_states() { return g_states.load(); }
 bool kernel_chain_writes() { return g_writes.load(); }
 bool kernel_chains() { return g_on.load(); }
-KernelChainStats kernel_chain_stats() { return {g_chains.load(), g_members.load()}; }
+KernelChainStats kernel_chain_stats() { return {g_chains.load(), g_members.load(), g_state_writes.load()}; }
 
-std::vector<mx::array> chain_cpu_kernels(const std::vector<mx::array>& outputs) {
+std::vector<mx::array> chain_cpu_kernels(const std::vector<mx::array>& outputs, const std::vector<OwnedState>& states) {
   if (!kernel_chains()) return outputs;
   std::unordered_map<std::uintptr_t, int> node_of;
   std::vector<Node> nodes = topological(outputs, node_of);
@@ -223,17 +244,37 @@ std::vector<mx::array> chain_cpu_kernels(const std::vector<mx::array>& outputs) 
   }
   if (runs.empty()) return outputs;
 
-  // A member output escapes its run when a node outside the run or the caller reads it.
-  std::unordered_map<std::uintptr_t, bool> escapes;
+  // A member output escapes its run when a node outside the run (read_outside) or the caller reads it.
+  // sole_run: per array read, the one run all its readers belong to, or -1.
+  std::unordered_map<std::uintptr_t, bool> escapes, read_outside;
+  std::unordered_map<std::uintptr_t, int> sole_run;
   auto run_of = [&](const mx::array& x) {
     auto it = node_of.find(x.id());
     return it == node_of.end() || it->second < 0 ? -1 : nodes[it->second].run;
   };
   for (const auto& n : nodes)
-    for (const auto& x : n.a.inputs())
-      if (const int r = run_of(x); r >= 0 && r != n.run) escapes[x.id()] = true;
-  for (const auto& root : outputs)
-    if (run_of(root) >= 0) escapes[root.id()] = true;
+    for (const auto& x : n.a.inputs()) {
+      if (const int r = run_of(x); r >= 0 && r != n.run) escapes[x.id()] = read_outside[x.id()] = true;
+      if (auto [it, added] = sole_run.emplace(x.id(), n.run); !added && it->second != n.run) it->second = -1;
+    }
+  std::unordered_map<std::uintptr_t, std::vector<size_t>> root_at;
+  for (size_t k = 0; k < outputs.size(); ++k) {
+    root_at[outputs[k].id()].push_back(k);
+    if (run_of(outputs[k]) >= 0) escapes[outputs[k].id()] = true;
+  }
+  // Whether run r's write `o` of input `x` may stay out of the chain's outputs: x is an owned state that
+  // only this run reads (the writing member once, checked by the caller) and the caller does not read;
+  // o is read by no other node and returned only as x's new value.
+  auto state_write = [&](const mx::array& o, const mx::array& x, int r) {
+    if (!kernel_chain_states() || read_outside.count(o.id()) || root_at.count(x.id())) return false;
+    if (auto it = sole_run.find(x.id()); it == sole_run.end() || it->second != r) return false;
+    for (const size_t k : root_at[o.id()]) {
+      bool ok = false;
+      for (const auto& s : states) ok |= s.output == k && s.state.id() == x.id();
+      if (!ok) return false;
+    }
+    return true;
+  };
 
   // The graph rebuilt in order: nodes reading a rebuilt array are made anew (same primitive), each run
   // becomes a chain whose outputs stand for the escaping arrays.
@@ -304,6 +345,24 @@ std::vector<mx::array> chain_cpu_kernels(const std::vector<mx::array>& outputs) 
     // In place only where this member is the chain's one reader of that input.
     for (auto& a : alias)
       if (a >= 0 && input_reads[a] != 1) a = -1;
+    // State writes leave the outputs (the chain keeps one output, so that evaluating the graph runs it).
+    std::vector<int> value_state(value_output.size(), -1), renumber(escaping.size(), -1);
+    int kept = 0;
+    for (size_t k = 0; k < escaping.size(); ++k)
+      if (alias[k] < 0 || !state_write(escaping[k], inputs[alias[k]], n.run)) renumber[k] = kept++;
+    if (kept == 0 && !escaping.empty()) renumber[0] = kept++;
+    for (size_t v = 0; v < value_output.size(); ++v) {
+      if (const int k = value_output[v]; k >= 0 && renumber[k] < 0) {
+        value_state[v] = alias[k];
+        remap.emplace(escaping[k].id(), inputs[alias[k]]);
+        g_state_writes.fetch_add(1, std::memory_order_relaxed);
+      }
+      if (value_output[v] >= 0) value_output[v] = renumber[value_output[v]];
+    }
+    for (size_t k = 0, to = 0; k < escaping.size(); ++k)
+      if (renumber[k] >= 0) escaping[to] = escaping[k], alias[to++] = alias[k];
+    escaping.erase(escaping.begin() + kept, escaping.end());
+    alias.resize(kept);
     std::vector<mx::Shape> shapes;
     std::vector<mx::Dtype> dtypes;
     for (const auto& o : escaping) shapes.push_back(o.shape()), dtypes.push_back(o.dtype());
@@ -311,7 +370,7 @@ std::vector<mx::array> chain_cpu_kernels(const std::vector<mx::array>& outputs) 
     g_chains.fetch_add(1, std::memory_order_relaxed);
     g_members.fetch_add(members.size(), std::memory_order_relaxed);
     auto plan = std::make_shared<const Plan>(std::move(members), std::move(value_output), std::move(constants),
-                                             std::move(alias));
+                                             std::move(alias), std::move(value_state));
     auto chain = std::make_shared<KernelChain>(stream, std::move(plan));
     auto news = mx::array::make_arrays(std::move(shapes), dtypes, chain, inputs);
     for (size_t k = 0; k < escaping.size(); ++k) remap.emplace(escaping[k].id(), news[k]);

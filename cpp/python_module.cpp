@@ -249,6 +249,8 @@ NB_MODULE(_runtime, m) {
                                            {"interpreted_calls", s.interpreted_calls},
                                            {"traces", s.traces}, {"rejected", s.rejected}};
   }, "Process-wide counters: calls served by compiled graphs or node by node, graphs traced, methods rejected.");
+  m.def("owned_buffer_copies", &owned_buffer_copies,
+        "Process-wide: mutable buffers copied so that a compiled graph may update them in place.");
   m.def("reset_compile_stats", &reset_compile_stats);
   m.def("set_kernel_chains", &mlxd::rt::set_kernel_chains, nb::arg("on"),
         "Fold runs of the runtime's CPU kernels in graphs traced from now on into one MLX primitive each "
@@ -257,9 +259,13 @@ NB_MODULE(_runtime, m) {
   m.def("set_kernel_chain_writes", &mlxd::rt::set_kernel_chain_writes, nb::arg("on"),
         "KV-cache writes as chain members, weights held by their chain (graphs traced afterwards).");
   m.def("kernel_chain_writes", &mlxd::rt::kernel_chain_writes);
+  m.def("set_kernel_chain_states", &mlxd::rt::set_kernel_chain_states, nb::arg("on"),
+        "Chains write owned buffers (KV caches) in place, out of their outputs (graphs traced afterwards).");
+  m.def("kernel_chain_states", &mlxd::rt::kernel_chain_states);
   m.def("kernel_chain_stats", [] {
     auto s = mlxd::rt::kernel_chain_stats();
-    return std::map<std::string, uint64_t>{{"chains", s.chains}, {"members", s.members}};
+    return std::map<std::string, uint64_t>{{"chains", s.chains}, {"members", s.members},
+                                                 {"state_writes", s.state_writes}};
   }, "Process-wide counters: kernel chains built by traces, and the kernels folded into them.");
   m.def("set_profile", &set_profile_enabled, nb::arg("on"),
         "Per-node profiling: calls run node by node, each node evaluated and timed on its own.");

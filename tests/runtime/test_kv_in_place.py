@@ -98,6 +98,59 @@ def test_cache_write_in_a_chain_is_in_place(tiny, eager):
         assert members[True] >= members[False] + 2, members
 
 
+def test_cache_write_out_of_the_chain_outputs(tiny, eager):
+    """Caches a chain writes in place and only the caller reads afterwards leave the chain's outputs
+    (kernel_chain_states, the default): the same logits as eager and, bit for bit, as with every write
+    among the outputs; still no copy of a cache."""
+    logits, written = {}, {}
+    for states in (False, True):
+        with runtime_switch("kernel_chain_states", states):
+            before = _runtime.kernel_chain_stats()["state_writes"]
+            logits[states], extra = run_steps(tiny[1])
+            written[states] = _runtime.kernel_chain_stats()["state_writes"] - before
+        assert max(extra[1:]) < CACHE_BYTES // 2, (states, extra, CACHE_BYTES)
+        for got, want in zip(logits[states], eager):
+            assert_close([got], want, 1e-4, 1e-5)
+    assert_close(logits[True], logits[False], 0, 0, exact=True)
+    assert written[False] == 0
+    if cpu_kernels_active():  # k and v of both layers
+        assert written[True] == 4, written
+
+
+def fail_profiled(gen: Generator) -> None:
+    """A call that fails midway under the profiler: the handle restarts its caches from their initial values."""
+    was = _runtime.profile_enabled()
+    _runtime.set_profile(True)
+    try:
+        with pytest.raises(RuntimeError):
+            gen.method.execute([torch.tensor([[1]]), torch.tensor([MAX_SEQ_LEN])])  # past the end
+    finally:
+        _runtime.set_profile(was)
+        _runtime.reset_profile()
+
+
+def test_cache_written_in_place_after_a_restart(tiny):
+    """A replayed step whose chain writes the caches in place, right after they went back to their initial
+    values: the handle copies them first (owned_buffer_copies), so a later restart still finds empty caches
+    (slot 1, written after the first restart, must read as zero after the second)."""
+    pte = tiny[1]
+    want = {}
+    for pos in (1, 2):
+        fresh = Generator(pte, eos_token_ids=[])
+        fresh.pos = pos
+        want[pos] = fresh.step([TOKENS[pos]])
+    gen = Generator(pte, eos_token_ids=[])
+    for token in TOKENS[:3]:  # node by node, traced, replayed
+        gen.step([token])
+    before = _runtime.owned_buffer_copies()
+    for pos in (1, 2):
+        fail_profiled(gen)
+        gen.pos = pos
+        assert torch.equal(gen.step([TOKENS[pos]]), want[pos]), pos
+    if cpu_kernels_active():  # each restart: k and v of both layers
+        assert _runtime.owned_buffer_copies() - before == 2 * 4
+
+
 def test_profiled_cache_write_is_in_place(tiny, eager, profiling):
     logits, extra = run_steps(tiny[1])
     for got, want in zip(logits, eager):
