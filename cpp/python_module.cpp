@@ -360,7 +360,8 @@ NB_MODULE(_runtime, m) {
     auto s = stream_wait_stats();
     return std::map<std::string, uint64_t>{{"calls", s.calls}, {"held", s.held}, {"lingers", s.lingers},
                                            {"spins", s.spins}, {"spin_hits", s.spin_hits},
-                                           {"linger_timeouts", s.linger_timeouts}, {"parks", s.parks},
+                                           {"linger_timeouts", s.linger_timeouts}, {"lingers_cut", s.lingers_cut},
+                                           {"parks", s.parks},
                                            {"gates", s.gates}, {"stream_parks", s.stream_parks},
                                            {"unparked", s.unparked}, {"park_timeouts", s.park_timeouts}};
   }, "Process-wide counters of the adaptive wait: evaluations, those that found the stream thread awake (held), "

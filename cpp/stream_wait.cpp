@@ -88,7 +88,7 @@ int env_gate() {
 std::atomic<int64_t> g_linger_us{env_linger_us()};
 std::atomic<int> g_gate{env_gate()};
 std::atomic<bool> g_park{env_park()};
-std::atomic<uint64_t> g_calls{0}, g_held{0}, g_lingers{0}, g_spins{0}, g_spin_hits{0}, g_timeouts{0}, g_parks{0},
+std::atomic<uint64_t> g_calls{0}, g_held{0}, g_lingers{0}, g_spins{0}, g_spin_hits{0}, g_timeouts{0}, g_cut{0}, g_parks{0},
     g_gates{0}, g_stream_parks{0}, g_unparked{0}, g_park_timeouts{0};
 
 // A caller holding the stream thread awake releases it within this time; past
@@ -105,6 +105,7 @@ struct Linger {
   // 2 + token: a caller holds the thread awake while it enqueues.
   std::atomic<int64_t> state{0};
   std::atomic<int64_t> next_token{0};
+  std::atomic<uint64_t> evaluations{0};  // evaluations begun on this stream (a linger's cue that it came late)
   std::atomic<int64_t> last_done_ns{0};  // when the previous result was seen; 0: never
   std::atomic<int64_t> last_gap_ns{kNever};  // the previous call's gap
   std::atomic<int64_t> linger_ns{0};  // chosen by the last call: follow-up evaluations in it reuse it
@@ -113,9 +114,19 @@ struct Linger {
 
   // Runs on the stream thread, after a call's tasks: stays awake until a
   // caller releases it (its tasks are queued behind), the linger time passes
-  // with no caller, or a hold outlasts kMaxHoldNs.
-  void linger(int64_t duration_ns) {
+  // with no caller, or a hold outlasts kMaxHoldNs. `seq`: `evaluations` when it
+  // was enqueued. An evaluation begun since then that found no linger to hold
+  // (this thread was descheduled between the previous result and the linger:
+  // on 2 cores the woken caller and the pool's helper take both) has its tasks
+  // queued behind this one: the linger ends at once instead of spinning its time
+  // out in front of them (2/3 of a MobileNetV3 block's back-to-back calls
+  // waited 100-200 us so, 2026-12-06).
+  void linger(int64_t duration_ns, uint64_t seq) {
     const int64_t start = now_ns();
+    if (evaluations.load(std::memory_order_acquire) != seq) {
+      g_cut.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
     state.store(1, std::memory_order_release);
     int64_t held_since = 0;
     for (int i = 0;; ++i) {
@@ -123,9 +134,10 @@ struct Linger {
       if (s == 0) return;  // released: the holder's tasks are queued
       if ((i & 3) == 0) {
         int64_t t = now_ns();
-        if (s == 1 && t - start > duration_ns) {
+        const bool late = evaluations.load(std::memory_order_acquire) != seq;
+        if (s == 1 && (late || t - start > duration_ns)) {
           if (state.compare_exchange_strong(s, 0)) {
-            g_timeouts.fetch_add(1, std::memory_order_relaxed);
+            (late ? g_cut : g_timeouts).fetch_add(1, std::memory_order_relaxed);
             return;
           }
           continue;
@@ -356,12 +368,12 @@ void set_stream_gate(int mode) { g_gate.store(std::clamp(mode, 0, 2)); }
 
 StreamWaitStats stream_wait_stats() {
   return {g_calls.load(),     g_held.load(),  g_lingers.load(),       g_spins.load(),
-          g_spin_hits.load(), g_timeouts.load(), g_parks.load(),     g_gates.load(),
+          g_spin_hits.load(), g_timeouts.load(), g_cut.load(),  g_parks.load(),     g_gates.load(),
           g_stream_parks.load(), g_unparked.load(), g_park_timeouts.load()};
 }
 
 void reset_stream_wait_stats() {
-  for (auto* c : {&g_calls, &g_held, &g_lingers, &g_spins, &g_spin_hits, &g_timeouts, &g_parks, &g_gates,
+  for (auto* c : {&g_calls, &g_held, &g_lingers, &g_spins, &g_spin_hits, &g_timeouts, &g_cut, &g_parks, &g_gates,
                   &g_stream_parks, &g_unparked, &g_park_timeouts})
     c->store(0);
 }
@@ -432,6 +444,8 @@ void eval_impl(std::vector<mx::array>& arrays, EvalPace* pace, bool small) {
   // A large graph lets it go now, so it starts on the first task enqueued.
   const int64_t token = small && !parked ? L->try_hold() : -1;
   if (!small) L->end();
+  // After the hold: a linger that had not started yet sees this evaluation when it does, and ends.
+  const uint64_t seq = L->evaluations.fetch_add(1, std::memory_order_acq_rel) + 1;
   if (token >= 0 && pace) g_held.fetch_add(1, std::memory_order_relaxed);
   const int gate_mode = stream_gate();
   std::shared_ptr<Gate> gate;
@@ -472,10 +486,10 @@ void eval_impl(std::vector<mx::array>& arrays, EvalPace* pace, bool small) {
     mx::async_eval(arrays);
     if (linger_ns > 0 || spin || sleep_done) {
       g_lingers.fetch_add(linger_ns > 0, std::memory_order_relaxed);
-      mx::scheduler::enqueue(*stream, [L, done, linger_ns] {
+      mx::scheduler::enqueue(*stream, [L, done, linger_ns, seq] {
         done->flag.store(true, std::memory_order_seq_cst);
         done->sleeper.wake();
-        if (linger_ns > 0) L->linger(linger_ns);
+        if (linger_ns > 0) L->linger(linger_ns, seq);
       });
     }
     if (park_next) {

@@ -126,6 +126,7 @@ struct StreamWaitStats {
   uint64_t spins = 0;        // calls whose caller spun for the result
   uint64_t spin_hits = 0;    // ... and got it within the spin
   uint64_t linger_timeouts = 0;  // lingers that ended with no call (spin time wasted)
+  uint64_t lingers_cut = 0;      // lingers that started after the next evaluation had begun, and ended
   uint64_t parks = 0;        // calls with no linger that sent the kernels' helper threads to sleep at their end
   uint64_t gates = 0;        // evaluations that gated a small graph for a sleeping stream thread
   uint64_t stream_parks = 0;     // park tasks enqueued on a delegate stream
