@@ -268,7 +268,9 @@ std::vector<mx::array> chain_cpu_kernels(const std::vector<mx::array>& outputs, 
   auto state_write = [&](const mx::array& o, const mx::array& x, int r) {
     if (!kernel_chain_states() || read_outside.count(o.id()) || root_at.count(x.id())) return false;
     if (auto it = sole_run.find(x.id()); it == sole_run.end() || it->second != r) return false;
-    for (const size_t k : root_at[o.id()]) {
+    const auto at = root_at.find(o.id());
+    if (at == root_at.end()) return false;
+    for (const size_t k : at->second) {
       bool ok = false;
       for (const auto& s : states) ok |= s.output == k && s.state.id() == x.id();
       if (!ok) return false;

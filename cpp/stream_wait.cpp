@@ -88,8 +88,8 @@ int env_gate() {
 std::atomic<int64_t> g_linger_us{env_linger_us()};
 std::atomic<int> g_gate{env_gate()};
 std::atomic<bool> g_park{env_park()};
-std::atomic<uint64_t> g_calls{0}, g_held{0}, g_lingers{0}, g_spins{0}, g_spin_hits{0}, g_timeouts{0}, g_cut{0}, g_parks{0},
-    g_gates{0}, g_stream_parks{0}, g_unparked{0}, g_park_timeouts{0};
+std::atomic<uint64_t> g_calls{0}, g_held{0}, g_lingers{0}, g_spins{0}, g_spin_hits{0}, g_timeouts{0}, g_cut{0},
+    g_parks{0}, g_gates{0}, g_stream_parks{0}, g_unparked{0}, g_park_timeouts{0};
 
 // A caller holding the stream thread awake releases it within this time; past
 // it the linger lets the queued tasks run anyway. MLX's eval can itself wait
