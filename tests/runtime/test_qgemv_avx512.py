@@ -28,10 +28,11 @@ PAIRS = ((torch.float32, torch.float32), (torch.float32, torch.float16), (torch.
          (torch.float16, torch.float32))
 
 
-def packed(bits: int, group_size: int, n: int, dtype: torch.dtype, gen: torch.Generator) -> Q.MLXQuantized:
+def packed(bits: int, group_size: int, n: int, dtype: torch.dtype, gen: torch.Generator,
+           k: int = K) -> Q.MLXQuantized:
     """Random unsigned values; biases near -2^(bits-1) scales, so the weights are centred like real ones."""
-    u = torch.randint(0, 2**bits, (n, K), generator=gen)
-    groups = (n, K // group_size)
+    u = torch.randint(0, 2**bits, (n, k), generator=gen)
+    groups = (n, k // group_size)
     scales = (torch.rand(groups, generator=gen) + 0.5) * 0.16 / 2**bits
     biases = -(2 ** (bits - 1) + torch.randn(groups, generator=gen)) * scales
     return Q.MLXQuantized(Q.pack_words(u, bits), scales.to(dtype), biases.to(dtype), group_size, bits)
@@ -129,3 +130,32 @@ def test_guided_split_matches_equal_parts(programs):
             _runtime.set_qgemv_guided_split(was)
         assert all(torch.equal(a, b) for a, b in zip(guided, equal))
         assert_close(guided, expected, *QUANTIZED_TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("bits,group_size", [(4, 64), (8, 64), (4, 128)])
+def test_one_row_many_groups(bits, group_size):
+    """One row of x with groups of 64 / 128 (the kernel that scales sixteen groups at a time): 17 groups, a
+    full sixteen and one more, against the AVX2 kernels (the same int16 x) and eager torch."""
+    gen = torch.Generator().manual_seed(bits + group_size)
+    k = 17 * group_size
+    module = Q.QuantizedLinear(packed(bits, group_size, 45, torch.float32, gen, k)).eval()
+    x = torch.randn(1, 1, k) / 4
+    lowered = lower_module(module, x)
+    method = Runtime.get().load_program(lowered).load_method("forward")
+    before = avx512_calls()
+    got = method.execute([x])
+    assert avx512_calls() - before == (1 if avx512_vnni_runs() else 0)
+    _runtime.set_qgemv_avx512_path(False)
+    try:
+        avx2 = method.execute([x])
+    finally:
+        _runtime.set_qgemv_avx512_path(True)
+    assert_close(got, avx2, 1e-5, 1e-5)
+    with torch.no_grad():
+        assert_close(got, module(x), *QUANTIZED_TOLERANCE[torch.float32])
+
+
+def lower_module(module: torch.nn.Module, x: torch.Tensor) -> bytes:
+    edge = llm_export.lower(torch.export.export(module, (x,), strict=True))
+    assert delegate_summary(edge) == (1, [])
+    return edge.to_executorch().buffer
