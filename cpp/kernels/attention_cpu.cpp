@@ -121,23 +121,6 @@ void keep_portable(float* y, const bool* keep, int64_t n) {
 constexpr VecOps kPortable{dot_portable, axpy_portable, exp_sum_portable, max_portable, add_portable, keep_portable};
 
 #ifdef MLXD_CPU_X86
-// Two accumulators so consecutive FMAs do not wait on each other.
-MLXD_AVX2 float dot_avx2(const float* a, const float* b, int64_t n) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
-  }
-  if (i + 8 <= n) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    i += 8;
-  }
-  float s = vmath::hsum8(_mm256_add_ps(acc0, acc1));
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
 MLXD_AVX2 void axpy_avx2(float* y, float a, const float* x, int64_t n) {
   const __m256 av = vmath::set1(a);
   int64_t i = 0;
@@ -189,6 +172,7 @@ MLXD_AVX2 float max_avx2(const float* x, int64_t n) {
   return r;
 }
 
+constexpr auto dot_avx2 = vmath::dot2<vmath::LoadF32, float>;  // two FMA chains
 constexpr VecOps kAvx2{dot_avx2, axpy_avx2, exp_sum_avx2, max_avx2, add_portable, keep_portable};
 
 // Softmax's exp and max on sixteen lanes (the blocked path spent ~20 % of a

@@ -138,7 +138,6 @@ void gemv_portable(const Gemv& g, int64_t n0, int64_t n1) {
 }
 
 #ifdef MLXD_GEMM_LOWP_X86
-#define MLXD_AVX2_F16C __attribute__((target("avx2,fma,f16c")))
 #define MLXD_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 #define MLXD_AVX512F __attribute__((target("avx512f,avx2,fma")))
 
@@ -153,30 +152,19 @@ MLXD_AVX2_F16C inline __m256 load8(const T* p) {
     return _mm256_cvtph_ps(h);
 }
 
-// One output for one row of x: two accumulator chains of eight lanes, sixteen weights a step (a SmolLM2
-// bf16 decode step on the AVX2 kernels 14.6 -> 13.4 ms with two chains, paired; fp32 level).
+// vmath::dot2's loader for w's elements.
 template <typename T>
-MLXD_AVX2_F16C inline float dot_stream_avx2(const float* x, const T* w, int64_t k) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= k; i += 16) {
-    a0 = _mm256_fmadd_ps(load8(w + i), _mm256_loadu_ps(x + i), a0);
-    a1 = _mm256_fmadd_ps(load8(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
-  }
-  if (i + 8 <= k) {
-    a0 = _mm256_fmadd_ps(load8(w + i), _mm256_loadu_ps(x + i), a0);
-    i += 8;
-  }
-  float total = vmath::hsum8(_mm256_add_ps(a0, a1));
-  for (; i < k; ++i) total += static_cast<float>(w[i]) * x[i];
-  return total;
-}
+struct Widen {
+  MLXD_AVX2_F16C static __m256 load8(const T* p) { return mlxd::rt::load8(p); }
+};
 
 template <typename T, int M>
 MLXD_AVX2_F16C void gemv_avx2(const Gemv& g, int64_t n0, int64_t n1) {
-  if constexpr (M == 1) {  // the weight rows one after another (see gemv_avx512f)
+  // One row: the weight rows one after another (see gemv_avx512f), two FMA chains (a SmolLM2 bf16 decode
+  // step on these kernels 14.6 -> 13.4 ms against one, paired; fp32 level).
+  if constexpr (M == 1) {
     for (int64_t n = n0; n < n1; ++n) {
-      const float total[1] = {dot_stream_avx2(g.xf, w_row<T>(g, n), g.k)};
+      const float total[1] = {vmath::dot2<Widen<T>>(g.xf, w_row<T>(g, n), g.k)};
       store<T, 1>(g, n, total);
     }
     return;

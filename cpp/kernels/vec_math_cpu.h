@@ -114,6 +114,32 @@ MLXD_AVX2 inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+#define MLXD_AVX2_F16C __attribute__((target("avx2,fma,f16c")))
+
+// Eight floats from p, for dot2.
+struct LoadF32 {
+  MLXD_AVX2_F16C static __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+};
+
+// x . w over k elements: two accumulator chains of eight lanes, so consecutive FMAs do not wait on each
+// other. L::load8(p) gives eight of w's elements as floats (16-bit types widen); the tail one by one.
+template <typename L, typename T>
+MLXD_AVX2_F16C inline float dot2(const float* x, const T* w, int64_t k) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) {
+    a0 = _mm256_fmadd_ps(L::load8(w + i), _mm256_loadu_ps(x + i), a0);
+    a1 = _mm256_fmadd_ps(L::load8(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+  }
+  if (i + 8 <= k) {
+    a0 = _mm256_fmadd_ps(L::load8(w + i), _mm256_loadu_ps(x + i), a0);
+    i += 8;
+  }
+  float total = hsum8(_mm256_add_ps(a0, a1));
+  for (; i < k; ++i) total += static_cast<float>(w[i]) * x[i];
+  return total;
+}
+
 MLXD_AVX2 inline float hmax8(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
