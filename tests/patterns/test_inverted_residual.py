@@ -195,8 +195,10 @@ def _long_rows_net() -> nn.Module:
     return net.eval()
 
 
-# Maps wider than one block of depthwise vectors (64 columns): 140 columns at stride 1 (64 + 64 + 12: a
-# tail of one vector), 70 at stride 2 with a 5x5 window (64 + 6 of the even columns), in both schedules.
+# Maps wider than one block of depthwise vectors (64 columns; 32 where AVX-512 reads each row once for 3x3
+# and 5x5 windows): 140 columns at stride 1 (64 + 64 + 12, or four blocks of 32 and 12: a tail of one
+# vector), 70 at stride 2 with a 5x5 window (35 outputs: 32 + 3), 9 rows (blocks of 4 rows and 1), in
+# both schedules.
 LONG_ROWS = cases("long_row_blocks", _long_rows_net, lambda: (torch.randn(1, 4, 9, 140),), (torch.float32,),
                   is_module=True)
 
