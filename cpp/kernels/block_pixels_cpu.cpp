@@ -9,6 +9,7 @@
 // for Q output pixels of a row at a time (Q independent accumulators) and writes its output over the
 // group's columns of the product, with its bias and activation, then the squeeze-excite channel sums.
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -186,7 +187,9 @@ bool pixel_major(const Geometry& g) {
 void pixels_part(const Geometry& g, float* d, int64_t ld, int e0, int e1, const float* be, const float* wd,
                  const float* taps, const float* bd, float* sums) {
   PlaneScratch& s = plane_scratch();
-  s.plane.assign(plane_rows(g) * plane_cols(g) * kLanes, 0.f);  // the borders stay zero across groups
+  s.plane.assign(plane_rows(g) * plane_cols(g) * kLanes + kLanes, 0.f);  // the borders stay zero across groups
+  // On a 64-byte boundary: each pixel's sixteen channels one cache line, not two (~1 % of a 14x14 block).
+  float* plane = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(s.plane.data()) + 63) & ~uintptr_t{63});
   const int T = g.KH * g.KW;
   at_least(s.taps, int64_t{T} * kLanes);
   const GroupFn run = group_fn(g);
@@ -205,7 +208,7 @@ void pixels_part(const Geometry& g, float* d, int64_t ld, int e0, int e1, const 
       for (int t = 0; t < T; ++t)
         for (int i = 0; i < n; ++i) s.taps[int64_t{t} * kLanes + i] = wd[int64_t{c + i} * T + t];
     }
-    run(g, d, ld, c, n, eb, w, ws, db, s.plane.data(), sums ? sums + c : nullptr);
+    run(g, d, ld, c, n, eb, w, ws, db, plane, sums ? sums + c : nullptr);
   }
 }
 
