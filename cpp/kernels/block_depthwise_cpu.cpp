@@ -2,9 +2,11 @@
 // AVX2 / AVX-512 register blocks, the scalar rows, and the planes' fill.
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/block_cpu_internal.h"
 #include "kernels/cpu_parallel.h"
+#include "kernels/depthwise_rows_avx512.h"
 #include "kernels/vec_math_cpu.h"
 
 namespace mlxd::rt::block_detail {
@@ -157,69 +159,7 @@ MLXD_AVX512 void dw_channel16(const Geometry& g, const float* buf, int64_t Wp, c
   }
 }
 
-// Rows read once per block (AVX-512F; 3x3 and 5x5 windows, equal strides S of 1 or 2). dw_block16 loads
-// every tap's sixteen columns unaligned: one line-crossing load per FMA held it to ~40 % of the FMA
-// bound. Here each padded input row of a block is read as whole vectors, its K tap windows formed in
-// registers (valignd; at stride 2 from its even and odd columns), and fed to every output row whose
-// window covers it: 5x5 at stride 1 in a C++ microbenchmark 28 -> 48 G multiply-adds a second a thread.
-
-// acc + *w * x, the weight broadcast from memory by the FMA itself: as _mm512_set1_ps, GCC keeps a 5x5
-// window's 25 broadcasts in registers and spills the accumulators to the stack.
-MLXD_AVX512 [[gnu::always_inline]] inline __m512 fma_bcast(const float* w, __m512 x, __m512 acc) {
-  asm("vfmadd231ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(x), "m"(*w));
-  return acc;
-}
-
-MLXD_AVX512 [[gnu::always_inline]] inline __m512 shift(__m512 lo, __m512 hi, int n) {
-  switch (n) {  // n is a constant after inlining: valignd takes an immediate
-    case 1: return _mm512_castsi512_ps(_mm512_alignr_epi32(_mm512_castps_si512(hi), _mm512_castps_si512(lo), 1));
-    case 2: return _mm512_castsi512_ps(_mm512_alignr_epi32(_mm512_castps_si512(hi), _mm512_castps_si512(lo), 2));
-    case 3: return _mm512_castsi512_ps(_mm512_alignr_epi32(_mm512_castps_si512(hi), _mm512_castps_si512(lo), 3));
-    case 4: return _mm512_castsi512_ps(_mm512_alignr_epi32(_mm512_castps_si512(hi), _mm512_castps_si512(lo), 4));
-    default: return lo;
-  }
-}
-
-// x[kj]: the window of tap column kj for sixteen outputs whose first input is p.
-template <int S, int K>
-MLXD_AVX512 [[gnu::always_inline]] inline void tap_windows(const float* p, __m512* x) {
-  if constexpr (S == 1) {
-    const __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
-#pragma GCC unroll 8
-    for (int kj = 0; kj < K; ++kj) x[kj] = shift(a, b, kj);
-  } else {  // tap kj = 2m (+1): the even (odd) columns from m on
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-    const __m512 a0 = _mm512_loadu_ps(p), a1 = _mm512_loadu_ps(p + 16);
-    const __m512 b0 = _mm512_loadu_ps(p + 32), b1 = _mm512_loadu_ps(p + 48);
-    const __m512 e0 = _mm512_permutex2var_ps(a0, even, a1), o0 = _mm512_permutex2var_ps(a0, odd, a1);
-    const __m512 e1 = _mm512_permutex2var_ps(b0, even, b1), o1 = _mm512_permutex2var_ps(b0, odd, b1);
-#pragma GCC unroll 8
-    for (int kj = 0; kj < K; ++kj) x[kj] = kj % 2 ? shift(o0, o1, kj / 2) : shift(e0, e1, kj / 2);
-  }
-}
-
-// Padded input rows J, J + 1, ... of a block of R output rows by V vectors (row r reads rows r S .. r S + K - 1).
-template <int S, int K, int R, int V, int J>
-MLXD_AVX512 [[gnu::always_inline]] inline void rows_into(const float* top, int64_t Wp, const float* k,
-                                                        __m512 (&acc)[R][V]) {
-  if constexpr (J < (R - 1) * S + K) {
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) {
-      __m512 x[K];
-      tap_windows<S, K>(top + J * Wp + 16 * S * v, x);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const int ki = J - r * S;
-        if (ki < 0 || ki >= K) continue;
-#pragma GCC unroll 8
-        for (int kj = 0; kj < K; ++kj) acc[r][v] = fma_bcast(k + ki * K + kj, x[kj], acc[r][v]);
-      }
-    }
-    rows_into<S, K, R, V, J + 1>(top, Wp, k, acc);
-  }
-}
-
+// Rows read once per block (depthwise_rows_avx512.h): 3x3 and 5x5 windows at equal strides of 1 or 2.
 template <int S, int K, int V>
 MLXD_AVX512 void dw_rows_block16(const Geometry& g, const float* top, int64_t Wp, const float* k, float bias,
                                  int rows, __mmask16 tail, float* out) {
@@ -227,7 +167,8 @@ MLXD_AVX512 void dw_rows_block16(const Geometry& g, const float* top, int64_t Wp
   __m512 acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = _mm512_set1_ps(bias);
-  rows_into<S, K, R, V, 0>(top, Wp, k, acc);
+  using Src = std::conditional_t<S == 1, dw_rows::Contiguous, dw_rows::Interleaved2>;
+  dw_rows::accumulate<Src, K, S, R, V>(top, Wp, 0, k, acc);
   const __m512 lo = _mm512_set1_ps(g.da.lo), hi = _mm512_set1_ps(g.da.hi);
   for (int r = 0; r < R && r < rows; ++r)
     for (int v = 0; v < V; ++v)

@@ -9,6 +9,7 @@
 #include "kernels/conv_cpu.h"
 #include "kernels/conv_cpu_internal.h"
 #include "kernels/cpu_parallel.h"
+#include "kernels/depthwise_rows_avx512.h"
 #include "kernels/vec_math_cpu.h"
 
 namespace mlxd::rt::conv_detail {
@@ -170,6 +171,62 @@ MLXD_AVX512 void depthwise_rows16(const Geometry& g, const PaddedPlane& pp, cons
   }
 }
 
+// Rows read once per block (depthwise_rows_avx512.h): kDwRows output rows by V vectors of sixteen from oh, ow,
+// the first input of output column ow at padded column ow (stride 1) or element ow of the even half (stride 2).
+template <class Src, int K, int S, int V>
+MLXD_AVX512 void depthwise_once_block(const Geometry& g, const PaddedPlane& pp, const DwRow& d, int oh, int ow,
+                                      int rows, __mmask16 tail) {
+  constexpr int R = kDwRows;
+  const __m512 bias = _mm512_set1_ps(_mm256_cvtss_f32(d.bias));
+  const __m512 lo = _mm512_set1_ps(_mm256_cvtss_f32(d.lo)), hi = _mm512_set1_ps(_mm256_cvtss_f32(d.hi));
+  __m512 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) {
+      acc[r][v] = bias;
+      if (d.residual && r < rows) {
+        const float* res = d.residual + int64_t{oh + r} * g.OW + ow + 16 * v;
+        acc[r][v] = _mm512_add_ps(acc[r][v], _mm512_maskz_loadu_ps(v == V - 1 ? tail : __mmask16(0xFFFF), res));
+      }
+    }
+  dw_rows::accumulate<Src, K, S, R, V>(d.buf + int64_t{oh} * S * pp.row + ow, pp.row, pp.half, d.k, acc);
+  for (int r = 0; r < R && r < rows; ++r)
+    for (int v = 0; v < V; ++v)
+      _mm512_mask_storeu_ps(d.out + int64_t{oh + r} * g.OW + ow + 16 * v, v == V - 1 ? tail : __mmask16(0xFFFF),
+                            _mm512_min_ps(hi, _mm512_max_ps(lo, acc[r][v])));
+}
+
+template <class Src, int K, int S>
+MLXD_AVX512 void depthwise_rows_once(const Geometry& g, const PaddedPlane& pp, const DwRow& d) {
+  for (int oh = 0; oh < g.OH; oh += kDwRows) {
+    const int rows = std::min(kDwRows, g.OH - oh);
+    for (int ow = 0; ow < g.OW; ow += 32) {
+      const int left = g.OW - ow;
+      if (left > 16)
+        depthwise_once_block<Src, K, S, 2>(g, pp, d, oh, ow, rows, vmath::first_lanes(left - 16));
+      else
+        depthwise_once_block<Src, K, S, 1>(g, pp, d, oh, ow, rows, vmath::first_lanes(left));
+    }
+  }
+}
+
+using RowsFn = void (*)(const Geometry&, const PaddedPlane&, const DwRow&);
+
+// The rows-once instance for g: square 3x3, 5x5 or 7x7 windows, no dilation, equal strides of 1 or 2; else null.
+RowsFn rows_once_fn(const Geometry& g) {
+  if (!cpu_use_avx512() || g.dh != 1 || g.dw != 1 || g.sh != g.sw || g.KH != g.KW) return nullptr;
+  using C = dw_rows::Contiguous;
+  using H = dw_rows::SplitHalves2;
+  switch (g.KH * 10 + g.sw) {
+    case 31: return depthwise_rows_once<C, 3, 1>;
+    case 32: return depthwise_rows_once<H, 3, 2>;
+    case 51: return depthwise_rows_once<C, 5, 1>;
+    case 52: return depthwise_rows_once<H, 5, 2>;
+    case 71: return depthwise_rows_once<C, 7, 1>;
+    case 72: return depthwise_rows_once<H, 7, 2>;
+    default: return nullptr;
+  }
+}
+
 // Rows of R output rows, each cut into blocks of up to kDwVectors vectors.
 template <int R>
 MLXD_AVX2 void depthwise_rows(const Geometry& g, const PaddedPlane& pp, DwRow& d) {
@@ -219,7 +276,10 @@ MLXD_AVX2 void depthwise_padded(const Geometry& g, const PaddedPlane& pp, float*
     for (int ih = 0; ih < g.H; ++ih) store_padded_row(g, pp, plane + int64_t{ih} * g.W, buf + (ih + g.ph) * pp.row);
   DwRow d{buf, k, residual, out, _mm256_set1_ps(bias), _mm256_set1_ps(g.clamp ? g.lo : -INFINITY),
           _mm256_set1_ps(g.clamp ? g.hi : INFINITY), _mm256_setzero_si256()};
-  if (g.OW >= 28 && cpu_use_avx512())
+  const RowsFn once = g.OW >= 28 ? rows_once_fn(g) : nullptr;
+  if (once)
+    once(g, pp, d);
+  else if (g.OW >= 28 && cpu_use_avx512())
     depthwise_rows16(g, pp, d);  // sixteen lanes: at most 4 of 32 columns of a vector pair wasted
   else if (g.OW > 16)
     depthwise_rows<2>(g, pp, d);  // 2 rows x up to 4 vectors

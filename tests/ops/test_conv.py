@@ -68,6 +68,14 @@ CONV_LAYERS = [
      (2, 4, 13, 11)),
     ("conv2d_depthwise_5x5_s2_wide",
      lambda: torch.nn.Conv2d(3, 3, 5, stride=2, padding=2, groups=3, bias=False), (1, 3, 9, 83)),
+    # Square windows on maps of 28+ columns, where AVX-512 reads each input row once per block of four
+    # output rows: 3x3 at stride 2 (32 + 6 columns, 5 rows), 7x7 (ConvNeXt's) at strides 1 and 2, a
+    # channel multiplier.
+    ("conv2d_depthwise_3x3_s2_wide", lambda: torch.nn.Conv2d(3, 3, 3, stride=2, padding=1, groups=3),
+     (1, 3, 10, 75)),
+    ("conv2d_depthwise_7x7_wide", lambda: torch.nn.Conv2d(2, 2, 7, padding=3, groups=2), (1, 2, 9, 37)),
+    ("conv2d_depthwise_7x7_s2_mult",
+     lambda: torch.nn.Conv2d(2, 4, 7, stride=2, padding=3, groups=2, bias=False), (1, 2, 11, 64)),
     ("conv2d_same", lambda: torch.nn.Conv2d(3, 4, 3, padding="same"), (1, 3, 7, 7)),
     ("conv2d_1x1", lambda: torch.nn.Conv2d(8, 4, 1), (2, 8, 5, 5)),
     ("conv3d", lambda: torch.nn.Conv3d(2, 4, 3, padding=1), (1, 2, 5, 5, 5)),
