@@ -122,13 +122,12 @@ MLXD_AVX2 void depthwise_block(const Geometry& g, const PaddedPlane& pp, const D
     }
 }
 
-// depthwise_block on sixteen lanes (AVX-512F), for maps wide enough to fill them.
+// A sixteen-lane block's accumulators: the bias (and the residual's rows from oh, columns from ow), the
+// last vector under `tail`.
 template <int R, int V>
-MLXD_AVX512 void depthwise_block16(const Geometry& g, const PaddedPlane& pp, const DwRow& d, int oh, int ow, int rows,
-                                   __mmask16 tail) {
+MLXD_AVX512 [[gnu::always_inline]] inline void start16(const Geometry& g, const DwRow& d, int oh, int ow, int rows,
+                                                      __mmask16 tail, __m512 (&acc)[R][V]) {
   const __m512 bias = _mm512_set1_ps(_mm256_cvtss_f32(d.bias));
-  const __m512 lo = _mm512_set1_ps(_mm256_cvtss_f32(d.lo)), hi = _mm512_set1_ps(_mm256_cvtss_f32(d.hi));
-  __m512 acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) {
       acc[r][v] = bias;
@@ -137,6 +136,25 @@ MLXD_AVX512 void depthwise_block16(const Geometry& g, const PaddedPlane& pp, con
         acc[r][v] = _mm512_add_ps(acc[r][v], _mm512_maskz_loadu_ps(v == V - 1 ? tail : __mmask16(0xFFFF), res));
       }
     }
+}
+
+// ... and its first `rows` rows clamped into the output.
+template <int R, int V>
+MLXD_AVX512 [[gnu::always_inline]] inline void store16(const Geometry& g, const DwRow& d, int oh, int ow, int rows,
+                                                      __mmask16 tail, const __m512 (&acc)[R][V]) {
+  const __m512 lo = _mm512_set1_ps(_mm256_cvtss_f32(d.lo)), hi = _mm512_set1_ps(_mm256_cvtss_f32(d.hi));
+  for (int r = 0; r < R && r < rows; ++r)
+    for (int v = 0; v < V; ++v)
+      _mm512_mask_storeu_ps(d.out + int64_t{oh + r} * g.OW + ow + 16 * v, v == V - 1 ? tail : __mmask16(0xFFFF),
+                            _mm512_min_ps(hi, _mm512_max_ps(lo, acc[r][v])));
+}
+
+// depthwise_block on sixteen lanes (AVX-512F), for maps wide enough to fill them.
+template <int R, int V>
+MLXD_AVX512 void depthwise_block16(const Geometry& g, const PaddedPlane& pp, const DwRow& d, int oh, int ow, int rows,
+                                   __mmask16 tail) {
+  __m512 acc[R][V];
+  start16(g, d, oh, ow, rows, tail, acc);
   const int64_t row_step = int64_t{g.sh} * pp.row;
   const float* top = d.buf + int64_t{oh} * row_step + ow;
   const int taps = g.KH * g.KW;
@@ -146,10 +164,7 @@ MLXD_AVX512 void depthwise_block16(const Geometry& g, const PaddedPlane& pp, con
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(w, _mm512_loadu_ps(p + r * row_step + 16 * v), acc[r][v]);
   }
-  for (int r = 0; r < R && r < rows; ++r)
-    for (int v = 0; v < V; ++v)
-      _mm512_mask_storeu_ps(d.out + int64_t{oh + r} * g.OW + ow + 16 * v, v == V - 1 ? tail : __mmask16(0xFFFF),
-                            _mm512_min_ps(hi, _mm512_max_ps(lo, acc[r][v])));
+  store16(g, d, oh, ow, rows, tail, acc);
 }
 
 // Rows of 2 output rows by up to 4 vectors of sixteen columns.
@@ -177,22 +192,10 @@ template <class Src, int K, int S, int V>
 MLXD_AVX512 void depthwise_once_block(const Geometry& g, const PaddedPlane& pp, const DwRow& d, int oh, int ow,
                                       int rows, __mmask16 tail) {
   constexpr int R = kDwRows;
-  const __m512 bias = _mm512_set1_ps(_mm256_cvtss_f32(d.bias));
-  const __m512 lo = _mm512_set1_ps(_mm256_cvtss_f32(d.lo)), hi = _mm512_set1_ps(_mm256_cvtss_f32(d.hi));
   __m512 acc[R][V];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) {
-      acc[r][v] = bias;
-      if (d.residual && r < rows) {
-        const float* res = d.residual + int64_t{oh + r} * g.OW + ow + 16 * v;
-        acc[r][v] = _mm512_add_ps(acc[r][v], _mm512_maskz_loadu_ps(v == V - 1 ? tail : __mmask16(0xFFFF), res));
-      }
-    }
+  start16(g, d, oh, ow, rows, tail, acc);
   dw_rows::accumulate<Src, K, S, R, V>(d.buf + int64_t{oh} * S * pp.row + ow, pp.row, pp.half, d.k, acc);
-  for (int r = 0; r < R && r < rows; ++r)
-    for (int v = 0; v < V; ++v)
-      _mm512_mask_storeu_ps(d.out + int64_t{oh + r} * g.OW + ow + 16 * v, v == V - 1 ? tail : __mmask16(0xFFFF),
-                            _mm512_min_ps(hi, _mm512_max_ps(lo, acc[r][v])));
+  store16(g, d, oh, ow, rows, tail, acc);
 }
 
 template <class Src, int K, int S>
