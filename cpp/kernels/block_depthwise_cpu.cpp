@@ -159,7 +159,7 @@ MLXD_AVX512 void dw_channel16(const Geometry& g, const float* buf, int64_t Wp, c
   }
 }
 
-// Rows read once per block (depthwise_rows_avx512.h): 3x3 and 5x5 windows at equal strides of 1 or 2.
+// Rows read once per block (depthwise_rows_avx512.h): 3x3, 5x5 and 7x7 windows at equal strides of 1 or 2.
 template <int S, int K, int V>
 MLXD_AVX512 void dw_rows_block16(const Geometry& g, const float* top, int64_t Wp, const float* k, float bias,
                                  int rows, __mmask16 tail, float* out) {
@@ -202,15 +202,15 @@ DwChannelFn dw_channel_rows(const Geometry& g) {
   return dw_channel_avx2<S, 0, 0, R>;
 }
 // Eight rows of one vector up to eight columns (7x7 maps: one block, eight independent accumulators);
-// sixteen lanes beyond where AVX-512 runs (rows read once for 3x3 / 5x5 windows at equal strides); else
+// sixteen lanes beyond where AVX-512 runs (rows read once for square 3-7 windows at equal strides); else
 // four rows per block up to two vectors of eight wide,
 // two rows beyond (at most eight accumulators).
 template <int S>
 DwChannelFn dw_channel_for(const Geometry& g) {
   if (g.OW <= 8) return dw_channel_rows<S, 8>(g);
   if (cpu_use_avx512()) {
-    if (g.sh == S && g.KH == g.KW && (g.KH == 3 || g.KH == 5))
-      return g.KH == 3 ? dw_channel16_rows<S, 3> : dw_channel16_rows<S, 5>;
+    if (g.sh == S && g.KH == g.KW && (g.KH == 3 || g.KH == 5 || g.KH == 7))
+      return g.KH == 3 ? dw_channel16_rows<S, 3> : g.KH == 5 ? dw_channel16_rows<S, 5> : dw_channel16_rows<S, 7>;
     if (g.KH == 3 && g.KW == 3) return dw_channel16<S, 3, 3>;
     if (g.KH == 5 && g.KW == 5) return dw_channel16<S, 5, 5>;
     return dw_channel16<S, 0, 0>;
