@@ -346,6 +346,10 @@ NB_MODULE(_runtime, m) {
         "Small graphs sent to a sleeping MLX stream thread wake it once, for a gate task, instead of once per "
         "task: 0 off, 1 on (default), 2 on with the caller spinning for the result (MLX_DELEGATE_STREAM_GATE at start-up).");
   m.def("stream_gate", &stream_gate);
+  m.def("set_caller_serve", &set_caller_serve, nb::arg("on"),
+        "Whether a caller waiting for a long evaluation takes parts of the kernel pool's jobs meanwhile, in place "
+        "of the pool's helper thread (on, the default; MLX_DELEGATE_CALLER_SERVE=0 at start-up turns it off).");
+  m.def("caller_serve", &caller_serve);
   m.def("set_stream_park", &set_stream_park, nb::arg("on"),
         "Delegate calls run on a CPU stream of their own per thread, whose thread a small graph called with "
         "long gaps leaves parked (asleep on the delegate's own condition variable) so the next call wakes it "
@@ -363,11 +367,16 @@ NB_MODULE(_runtime, m) {
                                            {"linger_timeouts", s.linger_timeouts}, {"lingers_cut", s.lingers_cut},
                                            {"parks", s.parks},
                                            {"gates", s.gates}, {"stream_parks", s.stream_parks},
-                                           {"unparked", s.unparked}, {"park_timeouts", s.park_timeouts}};
+                                           {"unparked", s.unparked}, {"park_timeouts", s.park_timeouts},
+                                           {"serves", s.serves}, {"serve_timeouts", s.serve_timeouts},
+                                           {"served_parts", s.served_parts}};
   }, "Process-wide counters of the adaptive wait: evaluations, those that found the stream thread awake (held), "
      "lingers enqueued, caller spins (and those that saw the result), lingers that ended unused, calls that "
      "sent the kernels' helper threads to sleep at their end (parks), park tasks enqueued on a delegate stream "
-     "(stream_parks), evaluations that released one after enqueueing (unparked), parks that timed out.");
+     "(stream_parks), evaluations that released one after enqueueing (unparked), parks that timed out, "
+     "evaluations whose caller served the kernel pool while it waited (serves), those it served until the time "
+     "bound instead of the result (serve_timeouts) and the parts it ran "
+     "(served_parts, not reset).");
   m.def("reset_stream_wait_stats", &reset_stream_wait_stats);
   m.def("set_huge_page_constants", &mlxd::rt::set_huge_page_constants, nb::arg("on"),
         "A method's constants are copied at load into one arena of memory advised for transparent huge pages, "

@@ -53,6 +53,12 @@ constexpr double kOmpPauseMinCallUs = 1000;
 // caller's last parallel op, so only then is it surely spinning; asleep, pausing it would cost ~0.2 ms.
 constexpr double kOmpPauseMaxGapUs = 4000;
 
+// A waiting caller serves the kernel pool (eval_impl) where this graph's evaluations lately took at least
+// this long: a tiny graph called at 100 Hz keeps its sleep (serving spins between jobs).
+constexpr double kServeMinEvalUs = 30;
+// Set while this thread's call lends its OpenMP team (eval_adaptive): the lent worker is the helper then.
+thread_local bool tl_lending = false;
+
 // The calling thread's CPU time (0 where the clock is missing: the caller then counts as idle).
 int64_t thread_cpu_ns() {
   timespec ts{};
@@ -85,11 +91,18 @@ int env_gate() {
   return v ? std::clamp(static_cast<int>(std::strtol(v, nullptr, 10)), 0, 2) : 1;
 }
 
+bool env_caller_serve() {
+  const char* v = std::getenv("MLX_DELEGATE_CALLER_SERVE");
+  return v == nullptr || std::string(v) != "0";
+}
+
 std::atomic<int64_t> g_linger_us{env_linger_us()};
+std::atomic<bool> g_caller_serve{env_caller_serve()};
 std::atomic<int> g_gate{env_gate()};
 std::atomic<bool> g_park{env_park()};
 std::atomic<uint64_t> g_calls{0}, g_held{0}, g_lingers{0}, g_spins{0}, g_spin_hits{0}, g_timeouts{0}, g_cut{0},
-    g_parks{0}, g_gates{0}, g_stream_parks{0}, g_unparked{0}, g_park_timeouts{0};
+    g_parks{0}, g_gates{0}, g_stream_parks{0}, g_unparked{0}, g_park_timeouts{0}, g_serves{0},
+    g_serve_timeouts{0};
 
 // A caller holding the stream thread awake releases it within this time; past
 // it the linger lets the queued tasks run anyway. MLX's eval can itself wait
@@ -341,6 +354,8 @@ bool spin_until(Ready ready, int64_t limit_ns) {
 
 int64_t linger_us() { return g_linger_us.load(std::memory_order_relaxed); }
 void set_linger_us(int64_t us) { g_linger_us.store(std::max<int64_t>(us, 0)); }
+bool caller_serve() { return g_caller_serve.load(std::memory_order_relaxed); }
+void set_caller_serve(bool on) { g_caller_serve.store(on, std::memory_order_relaxed); }
 int stream_gate() { return g_gate.load(std::memory_order_relaxed); }
 bool stream_park() { return g_park.load(std::memory_order_relaxed); }
 void set_stream_park(bool on) { g_park.store(on); }
@@ -369,12 +384,14 @@ void set_stream_gate(int mode) { g_gate.store(std::clamp(mode, 0, 2)); }
 StreamWaitStats stream_wait_stats() {
   return {g_calls.load(),     g_held.load(),  g_lingers.load(),       g_spins.load(),
           g_spin_hits.load(), g_timeouts.load(), g_cut.load(),  g_parks.load(),     g_gates.load(),
-          g_stream_parks.load(), g_unparked.load(), g_park_timeouts.load()};
+          g_stream_parks.load(), g_unparked.load(), g_park_timeouts.load(), g_serves.load(),
+          g_serve_timeouts.load(), cpu_pool_caller_serve_parts()};
 }
 
 void reset_stream_wait_stats() {
   for (auto* c : {&g_calls, &g_held, &g_lingers, &g_spins, &g_spin_hits, &g_timeouts, &g_cut, &g_parks, &g_gates,
-                  &g_stream_parks, &g_unparked, &g_park_timeouts})
+                  &g_stream_parks, &g_unparked, &g_park_timeouts, &g_serves,
+                  &g_serve_timeouts})
     c->store(0);
 }
 
@@ -463,8 +480,14 @@ void eval_impl(std::vector<mx::array>& arrays, EvalPace* pace, bool small) {
   // Behind a park, the caller sleeps on a futex of ours that a task after the graph's sets, rather than
   // on MLX's completion event (a condition variable: two futex calls more per hand-off).
   const bool sleep_done = P && small && !spin && linger_ns == 0 && stream_park();
+  // A small graph's caller serves the kernel pool while it waits: the stream thread, the pool's helper and
+  // the woken caller were three threads for two cores, and the scheduler often put all three on one core
+  // while the other idled (a 960 x 1280 Linear at one row, back to back: 110-200 us a call against 57-64
+  // serving, 2026-12-07). Not for large graphs: a decode step's caller spends two thirds of the step
+  // enqueueing while the helper computes, and an encoder layer served ran 9 % slower.
+  const bool serve = pace && small && caller_serve() && !tl_lending && pace->eval_us >= kServeMinEvalUs;
   struct Done {
-    std::atomic<bool> flag{false};
+    std::atomic<bool> flag{false}, served{false};
     Sleeper sleeper;
   };
   auto done = std::make_shared<Done>();
@@ -484,11 +507,12 @@ void eval_impl(std::vector<mx::array>& arrays, EvalPace* pace, bool small) {
       g_gates.fetch_add(1, std::memory_order_relaxed);
     }
     mx::async_eval(arrays);
-    if (linger_ns > 0 || spin || sleep_done) {
+    if (linger_ns > 0 || spin || sleep_done || serve) {
       g_lingers.fetch_add(linger_ns > 0, std::memory_order_relaxed);
-      mx::scheduler::enqueue(*stream, [L, done, linger_ns, seq] {
+      mx::scheduler::enqueue(*stream, [L, done, linger_ns, seq, serve] {
         done->flag.store(true, std::memory_order_seq_cst);
         done->sleeper.wake();
+        if (serve) cpu_pool_stop_serving(done->served);
         if (linger_ns > 0) L->linger(linger_ns, seq);
       });
     }
@@ -505,7 +529,11 @@ void eval_impl(std::vector<mx::array>& arrays, EvalPace* pace, bool small) {
   if (parked && small) g_unparked.fetch_add(1, std::memory_order_relaxed);
   if (enqueue_lock) enqueue_lock.unlock();
   const int64_t enqueued = now_ns();
-  if (spin) {
+  if (serve) {
+    // Bounded like a park: mx::eval below remains the wait that counts.
+    const int served = cpu_pool_serve_call(done->served, enqueued + kParkTimeoutNs);
+    if (served != 0) (served > 0 ? g_serves : g_serve_timeouts).fetch_add(1, std::memory_order_relaxed);
+  } else if (spin) {
     g_spins.fetch_add(1, std::memory_order_relaxed);
     const int64_t budget = std::min<int64_t>(cap_ns, static_cast<int64_t>(3000 * pace->eval_us) + 20'000);
     if (spin_until([&] { return done->flag.load(std::memory_order_acquire); }, budget))
@@ -602,7 +630,13 @@ void eval_adaptive(std::vector<mx::array>& arrays, EvalPace& pace, bool small) {
   }
   // Only a graph on a CPU stream: on a GPU the pool has no parts to give a lent worker.
   const bool cpu = cpu_stream(arrays).has_value();
-  const bool lent = cpu && choose_lend(pace) && cpu_pool_run_with_omp_team([&] { eval_impl(arrays, &pace, small); });
+  const bool lent = cpu && choose_lend(pace) && cpu_pool_run_with_omp_team([&] {
+    tl_lending = true;
+    struct Reset {
+      ~Reset() { tl_lending = false; }
+    } reset;
+    eval_impl(arrays, &pace, small);
+  });
   if (!lent) {
     if (cpu && known && pace.call_us >= kOmpPauseMinCallUs && gap < kOmpPauseMaxGapUs) cpu_pool_pause_omp_team();
     eval_impl(arrays, &pace, small);

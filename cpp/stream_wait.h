@@ -85,6 +85,12 @@ void end_linger();
 int64_t linger_us();
 void set_linger_us(int64_t us);
 
+// Whether a caller waiting for its result takes parts of the kernel pool's jobs meanwhile, in place of
+// the pool's helper (on by default; MLX_DELEGATE_CALLER_SERVE=0 at start-up turns it off). Only for small
+// graphs whose evaluations last long enough to split their work (stream_wait.cpp).
+bool caller_serve();
+void set_caller_serve(bool on);
+
 // Whether a small graph sent to a sleeping stream thread is gated (see Gate in
 // stream_wait.cpp): 0 off, 1 on (default), 2 on and the caller spins for the
 // result as it does back to back. MLX_DELEGATE_STREAM_GATE sets it at start-up.
@@ -132,6 +138,9 @@ struct StreamWaitStats {
   uint64_t stream_parks = 0;     // park tasks enqueued on a delegate stream
   uint64_t unparked = 0;         // evaluations enqueued behind a park and released it (one wake-up)
   uint64_t park_timeouts = 0;    // parks that ended by their time bound, unreleased
+  uint64_t serves = 0;           // evaluations whose caller served the kernel pool while it waited
+  uint64_t serve_timeouts = 0;   // ... that the result did not end by its time bound (never expected)
+  uint64_t served_parts = 0;     // parts of the pool's jobs those callers ran (not reset)
 };
 StreamWaitStats stream_wait_stats();
 void reset_stream_wait_stats();

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <limits>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
@@ -70,6 +71,7 @@ std::atomic<uint64_t> g_ps_jobs{0}, g_ps_caller_parts{0}, g_ps_helper_parts{0}, 
 
 // Calls that lent their OpenMP team to the pool, and the parts its workers ran (cpu_pool_omp_team_stats).
 std::atomic<uint64_t> g_omp_team_calls{0}, g_omp_team_parts{0}, g_omp_team_pauses{0};
+std::atomic<uint64_t> g_caller_serve_parts{0};  // parts run by waiting callers (cpu_pool_serve_call)
 
 int64_t pool_now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -95,8 +97,23 @@ class Pool {
   // `serving` counts this lend's threads inside serve().
   void lend(const std::atomic<bool>& stop, std::atomic<int>& serving) {
     serving.fetch_add(1, std::memory_order_acq_rel);
-    serve(stop);
+    serve(stop, std::numeric_limits<int64_t>::max(), g_omp_team_parts);
     serving.fetch_sub(1, std::memory_order_acq_rel);
+  }
+  // The thread that waits for a call's result (stream_wait.cpp) helping until `stop` (stop_serving()) or
+  // `deadline_ns`; while it serves, the pool's own helpers sleep rather than spin beside it.
+  bool serve_call(const std::atomic<bool>& stop, int64_t deadline_ns) {
+    callers_serving_.fetch_add(1, std::memory_order_acq_rel);
+    serve(stop, deadline_ns, g_caller_serve_parts, /*sleep_beside=*/true);
+    callers_serving_.fetch_sub(1, std::memory_order_acq_rel);
+    return stop.load(std::memory_order_acquire);
+  }
+  void stop_serving(std::atomic<bool>& stop) {
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      stop.store(true, std::memory_order_release);
+    }
+    served_wake_.notify_all();
   }
   // Ends the lent threads' service: sets `stop`, wakes those asleep in serve(), and waits, yielding,
   // until they have left it. The region's closing barrier waits without yielding: a worker woken onto
@@ -311,7 +328,8 @@ class Pool {
       // 128 x 256 x 256 product after an idle gap took 200 us, the helper
       // running both parts and then spinning 100 us, against 85 us as one call).
       bool spun = !on_callers_core && spin_until([&] {
-        return generation_.load(std::memory_order_acquire) != seen || parks_.load(std::memory_order_relaxed) != parks;
+        return generation_.load(std::memory_order_acquire) != seen || parks_.load(std::memory_order_relaxed) != parks ||
+               callers_serving_.load(std::memory_order_relaxed) > 0;
       }, /*holdable=*/true) && generation_.load(std::memory_order_acquire) != seen;
       if (!spun) {
         std::unique_lock<std::mutex> lock(m_);
@@ -355,24 +373,30 @@ class Pool {
   // helper until `stop` (set by end_lend()). Between jobs it spins as the pool's helpers do
   // (MLX_DELEGATE_SPIN_US), then sleeps until the next job or the call's end: at load 4 a worker that
   // kept yielding its core instead got it back later than a woken one.
-  void serve(const std::atomic<bool>& stop) {
+  void serve(const std::atomic<bool>& stop, int64_t deadline_ns, std::atomic<uint64_t>& parts_run,
+             bool sleep_beside = false) {
     served_.fetch_add(1, std::memory_order_acq_rel);
     uint64_t ran = 0;
     for (uint64_t seen = generation_.load(std::memory_order_acquire);;) {
-      work(state_.load(std::memory_order_acquire) >> kTagShift, true, &ran);
+      const bool beside = work(state_.load(std::memory_order_acquire) >> kTagShift, true, &ran) ||
+                          (sleep_beside && sched_getcpu() == caller_cpu_.load(std::memory_order_relaxed));
       auto next = [&] {
         return generation_.load(std::memory_order_acquire) != seen || stop.load(std::memory_order_acquire);
       };
-      if (!spin_until(next)) {
+      // On the publishing thread's core a spin would keep that thread off it (as loop() does for helpers).
+      if ((beside && sleep_beside) || !spin_until(next)) {
         std::unique_lock<std::mutex> lock(m_);
         ++served_sleeping_;
-        served_wake_.wait(lock, next);
+        const auto until = std::chrono::steady_clock::time_point(std::chrono::nanoseconds(deadline_ns));
+        const bool woke = deadline_ns == std::numeric_limits<int64_t>::max() ? (served_wake_.wait(lock, next), true)
+                                                                             : served_wake_.wait_until(lock, until, next);
         --served_sleeping_;
+        if (!woke) break;
       }
       if (stop.load(std::memory_order_acquire)) break;
       seen = generation_.load(std::memory_order_acquire);
     }
-    g_omp_team_parts.fetch_add(ran, std::memory_order_relaxed);
+    parts_run.fetch_add(ran, std::memory_order_relaxed);
     served_.fetch_sub(1, std::memory_order_acq_rel);
   }
 
@@ -392,6 +416,7 @@ class Pool {
   std::atomic<uint64_t> parks_{0};  // bumped by park()
   std::atomic<int> served_{0};  // OpenMP workers serving the pool now (serve())
   std::atomic<int> served_sleeping_{0};  // ... of them asleep on served_wake_ (changed under m_)
+  std::atomic<int> callers_serving_{0};  // of those, waiting callers (serve_call())
 };
 
 // The BLAS shim's parallel-for (blas_shim.cpp: large sgemms cut into blocks
@@ -514,6 +539,13 @@ void cpu_parallel_for(int64_t n, int64_t cost_per_item, int64_t align,
 }
 
 void cpu_pool_park() { Pool::get().park(); }
+int cpu_pool_serve_call(const std::atomic<bool>& stop, int64_t deadline_ns) {
+  auto& pool = Pool::get();
+  if (pool.size() <= 1 || !pool.owned()) return 0;
+  return pool.serve_call(stop, deadline_ns) ? 1 : -1;
+}
+void cpu_pool_stop_serving(std::atomic<bool>& stop) { Pool::get().stop_serving(stop); }
+uint64_t cpu_pool_caller_serve_parts() { return g_caller_serve_parts.load(std::memory_order_relaxed); }
 
 namespace {
 // Where the process has an OpenMP runtime loaded (torch's libgomp, with RTLD_GLOBAL): its entry points.

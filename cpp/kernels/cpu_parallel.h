@@ -3,6 +3,7 @@
 // parallel loop on persistent helper threads, and per-kernel call counters.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -150,6 +151,14 @@ void cpu_pool_reset_stats();
 // (MLX_DELEGATE_SPIN_US): for the end of a call when the next is not expected
 // soon, so the spin does not take a core from other work in the meantime.
 void cpu_pool_park();
+
+// The thread waiting for a call's result takes parts of the pool's jobs as a helper until `stop` is set
+// through cpu_pool_stop_serving() or the clock (steady, ns) passes `deadline_ns`; the pool's own helpers
+// sleep meanwhile. 1 when it ended by `stop`, -1 by the deadline, 0 at once where the pool has no helpers.
+// Parts so run: cpu_pool_caller_serve_parts.
+int cpu_pool_serve_call(const std::atomic<bool>& stop, int64_t deadline_ns);
+void cpu_pool_stop_serving(std::atomic<bool>& stop);
+uint64_t cpu_pool_caller_serve_parts();
 
 // Where a CPU kernel primitive sends its task: MLX's CPU encoder for the stream, or, while a kernel
 // chain records its members on this thread (CpuTaskRecording), the chain's list, run as one task.

@@ -7,6 +7,7 @@ once per task). Results must not depend on which path a call took: every
 call here is checked against eager PyTorch (or a single-threaded run) through the stock
 `executorch.runtime`."""
 
+import os
 import threading
 import time
 
@@ -247,6 +248,53 @@ def test_wait_off_gives_the_same_results(small):
         _runtime.set_stream_linger(was)
     for i in range(50):
         _check(method, *xs[i % len(xs)])
+
+
+class Head(torch.nn.Module):
+    """A classifier head at one row: few nodes, but a product long enough (2.6 M multiply-adds, 10 MB of
+    weights) for the kernel pool to split and for the call to outlast the serving threshold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(1280, 2048)
+
+    def forward(self, x):
+        return torch.nn.functional.hardswish(self.fc(x))
+
+
+@pytest.mark.parametrize("gap", [0.0, 0.002])
+def test_waiting_caller_serves_the_pool_and_results_do_not_change(gap):
+    head = Head().eval()
+    xs = [torch.randn(1, 1280, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    method = lower(head, (xs[0],)).method()
+    was = _runtime.caller_serve()
+    outs: dict[bool, list[torch.Tensor]] = {}
+    try:
+        for serve in (True, False):
+            _runtime.set_caller_serve(serve)
+            before = _stats()
+            outs[serve] = []
+            for i in range(120):
+                x = xs[i % len(xs)]
+                out = method.execute([x])[0]
+                with torch.no_grad():
+                    torch.testing.assert_close(out, head(x), rtol=1e-5, atol=1e-5)
+                outs[serve].append(out.clone())
+                if gap:
+                    time.sleep(gap)
+            ran = {k: v - before[k] for k, v in _stats().items()}
+            # A result always ends the caller's service (not its 100 ms time bound).
+            assert ran["serve_timeouts"] == 0, ran
+            if not serve:
+                assert ran["serves"] == 0, ran
+            elif _on_cpu_stream() and len(os.sched_getaffinity(0)) > 1:  # the pool has a helper
+                assert ran["serves"] >= 100, ran
+    finally:
+        _runtime.set_caller_serve(was)
+    # Each output row is one thread's dot product whoever runs it: bit for bit the same.
+    for a, b in zip(outs[True], outs[False]):
+        assert torch.equal(a, b)
 
 
 def test_two_threads_back_to_back(small):
