@@ -322,6 +322,38 @@ def test_two_threads_back_to_back(small):
     assert not errors, errors[0]
 
 
+def test_two_threads_serving_the_pool_at_once():
+    """Two callers of a served graph, each on its own stream: both serve the one kernel pool (a job
+    published by one stream's thread may be helped by the other caller) and every result stays exact."""
+    head = Head().eval()
+    lowered = lower(head, (torch.randn(1, 1280),))
+    methods = [lowered.method(), lowered.method()]
+    xs = [torch.randn(1, 1280, generator=torch.Generator().manual_seed(10 + i)) for i in range(4)]
+    with torch.no_grad():
+        refs = [head(x) for x in xs]
+    errors: list[BaseException] = []
+    before = _stats()
+
+    def work(t: int) -> None:
+        try:
+            for i in range(150):
+                k = (i + t) % len(xs)
+                torch.testing.assert_close(methods[t].execute([xs[k]])[0], refs[k], rtol=1e-5, atol=1e-5)
+        except BaseException as e:  # noqa: BLE001  (re-raised on the main thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors[0]
+    ran = {k: v - before[k] for k, v in _stats().items()}
+    assert ran["serve_timeouts"] == 0, ran
+    if _on_cpu_stream() and len(os.sched_getaffinity(0)) > 1:
+        assert ran["serves"] > 0, ran
+
+
 def test_mlx_work_between_calls_is_not_held_up(small):
     """MLX work of the caller's own (same thread, same stream) queued behind a linger still
     runs: the linger is bounded, so a plain mx.eval right after a call completes correctly."""
