@@ -283,3 +283,45 @@ def test_fuse_conv_act_and_scale(dtype: torch.dtype) -> None:
         off = fused.fresh_method().execute([x.to(dtype)])
     assert_close([g.float() for g in got], [o.float() for o in off], rtol, atol)
     assert_close([g.float() for g in got], [k.float() for k in kept.method().execute([x.to(dtype)])], rtol, atol)
+
+
+class PointwiseActs(nn.Module):
+    """1x1 convolutions with their activation fused, over small maps whose output rows are dense (each
+    channel's plane in one run: the activation then takes the whole block at once): a head-like 7x7
+    hard-swish (MobileNetV3's last convolution, narrowed), SiLU over 5x9, GELU over 3x3."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Conv2d(40, 96, 1)
+        self.silu = nn.Conv2d(96, 48, 1)
+        self.gelu = nn.Conv2d(48, 24, 1)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        h = F.hardswish(self.head(x))
+        s = F.silu(self.silu(F.interpolate(h, size=(5, 9))))
+        return [h, s, F.gelu(self.gelu(s[:, :, 1:4, 2:5]))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_pointwise_conv_activation_over_dense_rows(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    model = PointwiseActs().eval()
+    x = torch.randn(2, 40, 7, 7, generator=torch.Generator().manual_seed(2)) * 2
+    module = PointwiseActs().eval()
+    module.load_state_dict(model.state_dict())
+    module = module.to(dtype)
+    fused = lower(module, (x.to(dtype),))
+    assert fused.summary[1] == []
+    kinds = conv_epilogues(fused)
+    assert {k: v for k, v in kinds.items() if k.startswith("act.")} == {
+        "act.Hardswish": 1, "act.Silu": 1, "act.GeluErf": 1}
+    with torch.no_grad():
+        expected = PointwiseActs().eval()
+        expected.load_state_dict({k: v.to(dtype).float() for k, v in model.state_dict().items()})
+        reference = expected(x.to(dtype).float())
+    rtol, atol = fp32_tolerance(200) if dtype == torch.float32 else FP32_REFERENCE_TOLERANCE[dtype]
+    got = fused.method().execute([x.to(dtype)])
+    assert_close([g.float() for g in got], reference, rtol, atol)
+    with runtime_switches(cpu_kernels=False):  # MLX's convolution, then its activation ops
+        off = fused.fresh_method().execute([x.to(dtype)])
+    assert_close([g.float() for g in got], [o.float() for o in off], rtol, atol)
