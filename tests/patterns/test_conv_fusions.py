@@ -286,9 +286,9 @@ def test_fuse_conv_act_and_scale(dtype: torch.dtype) -> None:
 
 
 class PointwiseActs(nn.Module):
-    """1x1 convolutions with their activation fused, over small maps whose output rows are dense (each
-    channel's plane in one run: the activation then takes the whole block at once): a head-like 7x7
-    hard-swish (MobileNetV3's last convolution, narrowed), SiLU over 5x9, GELU over 3x3."""
+    """1x1 convolutions with their activation fused, over small maps of one image, whose output rows are
+    dense (each channel's plane in one run: the activation then takes a block of channels at once): a
+    head-like 7x7 hard-swish (MobileNetV3's last convolution, narrowed), SiLU over 5x9, GELU over 3x3."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -306,7 +306,7 @@ class PointwiseActs(nn.Module):
 def test_pointwise_conv_activation_over_dense_rows(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     model = PointwiseActs().eval()
-    x = torch.randn(2, 40, 7, 7, generator=torch.Generator().manual_seed(2)) * 2
+    x = torch.randn(1, 40, 7, 7, generator=torch.Generator().manual_seed(2)) * 2
     module = PointwiseActs().eval()
     module.load_state_dict(model.state_dict())
     module = module.to(dtype)
