@@ -387,9 +387,13 @@ class Pool {
       if ((beside && sleep_beside) || !spin_until(next)) {
         std::unique_lock<std::mutex> lock(m_);
         ++served_sleeping_;
-        const auto until = std::chrono::steady_clock::time_point(std::chrono::nanoseconds(deadline_ns));
-        const bool woke = deadline_ns == std::numeric_limits<int64_t>::max() ? (served_wake_.wait(lock, next), true)
-                                                                             : served_wake_.wait_until(lock, until, next);
+        bool woke = true;
+        if (deadline_ns == std::numeric_limits<int64_t>::max()) {
+          served_wake_.wait(lock, next);
+        } else {
+          const auto until = std::chrono::steady_clock::time_point(std::chrono::nanoseconds(deadline_ns));
+          woke = served_wake_.wait_until(lock, until, next);
+        }
         --served_sleeping_;
         if (!woke) break;
       }
@@ -734,77 +738,6 @@ F32RowMajor::F32RowMajor(const mx::array& a)
   if (dtype_ == mx::float32) return;
   converted_.resize(a.size());
   cpu_load_f32(raw_.data(), dtype_, 0, static_cast<int64_t>(a.size()), converted_.data());
-}
-
-SerialSgemmFn serial_sgemm() {
-  static const SerialSgemmFn f = [] {
-    auto ready = reinterpret_cast<int (*)()>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_ready"));
-    auto fn = reinterpret_cast<SerialSgemmFn>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_serial"));
-    return ready && fn && ready() == 1 ? fn : nullptr;
-  }();
-  return f;
-}
-
-namespace {
-
-// The shim's packing entry points (blas_shim.cpp), resolved once; null without the shim.
-struct PackFns {
-  int64_t (*floats)(int, int) = nullptr;
-  int (*pack)(int, int, int, int, const float*, int, float*) = nullptr;
-  int (*align)(const float*) = nullptr;
-  int (*packed)(const float*, int, int, int, int, int, float, const float*, int, float, float*, int) = nullptr;
-  int (*packed_ct)(const float*, int, int, int, int, int, float, const float*, int, float, float*, int) = nullptr;
-};
-
-const PackFns& pack_fns() {
-  static const PackFns f = [] {
-    PackFns p;
-    if (serial_sgemm() == nullptr) return p;
-    p.floats = reinterpret_cast<decltype(p.floats)>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_pack_a_floats"));
-    p.pack = reinterpret_cast<decltype(p.pack)>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_pack_a"));
-    p.align = reinterpret_cast<decltype(p.align)>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_pack_align"));
-    p.packed = reinterpret_cast<decltype(p.packed)>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_serial_packed"));
-    p.packed_ct = reinterpret_cast<decltype(p.packed_ct)>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_serial_packed_ct"));
-    if (!p.floats || !p.pack || !p.align || !p.packed || !p.packed_ct) p = {};
-    return p;
-  }();
-  return f;
-}
-
-}  // namespace
-
-std::optional<mlx::core::array> serial_sgemm_pack(const float* a, int count, int m, int k, int m_hint, int n_hint) {
-  // Read at each pack (a program's first call): A/B runs load one program with packs and one without.
-  const char* off = std::getenv("MLX_DELEGATE_WEIGHT_PACKS");
-  if (off && std::strcmp(off, "0") == 0) return std::nullopt;
-  const PackFns& f = pack_fns();
-  const int64_t per = f.floats ? f.floats(m, k) : 0;
-  if (per <= 0 || count <= 0) return std::nullopt;
-  std::vector<float> packed(static_cast<size_t>(count * per));
-  for (int i = 0; i < count; ++i)
-    if (f.pack(m, k, m_hint, n_hint, a + int64_t{i} * m * k, k, packed.data() + i * per) == 0) return std::nullopt;
-  return mlx::core::array(packed.begin(), mlx::core::Shape{count, static_cast<int>(per)}, mlx::core::float32);
-}
-
-const float* serial_sgemm_pack_at(const mlx::core::array& pack, int index) {
-  return pack.data<float>() + int64_t{index} * pack.shape(1);
-}
-
-bool serial_sgemm_packed(const float* pack, int r0, int m, int k, bool trans_b, int n, float alpha, const float* b,
-                         int ldb, float beta, float* c, int ldc) {
-  const PackFns& f = pack_fns();
-  return pack && f.packed && f.packed(pack, r0, m, k, trans_b, n, alpha, b, ldb, beta, c, ldc) == 1;
-}
-
-bool serial_sgemm_packed_ct(const float* pack, int r0, int m, int k, bool trans_b, int n, float alpha, const float* b,
-                            int ldb, float beta, float* ct, int ldct) {
-  const PackFns& f = pack_fns();
-  return pack && f.packed_ct && f.packed_ct(pack, r0, m, k, trans_b, n, alpha, b, ldb, beta, ct, ldct) == 1;
-}
-
-int serial_sgemm_pack_align(const float* pack) {
-  const PackFns& f = pack_fns();
-  return pack && f.align ? f.align(pack) : 1;
 }
 
 }  // namespace mlxd::rt
