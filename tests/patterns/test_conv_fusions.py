@@ -253,14 +253,34 @@ def conv_epilogues(lowered) -> Counter:
     return kinds
 
 
+def _in_dtype(cls: type[nn.Module], x: torch.Tensor, dtype: torch.dtype) -> tuple[nn.Module, list[torch.Tensor]]:
+    """A `cls` in `dtype` to lower, and eager's outputs in fp32 from the same weights rounded to `dtype`."""
+    torch.manual_seed(0)
+    model = cls().eval()
+    module = cls().eval()
+    module.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        expected = cls().eval()
+        expected.load_state_dict({k: v.to(dtype).float() for k, v in model.state_dict().items()})
+        reference = expected(x.to(dtype).float())
+    return module.to(dtype), reference
+
+
+def _check_fused(fused, x: torch.Tensor, reference: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """The fused program against eager and against itself with the CPU kernels off (MLX's own ops)."""
+    rtol, atol = fp32_tolerance(200) if dtype == torch.float32 else FP32_REFERENCE_TOLERANCE[dtype]
+    got = [g.float() for g in fused.method().execute([x.to(dtype)])]
+    assert_close(got, reference, rtol, atol)
+    with runtime_switches(cpu_kernels=False):
+        off = fused.fresh_method().execute([x.to(dtype)])
+    assert_close(got, [o.float() for o in off], rtol, atol)
+    return got
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_fuse_conv_act_and_scale(dtype: torch.dtype) -> None:
-    torch.manual_seed(0)
-    model = ActScale().eval()
     x = torch.randn(2, 3, 13, 11, generator=torch.Generator().manual_seed(1)) * 2
-    module = ActScale().eval()
-    module.load_state_dict(model.state_dict())
-    module = module.to(dtype)
+    module, reference = _in_dtype(ActScale, x, dtype)
     fused = lower(module, (x.to(dtype),))
     kept = lower(module, (x.to(dtype),), partitioner=MLXPartitioner(disable={"fuse_conv_activation",
                                                                              "fuse_conv_scale"}))
@@ -271,18 +291,9 @@ def test_fuse_conv_act_and_scale(dtype: torch.dtype) -> None:
     # Left as nodes: hardswish(s) and the add after it, and the two look-alike products.
     assert kinds["in_scale"] == 3 and kinds["UnaryNode"] == 1 and kinds["BinaryNode"] == 3
     assert before["in_scale"] == 0 and not any(k.startswith("act.") for k in before)
-
-    with torch.no_grad():
-        expected = ActScale().eval()
-        expected.load_state_dict({k: v.to(dtype).float() for k, v in model.state_dict().items()})
-        reference = expected(x.to(dtype).float())
+    got = _check_fused(fused, x, reference, dtype)
     rtol, atol = fp32_tolerance(200) if dtype == torch.float32 else FP32_REFERENCE_TOLERANCE[dtype]
-    got = fused.method().execute([x.to(dtype)])
-    assert_close([g.float() for g in got], reference, rtol, atol)
-    with runtime_switches(cpu_kernels=False):  # MLX's multiply, convolution, then its activation ops
-        off = fused.fresh_method().execute([x.to(dtype)])
-    assert_close([g.float() for g in got], [o.float() for o in off], rtol, atol)
-    assert_close([g.float() for g in got], [k.float() for k in kept.method().execute([x.to(dtype)])], rtol, atol)
+    assert_close(got, [k.float() for k in kept.method().execute([x.to(dtype)])], rtol, atol)
 
 
 class PointwiseActs(nn.Module):
@@ -304,24 +315,10 @@ class PointwiseActs(nn.Module):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_pointwise_conv_activation_over_dense_rows(dtype: torch.dtype) -> None:
-    torch.manual_seed(0)
-    model = PointwiseActs().eval()
     x = torch.randn(1, 40, 7, 7, generator=torch.Generator().manual_seed(2)) * 2
-    module = PointwiseActs().eval()
-    module.load_state_dict(model.state_dict())
-    module = module.to(dtype)
+    module, reference = _in_dtype(PointwiseActs, x, dtype)
     fused = lower(module, (x.to(dtype),))
     assert fused.summary[1] == []
-    kinds = conv_epilogues(fused)
-    assert {k: v for k, v in kinds.items() if k.startswith("act.")} == {
+    assert {k: v for k, v in conv_epilogues(fused).items() if k.startswith("act.")} == {
         "act.Hardswish": 1, "act.Silu": 1, "act.GeluErf": 1}
-    with torch.no_grad():
-        expected = PointwiseActs().eval()
-        expected.load_state_dict({k: v.to(dtype).float() for k, v in model.state_dict().items()})
-        reference = expected(x.to(dtype).float())
-    rtol, atol = fp32_tolerance(200) if dtype == torch.float32 else FP32_REFERENCE_TOLERANCE[dtype]
-    got = fused.method().execute([x.to(dtype)])
-    assert_close([g.float() for g in got], reference, rtol, atol)
-    with runtime_switches(cpu_kernels=False):  # MLX's convolution, then its activation ops
-        off = fused.fresh_method().execute([x.to(dtype)])
-    assert_close([g.float() for g in got], [o.float() for o in off], rtol, atol)
+    _check_fused(fused, x, reference, dtype)

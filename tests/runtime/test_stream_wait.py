@@ -297,29 +297,38 @@ def test_waiting_caller_serves_the_pool_and_results_do_not_change(gap):
         assert torch.equal(a, b)
 
 
+def _in_two_threads(work) -> None:
+    """Runs work(0) and work(1) on two threads at once; the first error is raised here."""
+    errors: list[BaseException] = []
+
+    def guarded(t: int) -> None:
+        try:
+            work(t)
+        except BaseException as e:  # noqa: BLE001  (re-raised on the main thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors[0]
+
+
 def test_two_threads_back_to_back(small):
     """Each Python thread has its own MLX stream (and stream thread): two threads calling back
     to back, one method each and one shared, linger independently and stay exact."""
     own = [small.method(), small.method()]
     shared = small.method()
     xs = _inputs(8, seed=5)
-    errors: list[BaseException] = []
 
     def work(t: int) -> None:
-        try:
-            for i in range(300):
-                x, y = xs[(i + t) % len(xs)]
-                _check(own[t], x, y)
-                _check(shared, x, y)
-        except BaseException as e:  # noqa: BLE001  (re-raised on the main thread)
-            errors.append(e)
+        for i in range(300):
+            x, y = xs[(i + t) % len(xs)]
+            _check(own[t], x, y)
+            _check(shared, x, y)
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert not errors, errors[0]
+    _in_two_threads(work)
 
 
 def test_two_threads_serving_the_pool_at_once():
@@ -331,23 +340,14 @@ def test_two_threads_serving_the_pool_at_once():
     xs = [torch.randn(1, 1280, generator=torch.Generator().manual_seed(10 + i)) for i in range(4)]
     with torch.no_grad():
         refs = [head(x) for x in xs]
-    errors: list[BaseException] = []
     before = _stats()
 
     def work(t: int) -> None:
-        try:
-            for i in range(150):
-                k = (i + t) % len(xs)
-                torch.testing.assert_close(methods[t].execute([xs[k]])[0], refs[k], rtol=1e-5, atol=1e-5)
-        except BaseException as e:  # noqa: BLE001  (re-raised on the main thread)
-            errors.append(e)
+        for i in range(150):
+            k = (i + t) % len(xs)
+            torch.testing.assert_close(methods[t].execute([xs[k]])[0], refs[k], rtol=1e-5, atol=1e-5)
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert not errors, errors[0]
+    _in_two_threads(work)
     ran = {k: v - before[k] for k, v in _stats().items()}
     assert ran["serve_timeouts"] == 0, ran
     if _on_cpu_stream() and len(os.sched_getaffinity(0)) > 1:
