@@ -471,12 +471,13 @@ __attribute__((visibility("default"))) int64_t mlxd_sgemm_pack_a_floats(int m, i
   return g_own_sgemm.load(std::memory_order_relaxed) ? mlxd::blas::own_pack_a_floats(m, k) : 0;
 }
 
-// Packs op(a) for the current tile into dst (mlxd_sgemm_pack_a_floats floats); returns 0 when MKL
-// serves the products (nothing written).
-__attribute__((visibility("default"))) int mlxd_sgemm_pack_a(int m, int k, int m_hint, int n_hint, const float* a,
-                                                             int lda, float* dst) {
+// Packs op(a) for the current tile into dst (mlxd_sgemm_pack_a_floats floats), for products of about
+// m_hint x n_hint, written across when `across` (own_pack_a); returns 0 when MKL serves the products
+// (nothing written).
+__attribute__((visibility("default"))) int mlxd_sgemm_pack_a(int m, int k, int m_hint, int n_hint, int across,
+                                                             const float* a, int lda, float* dst) {
   const int isa = g_own_sgemm.load(std::memory_order_relaxed);
-  if (isa) mlxd::blas::own_pack_a(isa, m, k, m_hint, n_hint, a, lda, dst);
+  if (isa) mlxd::blas::own_pack_a(isa, m, k, m_hint, n_hint, across != 0, a, lda, dst);
   return isa;
 }
 

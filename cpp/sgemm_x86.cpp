@@ -123,28 +123,25 @@ inline bool b_in_place(int64_t ldb, int m) {
 
 // The register tile's body, one for both instruction sets: V is a GCC vector of kNr / 2 floats, so the
 // same code becomes AVX2 (ymm) or AVX-512 (zmm) instructions in the tile it is inlined into. Mr rows of
-// two accumulators each: per k step two loads of b, Mr broadcasts of a and 2 Mr independent FMAs (the
-// multiply-adds contract: the library builds as GNU C++). Then c = alpha acc + beta c (beta 0: c is not
-// read).
+// H = Nr / lanes accumulators each (two; one for a half-width edge panel): per k step H loads of b, Mr
+// broadcasts of a and H Mr independent FMAs (the multiply-adds contract: the library builds as GNU C++).
+// Then c = alpha acc + beta c (beta 0: c is not read).
 template <typename V, int Mr, int Nr>
 __attribute__((always_inline)) inline void tile_body(int kc, const float* a, const float* b, int64_t bs, float* c,
                                                      int64_t ldc, float alpha, float beta) {
-  constexpr int kLanes = sizeof(V) / sizeof(float);
-  static_assert(Nr == 2 * kLanes);
-  V acc[Mr][2] = {};  // fully unrolled below, so the compiler keeps them all in registers
+  constexpr int kLanes = sizeof(V) / sizeof(float), H = Nr / kLanes;
+  static_assert(H == 1 || H == 2);
+  V acc[Mr][H] = {};  // fully unrolled below, so the compiler keeps them all in registers
   for (int p = 0; p < kc; ++p, a += Mr, b += bs) {
-    V b0, b1;
-    std::memcpy(&b0, b, sizeof(V));
-    std::memcpy(&b1, b + kLanes, sizeof(V));
+    V bv[H];
+    for (int h = 0; h < H; ++h) std::memcpy(&bv[h], b + h * kLanes, sizeof(V));
 #pragma GCC unroll 8
-    for (int r = 0; r < Mr; ++r) {
-      acc[r][0] += b0 * a[r];  // a[r] broadcast (an FMA's memory operand on AVX-512)
-      acc[r][1] += b1 * a[r];
-    }
+    for (int r = 0; r < Mr; ++r)
+      for (int h = 0; h < H; ++h) acc[r][h] += bv[h] * a[r];  // a[r] broadcast (an FMA's memory operand on AVX-512)
   }
 #pragma GCC unroll 8
   for (int r = 0; r < Mr; ++r)
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < H; ++h) {
       float* out = c + r * ldc + h * kLanes;
       V v = acc[r][h] * alpha;
       if (beta != 0.f) {
@@ -170,6 +167,11 @@ struct Avx2Tile {
                                    float beta, int64_t bs = kNr) {
     tile_body<Floats8, kMr, kNr>(kc, a, b, bs, c, ldc, alpha, beta);
   }
+  // The left half of a panel only (an edge panel of at most kNr / 2 columns): half the multiply-adds.
+  MLXD_SGEMM_AVX2 static void half(int kc, const float* a, const float* b, float* c, int64_t ldc, float alpha,
+                                   float beta, int64_t bs = kNr) {
+    tile_body<Floats8, kMr, kNr / 2>(kc, a, b, bs, c, ldc, alpha, beta);
+  }
 };
 
 // The AVX-512 tile, 8 x 32: sixteen 16-lane accumulators, twice the AVX2 tile's multiply-adds per
@@ -180,6 +182,11 @@ struct Avx512Tile {
   MLXD_SGEMM_AVX512 static void tile(int kc, const float* a, const float* b, float* c, int64_t ldc, float alpha,
                                      float beta, int64_t bs = kNr) {
     tile_body<Floats16, kMr, kNr>(kc, a, b, bs, c, ldc, alpha, beta);
+  }
+  // The left half of a panel only (an edge panel of at most kNr / 2 columns): half the multiply-adds.
+  MLXD_SGEMM_AVX512 static void half(int kc, const float* a, const float* b, float* c, int64_t ldc, float alpha,
+                                   float beta, int64_t bs = kNr) {
+    tile_body<Floats16, kMr, kNr / 2>(kc, a, b, bs, c, ldc, alpha, beta);
   }
 };
 
@@ -192,19 +199,31 @@ struct Avx512Tile7 {
                                      float beta, int64_t bs = kNr) {
     tile_body<Floats16, kMr, kNr>(kc, a, b, bs, c, ldc, alpha, beta);
   }
+  // The left half of a panel only (an edge panel of at most kNr / 2 columns): half the multiply-adds.
+  MLXD_SGEMM_AVX512 static void half(int kc, const float* a, const float* b, float* c, int64_t ldc, float alpha,
+                                   float beta, int64_t bs = kNr) {
+    tile_body<Floats16, kMr, kNr / 2>(kc, a, b, bs, c, ldc, alpha, beta);
+  }
 };
 
 // A tile at the right or bottom edge: computed whole into scratch (the panels are zero-padded),
 // then its mr x nr corner combined into c.
+// A panel of at most half its width (MobileNets' 80, 112 and 240 channels leave 16) runs the half tile:
+// 112 columns cost 3.5 tiles' multiply-adds, not 4.
 template <typename T>
 MLXD_SGEMM_AVX2 void edge_tile(int kc, const float* a, const float* b, float* c, int64_t ldc, int mr, int nr, float alpha,
                float beta, int64_t bs = T::kNr) {
+  constexpr int kHalf = T::kNr / 2;
+  const bool half = nr <= kHalf;
+  if (half && mr == T::kMr && nr == kHalf) return T::half(kc, a, b, c, ldc, alpha, beta, bs);
   alignas(64) float t[T::kMr * T::kNr];
-  T::tile(kc, a, b, t, T::kNr, alpha, 0.f, bs);
+  const int w = half ? kHalf : T::kNr;
+  if (half) T::half(kc, a, b, t, w, alpha, 0.f, bs);
+  else T::tile(kc, a, b, t, w, alpha, 0.f, bs);
   for (int r = 0; r < mr; ++r)
     for (int q = 0; q < nr; ++q) {
       float& out = c[r * ldc + q];
-      out = beta == 0.f ? t[r * T::kNr + q] : __builtin_fmaf(beta, out, t[r * T::kNr + q]);  // as the tile's FMA
+      out = beta == 0.f ? t[r * w + q] : __builtin_fmaf(beta, out, t[r * w + q]);  // as the tile's FMA
     }
 }
 
@@ -295,10 +314,12 @@ void blocked_sgemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha,
   }
 }
 
-// Useful share of the tiles' arithmetic for m rows and n columns (edge tiles computed whole).
+// Useful share of the tiles' arithmetic for m rows and n columns (edge tiles computed whole, an edge
+// panel of at most half the width as a half tile).
 template <typename T>
 double tile_use(int m, int n) {
-  return double(m) * n / (double((m + T::kMr - 1) / T::kMr * T::kMr) * ((n + T::kNr - 1) / T::kNr * T::kNr));
+  const int rest = n % T::kNr, cols = n - rest + (rest == 0 ? 0 : rest <= T::kNr / 2 ? T::kNr / 2 : T::kNr);
+  return double(m) * n / (double((m + T::kMr - 1) / T::kMr * T::kMr) * cols);
 }
 
 // Whether products of m rows and n columns run transposed (c^T = op(b)^T op(a)^T into scratch, then
@@ -379,9 +400,13 @@ struct PackHeader {
 constexpr int32_t kPackMagic = 0x4b50584d;  // "MXPK"
 constexpr int64_t kPackHeader = 16;
 
+// Products written across (own_sgemm_packed_a_ct) take the transposed form unless it wastes clearly more
+// of the tiles: the other form pays a transposing pass over the result (MobileNetV3's 480- and
+// 672-channel expands at 14x14, one thread's half: 300.3 -> 288.5 us a block, paired).
 template <typename T>
-void pack_a_as(int isa, int m, int k, int m_hint, int n_hint, const float* a, int lda, float* dst) {
-  const bool transposed = runs_transposed<T>(m_hint, n_hint);
+void pack_a_as(int isa, int m, int k, int m_hint, int n_hint, bool across, const float* a, int lda, float* dst) {
+  const bool transposed = across ? tile_use<T>(n_hint, m_hint) >= 0.95 * tile_use<T>(m_hint, n_hint)
+                                 : runs_transposed<T>(m_hint, n_hint);
   const int width = transposed ? T::kNr : T::kMr, kc_step = kc_step_for<T>(k);
   const PackHeader h{kPackMagic, isa, transposed, m, k, width};
   std::memcpy(dst, &h, sizeof h);
@@ -448,14 +473,18 @@ void own_sgemm(int isa, bool trans_a, bool trans_b, int m, int n, int k, float a
 }
 
 int64_t own_pack_a_floats(int m, int k) {
-  const int64_t widest = std::max({Avx2Tile::kMr, Avx2Tile::kNr, Avx512Tile::kMr, Avx512Tile::kNr});
+  // Rows rounded up to whole panels of any width: a multiple of the widest is not one of every width
+  // (256 rows are 258 in panels of 6: the AVX2 tile's rows wrote past the pack's end).
+  int64_t rows = 0;
+  for (const int width : {Avx2Tile::kMr, Avx2Tile::kNr, Avx512Tile::kMr, Avx512Tile::kNr})
+    rows = std::max<int64_t>(rows, (m + width - 1) / width * width);
   // + 8: pack_gather's vector stores run two floats past a 6-wide panel's end.
-  return kPackHeader + (m + widest - 1) / widest * widest * int64_t{k} + 8;
+  return kPackHeader + rows * k + 8;
 }
 
-void own_pack_a(int isa, int m, int k, int m_hint, int n_hint, const float* a, int lda, float* dst) {
-  if (isa == kOwnAvx512) pack_a_as<Avx512Tile>(isa, m, k, m_hint, n_hint, a, lda, dst);
-  else pack_a_as<Avx2Tile>(isa, m, k, m_hint, n_hint, a, lda, dst);
+void own_pack_a(int isa, int m, int k, int m_hint, int n_hint, bool across, const float* a, int lda, float* dst) {
+  if (isa == kOwnAvx512) pack_a_as<Avx512Tile>(isa, m, k, m_hint, n_hint, across, a, lda, dst);
+  else pack_a_as<Avx2Tile>(isa, m, k, m_hint, n_hint, across, a, lda, dst);
 }
 
 int own_pack_a_isa(const float* pack) {
@@ -513,7 +542,7 @@ bool own_sgemm_packed_a_ct(const float* pack, int r0, int m, int k, bool trans_b
 int own_sgemm_best() { return 0; }
 void own_sgemm(int, bool, bool, int, int, int, float, const float*, int, const float*, int, float, float*, int) {}
 int64_t own_pack_a_floats(int, int) { return 0; }
-void own_pack_a(int, int, int, int, int, const float*, int, float*) {}
+void own_pack_a(int, int, int, int, int, bool, const float*, int, float*) {}
 int own_pack_a_isa(const float*) { return 0; }
 int own_pack_a_align(const float*) { return 1; }
 bool own_sgemm_packed_a(const float*, int, int, int, bool, int, float, const float*, int, float, float*, int) {

@@ -33,10 +33,11 @@ void own_sgemm(int isa, bool trans_a, bool trans_b, int m, int n, int k, float a
 // op(a) laid out once for many products (a layer's weights, stored row-major [m, k]) in the panels the
 // `isa` tile reads, so the products skip packing it: as the tile's rows, or, where own_sgemm would run
 // products of m_hint rows and n_hint columns transposed (few columns), as the columns of the
-// transposed product. own_pack_a_floats(m, k) floats at dst (any tile, either form); a header records
-// the tile and the form.
+// transposed product (`across`: for products written across, own_sgemm_packed_a_ct, wherever that form
+// wastes about as little). own_pack_a_floats(m, k) floats at dst (any tile, either form); a header
+// records the tile and the form.
 int64_t own_pack_a_floats(int m, int k);
-void own_pack_a(int isa, int m, int k, int m_hint, int n_hint, const float* a, int lda, float* dst);
+void own_pack_a(int isa, int m, int k, int m_hint, int n_hint, bool across, const float* a, int lda, float* dst);
 // The tile a pack was made for (0: not a pack), and the multiple its row ranges must start at.
 int own_pack_a_isa(const float* pack);
 int own_pack_a_align(const float* pack);

@@ -215,10 +215,11 @@ def serial_sgemm(a, b, trans_a: bool = False, trans_b: bool = False, alpha: floa
     return out
 
 
-def pack_a(a, hints: tuple[int, int]):
+def pack_a(a, hints: tuple[int, int], across: bool = False):
     """a [m, k] (float32, unit column stride) laid out once for the current own tile, as the
-    convolutions' weights are (products of about hints = (rows, columns)): a numpy float32 buffer for
-    `packed_sgemm`, or None where MKL serves the products (nothing is packed). For tests."""
+    convolutions' weights are (products of about hints = (rows, columns), written across by
+    `packed_sgemm_ct` when `across`): a numpy float32 buffer for `packed_sgemm` / `packed_sgemm_ct`, or
+    None where MKL serves the products (nothing is packed). For tests."""
     import numpy as np
 
     lib = _front()
@@ -229,8 +230,8 @@ def pack_a(a, hints: tuple[int, int]):
     if size == 0:
         return None
     pack = np.empty(size, np.float32)
-    lib.mlxd_sgemm_pack_a.argtypes = [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-    lib.mlxd_sgemm_pack_a(m, k, hints[0], hints[1], a.ctypes.data, _ld(a), pack.ctypes.data)
+    lib.mlxd_sgemm_pack_a.argtypes = [ctypes.c_int] * 5 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    lib.mlxd_sgemm_pack_a(m, k, hints[0], hints[1], int(across), a.ctypes.data, _ld(a), pack.ctypes.data)
     return pack
 
 
@@ -254,3 +255,15 @@ def packed_sgemm(pack, r0: int, b, trans_b: bool = False, alpha: float = 1.0, be
                                                            ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
     return f(pack.ctypes.data, r0, m, k, int(trans_b), n, alpha, b.ctypes.data, _ld(b), beta, c.ctypes.data,
              _ld(c)) == 1
+
+
+def packed_sgemm_ct(pack, r0: int, rows: int, b, ct, alpha: float = 1.0, beta: float = 0.0) -> bool:
+    """`packed_sgemm`'s product written across: ct [n, rows] = alpha (a[r0 : r0 + rows] @ b)^T + beta ct,
+    in place, for tests (b [k, n] row-major); False (ct untouched) where the pack does not fit."""
+    lib = _front()
+    k, n = b.shape
+    f = lib.mlxd_sgemm_serial_packed_ct
+    f.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
+                                                           ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+    return f(pack.ctypes.data, r0, rows, k, 0, n, alpha, b.ctypes.data, _ld(b), beta, ct.ctypes.data,
+             _ld(ct)) == 1

@@ -669,7 +669,7 @@ mx::array block_dw_taps(const mx::array& dw_w) {
   return mx::contiguous(t);
 }
 
-std::optional<std::pair<int, int>> block_pack_hints(const BlockOperands& ops, const BlockParams& p, bool project) {
+std::optional<SgemmPackHints> block_pack_hints(const BlockOperands& ops, const BlockParams& p, bool project) {
   if (!block_cpu_applies(ops, p) || (!project && !ops.expand_w)) return std::nullopt;
   Geometry g;
   try {
@@ -682,10 +682,11 @@ std::optional<std::pair<int, int>> block_pack_hints(const BlockOperands& ops, co
   if (g.S > 0 || int64_t{g.E} * HW * 4 <= channel_split_limit()) {  // run_channels' products
     if (project && g.S && P >= g.O) return std::nullopt;  // the gate folded into the project weight per call
     const int parts = std::max(1, std::min(threads, (project ? g.O : g.E) / 8));
-    return std::make_pair((project ? g.O : g.E) / parts, static_cast<int>(project ? P : HW));
+    // The pixel-major form's expand is written across, pixel by pixel (weight_gemm_ct).
+    return SgemmPackHints{(project ? g.O : g.E) / parts, static_cast<int>(project ? P : HW), !project && pixel_major(g)};
   }
   const int bands = std::max(1, std::min(g.OH, (threads + g.N - 1) / g.N));  // run_bands' (tiles of a band)
-  return std::make_pair(project ? g.O : g.E, static_cast<int>((project ? P : HW) / bands));
+  return SgemmPackHints{project ? g.O : g.E, static_cast<int>((project ? P : HW) / bands)};
 }
 
 }  // namespace mlxd::rt

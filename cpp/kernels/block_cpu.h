@@ -24,6 +24,8 @@
 
 #include <mlx/mlx.h>
 
+#include "kernels/cpu_parallel.h"
+
 namespace mlxd::rt {
 
 // A stage's activation: the clamp to [lo, hi] (ReLU, ReLU6; -inf / inf: none),
@@ -73,7 +75,7 @@ std::pair<int64_t, int64_t> set_block_tiling(int64_t channels, int64_t tile);
 // The rows and columns of the expand's (project's) products for this input, the hints its pack is
 // made for (conv_pack_weights(w, 1, hints)); std::nullopt where block_cpu would not run it on a
 // constant weight's pack (no expand, the squeeze-excite gate folded into the project weight per call).
-std::optional<std::pair<int, int>> block_pack_hints(const BlockOperands& ops, const BlockParams& p, bool project);
+std::optional<SgemmPackHints> block_pack_hints(const BlockOperands& ops, const BlockParams& p, bool project);
 
 // Whether block_cpu runs these in its pixel-major form (small maps), which reads the depthwise weight
 // tap by tap: block_dw_taps(dw_w), [KH * KW, E rounded up to 16] float32, zero past E.

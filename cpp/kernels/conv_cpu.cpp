@@ -580,7 +580,7 @@ mx::array conv_cpu(const mx::array& x, const mx::array& w, const std::optional<m
   return one_d ? mx::reshape(y, {g.N, g.O, g.OW}) : y;
 }
 
-std::optional<std::pair<int, int>> conv_pack_hints(const mx::array& x, const mx::array& w,
+std::optional<SgemmPackHints> conv_pack_hints(const mx::array& x, const mx::array& w,
                                                    const std::vector<int>& stride, const std::vector<int>& padding,
                                                    const std::vector<int>& padding_hi,
                                                    const std::vector<int>& dilation, int groups, bool has_in_scale) {
@@ -597,16 +597,16 @@ std::optional<std::pair<int, int>> conv_pack_hints(const mx::array& x, const mx:
   const bool direct = g.KH == 1 && g.KW == 1 && g.sh == 1 && g.sw == 1 && g.ph == 0 && g.pw == 0 && g.OH == g.H &&
                       g.OW == g.W;
   const int M = g.Og(), K = g.Cg() * g.KH * g.KW;
-  if (const int tiles = tile_count(g, direct)) return std::make_pair(M, (g.OH + tiles - 1) / tiles * g.OW);
+  if (const int tiles = tile_count(g, direct)) return SgemmPackHints{M, (g.OH + tiles - 1) / tiles * g.OW};
   if (!tiles_flag().load(std::memory_order_relaxed) || serial_sgemm() == nullptr) return std::nullopt;
-  return std::make_pair(M / block_parts(M, K, g.P()), static_cast<int>(g.P()));
+  return SgemmPackHints{M / block_parts(M, K, g.P()), static_cast<int>(g.P())};
 }
 
-mx::array conv_pack_weights(const mx::array& w, int groups, std::pair<int, int> hints) {
+mx::array conv_pack_weights(const mx::array& w, int groups, SgemmPackHints hints) {
   if (groups < 1 || w.shape(0) % groups) throw std::invalid_argument("conv_pack_weights: groups do not divide O");
   const int M = w.shape(0) / groups, K = static_cast<int>(w.size() / w.shape(0));
   F32RowMajor src(w);
-  auto pack = serial_sgemm_pack(src.data(), groups, M, K, hints.first, hints.second);
+  auto pack = serial_sgemm_pack(src.data(), groups, M, K, hints);
   return pack ? *pack : mx::zeros({groups, 0}, mx::float32);
 }
 

@@ -15,6 +15,7 @@
 
 #include <mlx/mlx.h>
 
+#include "kernels/cpu_parallel.h"
 #include "kernels/unary_cpu.h"
 
 namespace mlxd::rt {
@@ -74,10 +75,10 @@ mlx::core::array conv_cpu(const mlx::core::array& x, const mlx::core::array& w,
 // not run them (Winograd, depthwise, images sharing one product, an input scale, the tiled paths off).
 // conv_pack_weights: one pack per group ([groups, floats]); empty ([groups, 0]) where the products run on
 // MKL. Costs a copy of the weights. With `winograd_w`, packed_w is winograd_packed_weights' instead.
-std::optional<std::pair<int, int>> conv_pack_hints(const mlx::core::array& x, const mlx::core::array& w,
+std::optional<SgemmPackHints> conv_pack_hints(const mlx::core::array& x, const mlx::core::array& w,
                                                    const std::vector<int>& stride, const std::vector<int>& padding,
                                                    const std::vector<int>& padding_hi,
                                                    const std::vector<int>& dilation, int groups, bool has_in_scale);
-mlx::core::array conv_pack_weights(const mlx::core::array& w, int groups, std::pair<int, int> hints);
+mlx::core::array conv_pack_weights(const mlx::core::array& w, int groups, SgemmPackHints hints);
 
 }  // namespace mlxd::rt

@@ -274,11 +274,17 @@ using SerialSgemmFn = int (*)(int trans_a, int trans_b, int m, int n, int k, flo
                               const float* b, int ldb, float beta, float* c, int ldc);
 SerialSgemmFn serial_sgemm();
 
+// The products a pack is made for: about m rows and n columns, written across (serial_sgemm_packed_ct)
+// when `across`.
+struct SgemmPackHints {
+  int m = 0, n = 0;
+  bool across = false;
+};
 // `count` matrices op(a) [m, k] (row-major, consecutive) laid out once for serial_sgemm's tile (the
-// BLAS shim's own gemm: mlxd_sgemm_pack_a), for products of about m_hint rows and n_hint columns: a
-// float32 array [count, floats per matrix]. std::nullopt where the products run on MKL or without the shim,
-// or MLX_DELEGATE_WEIGHT_PACKS=0 (read at each call: A/B runs in one process).
-std::optional<mlx::core::array> serial_sgemm_pack(const float* a, int count, int m, int k, int m_hint, int n_hint);
+// BLAS shim's own gemm: mlxd_sgemm_pack_a), for the hinted products: a float32 array [count, floats per
+// matrix]. std::nullopt where the products run on MKL or without the shim, or MLX_DELEGATE_WEIGHT_PACKS=0
+// (read at each call: A/B runs in one process).
+std::optional<mlx::core::array> serial_sgemm_pack(const float* a, int count, int m, int k, SgemmPackHints hints);
 // Matrix `index` of such a pack.
 const float* serial_sgemm_pack_at(const mlx::core::array& pack, int index);
 // serial_sgemm's c = alpha a[r0 : r0 + m] op(b) + beta c with a [., k] from a pack. False, doing

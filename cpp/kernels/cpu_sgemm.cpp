@@ -24,7 +24,7 @@ namespace {
 // The shim's packing entry points (blas_shim.cpp), resolved once; null without the shim.
 struct PackFns {
   int64_t (*floats)(int, int) = nullptr;
-  int (*pack)(int, int, int, int, const float*, int, float*) = nullptr;
+  int (*pack)(int, int, int, int, int, const float*, int, float*) = nullptr;
   int (*align)(const float*) = nullptr;
   int (*packed)(const float*, int, int, int, int, int, float, const float*, int, float, float*, int) = nullptr;
   int (*packed_ct)(const float*, int, int, int, int, int, float, const float*, int, float, float*, int) = nullptr;
@@ -47,7 +47,7 @@ const PackFns& pack_fns() {
 
 }  // namespace
 
-std::optional<mlx::core::array> serial_sgemm_pack(const float* a, int count, int m, int k, int m_hint, int n_hint) {
+std::optional<mlx::core::array> serial_sgemm_pack(const float* a, int count, int m, int k, SgemmPackHints hints) {
   // Read at each pack (a program's first call): A/B runs load one program with packs and one without.
   const char* off = std::getenv("MLX_DELEGATE_WEIGHT_PACKS");
   if (off && std::strcmp(off, "0") == 0) return std::nullopt;
@@ -56,7 +56,8 @@ std::optional<mlx::core::array> serial_sgemm_pack(const float* a, int count, int
   if (per <= 0 || count <= 0) return std::nullopt;
   std::vector<float> packed(static_cast<size_t>(count * per));
   for (int i = 0; i < count; ++i)
-    if (f.pack(m, k, m_hint, n_hint, a + int64_t{i} * m * k, k, packed.data() + i * per) == 0) return std::nullopt;
+    if (f.pack(m, k, hints.m, hints.n, hints.across, a + int64_t{i} * m * k, k, packed.data() + i * per) == 0)
+      return std::nullopt;
   return mlx::core::array(packed.begin(), mlx::core::Shape{count, static_cast<int>(per)}, mlx::core::float32);
 }
 

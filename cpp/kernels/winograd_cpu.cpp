@@ -462,8 +462,8 @@ mx::array winograd_packed_weights(const mx::array& u, int m, const WinogradGeome
   if (winograd_weights_tile(u, g.O, g.C) != m || !u.flags().row_contiguous)
     throw std::invalid_argument("winograd_packed_weights: u is not winograd_weights' for this tile and geometry");
   const int64_t T = int64_t{group_rows(g, m)} * ((g.OW + m - 1) / m);
-  auto pack = serial_sgemm_pack(u.data<float>(), (m + 2) * (m + 2), g.O, g.C, g.O,
-                                static_cast<int>(std::min<int64_t>(T, 1 << 30)));
+  auto pack = serial_sgemm_pack(u.data<float>(), (m + 2) * (m + 2), g.O, g.C,
+                                {g.O, static_cast<int>(std::min<int64_t>(T, 1 << 30))});
   return pack ? *pack : mx::zeros({(m + 2) * (m + 2), 0}, mx::float32);
 }
 

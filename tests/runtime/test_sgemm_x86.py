@@ -37,10 +37,13 @@ def _operands(rng, m, n, k, ta, tb, pad):
 # Edge tiles (m not a multiple of 6 / 8, n not of 16 / 32), k below / at / past one k block (256,
 # 384), k below the 8-wide transpose, n past a 1024-column block, one-element products, and few
 # columns under many rows (64 x 17, 256 x 49: computed transposed, c^T into scratch; 49, 98, 14 and 13
-# columns: on the AVX-512 tile's seven-row form there, 13 with an edge tile of six).
+# columns: on the AVX-512 tile's seven-row form there, 13 with an edge tile of six). Edge panels of at
+# most half the tile's width run the half tile: written in place where the rows fill it (16 x 112 and
+# 21 x 80 on the AVX-512 tiles, 12 x 40 on the AVX2 one; k past a block, so the second block adds to
+# the first), else through scratch.
 SHAPES = [(1, 1, 1), (5, 7, 3), (6, 16, 8), (7, 17, 9), (8, 32, 256), (9, 33, 257), (13, 33, 520), (73, 1030, 1025),
           (130, 96, 771), (64, 40, 1), (150, 100, 60), (64, 17, 40), (256, 49, 300), (512, 98, 70), (64, 14, 33),
-          (40, 13, 19)]
+          (40, 13, 19), (16, 112, 300), (21, 80, 40), (12, 40, 400)]
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
@@ -103,10 +106,12 @@ def test_same_products_as_mkl(own):
 
 
 # Weights laid out once (the convolutions' per-image products): as the tile's rows, or, where the hinted
-# products have few columns, as the columns of the transposed product (256 x 49 at 128 rows, 64 x 17);
-# k past one block; row ranges from panel boundaries, as the channel blocks use them.
+# products have few columns, as the columns of the transposed product (64 x 17); k past one block; row
+# ranges from panel boundaries, as the channel blocks use them. 256 and 64 rows in the AVX2 tile's panels
+# of 6 take 258 and 66 rows of the pack (its size once rounded to 32 only: written past its end).
 @pytest.mark.parametrize("m,n,k,hints", [(37, 45, 300, (37, 45)), (256, 49, 600, (128, 49)),
-                                         (130, 1030, 771, (130, 1030)), (64, 17, 40, (64, 17)), (5, 3, 1, (5, 3))])
+                                         (130, 1030, 771, (130, 1030)), (64, 17, 40, (64, 17)), (5, 3, 1, (5, 3)),
+                                         (64, 300, 70, (64, 300))])
 @pytest.mark.parametrize("tb", [False, True])
 def test_packed_weights_match_float64_over_row_ranges(own, m, n, k, hints, tb):
     rng = np.random.default_rng(m * 31 + k)
@@ -122,6 +127,30 @@ def test_packed_weights_match_float64_over_row_ranges(own, m, n, k, hints, tb):
         assert _blas.packed_sgemm(pack, r0, b, tb, c=c)
         np.testing.assert_allclose(c, a64[r0:r1] @ b64, rtol=1e-5, atol=2e-6 * np.sqrt(k) * 8)
         assert np.isnan(wide[:, n:]).all()  # only c's own columns are written
+
+
+# Packs for products written across (the pixel-major blocks' expand: ct [n, rows] = (a b)^T): the
+# transposed form wherever it wastes about as little (240 x 196, 49 x 960-shaped), the plain one through
+# scratch where it wastes clearly less (100 x 196), each over row ranges from panel boundaries, only ct's
+# own columns written, beta adding to what ct held.
+@pytest.mark.parametrize("m,n,k", [(240, 196, 80), (100, 196, 80), (480, 49, 160), (37, 45, 300)])
+@pytest.mark.parametrize("beta", [0.0, 0.5])
+def test_packed_weights_written_across(own, m, n, k, beta):
+    rng = np.random.default_rng(m * 13 + n)
+    a, b, a64, b64 = _operands(rng, m, n, k, False, False, pad=0)
+    pack = _blas.pack_a(a, (m, n), across=True)
+    align = _blas.pack_align(pack)
+    split = m // 2 // align * align
+    for r0, r1 in [(0, m), (0, split), (split, m)]:
+        if r1 <= r0:
+            continue
+        wide = np.full((n, r1 - r0 + 5), np.nan, np.float32)
+        ct = wide[:, :r1 - r0]
+        ct[:] = rng.standard_normal(ct.shape).astype(np.float32)
+        expected = (a64[r0:r1] @ b64).T + beta * ct.astype(np.float64)
+        assert _blas.packed_sgemm_ct(pack, r0, r1 - r0, b, ct, beta=beta)
+        np.testing.assert_allclose(ct, expected, rtol=1e-5, atol=2e-6 * np.sqrt(k) * 8)
+        assert np.isnan(wide[:, r1 - r0:]).all()
 
 
 @pytest.mark.parametrize("alpha,beta", [(0.75, 0.0), (1.0, 1.0), (-2.0, 0.5), (0.0, 0.5)])
