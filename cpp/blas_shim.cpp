@@ -486,6 +486,16 @@ __attribute__((visibility("default"))) int mlxd_sgemm_pack_align(const float* pa
   return mlxd::blas::own_pack_a_align(pack);
 }
 
+// Rows [r0, r0 + m) of a pack, column p times kscale[p], as a pack into dst (mlxd_sgemm_pack_a_floats(m,
+// k) floats; own_pack_a_scaled). Returns 0 (nothing written) where the pack is not one of the current
+// tile's or the rows do not fit.
+__attribute__((visibility("default"))) int mlxd_sgemm_pack_a_scaled(const float* pack, int r0, int m,
+                                                                    const float* kscale, float* dst) {
+  const int isa = g_own_sgemm.load(std::memory_order_relaxed);
+  if (isa == 0 || mlxd::blas::own_pack_a_isa(pack) != isa) return 0;
+  return mlxd::blas::own_pack_a_scaled(pack, r0, m, kscale, dst) ? 1 : 0;
+}
+
 // mlxd_sgemm_serial with op(a) [., k] packed by mlxd_sgemm_pack_a, rows [r0, r0 + m) of it. Returns 0
 // (doing nothing) when the pack does not fit (another k, rows outside it) or was made for another tile
 // than the one serving products now (the kind was switched since): the caller runs mlxd_sgemm_serial

@@ -500,6 +500,29 @@ int own_pack_a_align(const float* pack) {
 }
 
 namespace {
+// Rows [r0, r0 + m) of a pack as a pack of their own, column p of each (a k index) times kscale[p]: the
+// panels in the same k blocks, each block's panels of `width` rows [kc][width].
+template <typename T>
+void scaled_pack_as(const PackHeader& h, const float* panels, int r0, int m, const float* kscale, float* dst) {
+  const int width = h.width, kc_step = kc_step_for<T>(h.k);
+  const int64_t stride = int64_t{(h.m + width - 1) / width} * width, out_stride = int64_t{(m + width - 1) / width} * width;
+  PackHeader o = h;
+  o.m = m;
+  std::memcpy(dst, &o, sizeof o);
+  float* out = dst + kPackHeader;
+  for (int pc = 0; pc < h.k; pc += kc_step) {
+    const int kc = std::min(kc_step, h.k - pc);
+    for (int r = 0; r < m; r += width) {
+      const float* src = panels + pc * stride + int64_t{r0 + r} * kc;
+      float* d = out + pc * out_stride + int64_t{r} * kc;
+      for (int p = 0; p < kc; ++p, src += width, d += width) {
+        const float s = kscale[pc + p];
+        for (int q = 0; q < width; ++q) d[q] = src[q] * s;
+      }
+    }
+  }
+}
+
 // The products of rows [r0, r0 + m) on a pack, written as c (Across false) or across into ct: false when
 // `pack` is not one of this tile's, holds another k, or the rows are outside it or not aligned.
 template <bool Across>
@@ -532,6 +555,17 @@ bool own_sgemm_packed_a(const float* pack, int r0, int m, int k, bool trans_b, i
   return run_packed<false>(pack, r0, m, k, trans_b, n, alpha, b, ldb, beta, c, ldc);
 }
 
+bool own_pack_a_scaled(const float* pack, int r0, int m, const float* kscale, float* dst) {
+  PackHeader h;
+  std::memcpy(&h, pack, sizeof h);
+  if (h.magic != kPackMagic || h.isa <= 0 || h.isa > own_sgemm_best() || r0 < 0 || m < 0 || r0 + m > h.m ||
+      r0 % h.width != 0)
+    return false;
+  if (h.isa == kOwnAvx512) scaled_pack_as<Avx512Tile>(h, pack + kPackHeader, r0, m, kscale, dst);
+  else scaled_pack_as<Avx2Tile>(h, pack + kPackHeader, r0, m, kscale, dst);
+  return true;
+}
+
 bool own_sgemm_packed_a_ct(const float* pack, int r0, int m, int k, bool trans_b, int n, float alpha, const float* b,
                            int ldb, float beta, float* ct, int ldct) {
   return run_packed<true>(pack, r0, m, k, trans_b, n, alpha, b, ldb, beta, ct, ldct);
@@ -548,6 +582,7 @@ int own_pack_a_align(const float*) { return 1; }
 bool own_sgemm_packed_a(const float*, int, int, int, bool, int, float, const float*, int, float, float*, int) {
   return false;
 }
+bool own_pack_a_scaled(const float*, int, int, const float*, float*) { return false; }
 bool own_sgemm_packed_a_ct(const float*, int, int, int, bool, int, float, const float*, int, float, float*, int) {
   return false;
 }

@@ -41,6 +41,11 @@ void own_pack_a(int isa, int m, int k, int m_hint, int n_hint, bool across, cons
 // The tile a pack was made for (0: not a pack), and the multiple its row ranges must start at.
 int own_pack_a_isa(const float* pack);
 int own_pack_a_align(const float* pack);
+// Rows [r0, r0 + m) of a pack (r0 aligned as own_pack_a_align says) into dst (own_pack_a_floats(m, k)
+// floats) as a pack of their own with column p of a multiplied by kscale[p]: a squeeze-excite gate folded
+// into a layer's packed weight per call. False, writing nothing, where `pack` is not one or the rows do
+// not fit.
+bool own_pack_a_scaled(const float* pack, int r0, int m, const float* kscale, float* dst);
 // c[m, n] = alpha a[r0 : r0 + m, :] op(b) + beta c with a [., k] packed by own_pack_a (its tile), on
 // the calling thread. False, doing nothing, when `pack` is not one, holds another k, or the rows are
 // outside it or not aligned.

@@ -74,7 +74,8 @@ std::pair<int64_t, int64_t> set_block_tiling(int64_t channels, int64_t tile);
 
 // The rows and columns of the expand's (project's) products for this input, the hints its pack is
 // made for (conv_pack_weights(w, 1, hints)); std::nullopt where block_cpu would not run it on a
-// constant weight's pack (no expand, the squeeze-excite gate folded into the project weight per call).
+// constant weight's pack (no expand). A squeeze-excite gate folded into the project weight per call scales
+// the pack's rows (serial_sgemm_pack_scaled).
 std::optional<SgemmPackHints> block_pack_hints(const BlockOperands& ops, const BlockParams& p, bool project);
 
 // Whether block_cpu runs these in its pixel-major form (small maps), which reads the depthwise weight

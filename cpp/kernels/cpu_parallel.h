@@ -296,5 +296,9 @@ bool serial_sgemm_packed(const float* pack, int r0, int m, int k, bool trans_b, 
 bool serial_sgemm_packed_ct(const float* pack, int r0, int m, int k, bool trans_b, int n, float alpha, const float* b,
                             int ldb, float beta, float* ct, int ldct);
 int serial_sgemm_pack_align(const float* pack);
+// Rows [r0, r0 + m) of such a pack (r0 a multiple of its align) with column p (of k) times kscale[p], as a
+// pack of their own in `buffer` (grown as needed): its address, or nullptr where the pack does not fit.
+const float* serial_sgemm_pack_scaled(const float* pack, int r0, int m, int k, const float* kscale,
+                                      std::vector<float>& buffer);
 
 }  // namespace mlxd::rt

@@ -26,6 +26,7 @@ struct PackFns {
   int64_t (*floats)(int, int) = nullptr;
   int (*pack)(int, int, int, int, int, const float*, int, float*) = nullptr;
   int (*align)(const float*) = nullptr;
+  int (*scaled)(const float*, int, int, const float*, float*) = nullptr;
   int (*packed)(const float*, int, int, int, int, int, float, const float*, int, float, float*, int) = nullptr;
   int (*packed_ct)(const float*, int, int, int, int, int, float, const float*, int, float, float*, int) = nullptr;
 };
@@ -37,9 +38,10 @@ const PackFns& pack_fns() {
     p.floats = reinterpret_cast<decltype(p.floats)>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_pack_a_floats"));
     p.pack = reinterpret_cast<decltype(p.pack)>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_pack_a"));
     p.align = reinterpret_cast<decltype(p.align)>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_pack_align"));
+    p.scaled = reinterpret_cast<decltype(p.scaled)>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_pack_a_scaled"));
     p.packed = reinterpret_cast<decltype(p.packed)>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_serial_packed"));
     p.packed_ct = reinterpret_cast<decltype(p.packed_ct)>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_serial_packed_ct"));
-    if (!p.floats || !p.pack || !p.align || !p.packed || !p.packed_ct) p = {};
+    if (!p.floats || !p.pack || !p.align || !p.scaled || !p.packed || !p.packed_ct) p = {};
     return p;
   }();
   return f;
@@ -75,6 +77,19 @@ bool serial_sgemm_packed_ct(const float* pack, int r0, int m, int k, bool trans_
                             int ldb, float beta, float* ct, int ldct) {
   const PackFns& f = pack_fns();
   return pack && f.packed_ct && f.packed_ct(pack, r0, m, k, trans_b, n, alpha, b, ldb, beta, ct, ldct) == 1;
+}
+
+const float* serial_sgemm_pack_scaled(const float* pack, int r0, int m, int k, const float* kscale,
+                                      std::vector<float>& buffer) {
+  const PackFns& f = pack_fns();
+  if (!pack || !f.scaled) return nullptr;
+  const int64_t floats = f.floats(m, k);
+  if (floats <= 0) return nullptr;
+  if (buffer.size() < static_cast<size_t>(floats + 16)) buffer.resize(static_cast<size_t>(floats + 16));
+  // On a 64-byte boundary, as the panels of a constant's pack are.
+  const auto at = (reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63};
+  float* dst = reinterpret_cast<float*>(at);
+  return f.scaled(pack, r0, m, kscale, dst) == 1 ? dst : nullptr;
 }
 
 int serial_sgemm_pack_align(const float* pack) {
