@@ -299,16 +299,38 @@ SMALL_MAPS = cases("small_map_blocks", _small_maps_net, lambda: (torch.randn(2, 
                               torch.float16: (2e-2, 2e-2)})
 
 
-@pytest.mark.parametrize("case", SMALL_MAPS, ids=str)
+def _stride2_from_28_net() -> nn.Module:
+    torch.manual_seed(8)
+    net = nn.Sequential(
+        Block(16, 24, 2, 6, act=nn.Hardswish),          # 28x28 -> 14x14, E 96: a 29 x 33 plane (61 KiB)
+        SEBlock(24, 24, 1, 3, k=3, act=nn.Hardswish),   # E 72 at 14x14
+    )
+    return nontrivial_batchnorms(net, seed=3)
+
+
+# A stride-2 block from a 28x28 map (MobileNetV3-Large's features[7] in small), whose plane fits the
+# pixel-major form's L2 budget.
+STRIDE2_FROM_28 = cases("stride2_from_28x28", _stride2_from_28_net, lambda: (torch.randn(1, 16, 28, 28),),
+                        (torch.float32, torch.bfloat16, torch.float16), is_module=True,
+                        tolerance={torch.float32: fp32_tolerance(128), torch.bfloat16: (8e-2, 1e-1),
+                                   torch.float16: (2e-2, 2e-2)})
+
+
+@pytest.mark.parametrize("case", SMALL_MAPS + STRIDE2_FROM_28, ids=str)
 def test_small_maps_pixel_by_pixel_match_channel_by_channel(case, monkeypatch: pytest.MonkeyPatch) -> None:
     before = _runtime.cpu_kernel_call_counts().get("inverted_residual_pixels", 0)
     lowered = lower_and_compare(case)
-    assert node_kinds(lowered)["InvertedResidualNode"] == 4
+    blocks = 2 if case in STRIDE2_FROM_28 else 4
+    assert node_kinds(lowered)["InvertedResidualNode"] == blocks
     if not cpu_kernels_active():
         return
     assert _runtime.cpu_kernel_call_counts().get("inverted_residual_pixels", 0) > before
     inputs, method = case.inputs(), lowered.fresh_method()
+    method.execute(inputs)
+    start = _runtime.cpu_kernel_call_counts().get("inverted_residual_pixels", 0)
     pixels = [o.float() for o in method.execute(inputs)]
+    if case in STRIDE2_FROM_28:  # both blocks pixel by pixel, the 28x28 one too
+        assert _runtime.cpu_kernel_call_counts().get("inverted_residual_pixels", 0) - start == blocks
     monkeypatch.setenv("MLX_DELEGATE_BLOCK_PIXELS", "0")
     channels = [o.float() for o in method.execute(inputs)]
     for a, b in zip(pixels, channels):
