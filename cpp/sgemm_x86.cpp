@@ -505,7 +505,8 @@ namespace {
 template <typename T>
 void scaled_pack_as(const PackHeader& h, const float* panels, int r0, int m, const float* kscale, float* dst) {
   const int width = h.width, kc_step = kc_step_for<T>(h.k);
-  const int64_t stride = int64_t{(h.m + width - 1) / width} * width, out_stride = int64_t{(m + width - 1) / width} * width;
+  const int64_t stride = int64_t{(h.m + width - 1) / width} * width;
+  const int64_t out_stride = int64_t{(m + width - 1) / width} * width;
   PackHeader o = h;
   o.m = m;
   std::memcpy(dst, &o, sizeof o);

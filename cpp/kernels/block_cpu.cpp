@@ -694,7 +694,8 @@ std::optional<SgemmPackHints> block_pack_hints(const BlockOperands& ops, const B
   if (g.S > 0 || int64_t{g.E} * HW * 4 <= channel_split_limit()) {  // run_channels' products
     const int parts = std::max(1, std::min(threads, (project ? g.O : g.E) / 8));
     // The pixel-major form's expand is written across, pixel by pixel (weight_gemm_ct).
-    return SgemmPackHints{(project ? g.O : g.E) / parts, static_cast<int>(project ? P : HW), !project && pixel_major(g)};
+    const bool across = !project && pixel_major(g);
+    return SgemmPackHints{(project ? g.O : g.E) / parts, static_cast<int>(project ? P : HW), across};
   }
   const int bands = std::max(1, std::min(g.OH, (threads + g.N - 1) / g.N));  // run_bands' (tiles of a band)
   return SgemmPackHints{project ? g.O : g.E, static_cast<int>((project ? P : HW) / bands)};
