@@ -289,6 +289,10 @@ NB_MODULE(_runtime, m) {
         "the product ends (on; opt-in: MLX_DELEGATE_QGEMV_GUIDED=1 at start-up) or four equal parts per thread "
         "(off, the default).");
   m.def("qgemv_guided_split", &mlxd::rt::qgemv_cpu_guided_split);
+  m.def("set_qgemv_one_row_block", &mlxd::rt::qgemv_cpu_set_one_row_block, nb::arg("rows"),
+        "Weight rows per step of the AVX-512 quantized GEMV for one row of x: 1, 2 or 4 (by default 4 on Intel "
+        "processors, 1 elsewhere; MLX_DELEGATE_QGEMV_ROWS at start-up), from the next call on. Returns the "
+        "previous value.");
   m.def("set_sdpa_row_loops", &mlxd::rt::fused_sdpa_cpu_set_row_loops, nb::arg("on"),
         "Turn the decode attention's AVX-512 row loops (fp32 k / v, D a multiple of 16 up to 128) on (default) "
         "or off (the per-key loops run), from the next call on (parity tests, A/B timings).");

@@ -42,10 +42,7 @@ std::atomic<uint64_t> g_calls{0};
 std::atomic<bool> g_group32_path{true};
 // Off by default: two in-process A/Bs of a 1.2B int4 decode at load 6 did not show it ahead (see
 // docs/performance.md, 2026-11-26 11:05-11:31).
-std::atomic<bool> g_guided_split{[] {
-  const char* v = std::getenv("MLX_DELEGATE_QGEMV_GUIDED");
-  return v != nullptr && std::string(v) == "1";
-}()};
+std::atomic<bool> g_guided_split{std::string(std::getenv("MLX_DELEGATE_QGEMV_GUIDED") ?: "") == "1"};
 // The AVX-512 VNNI kernels (block_avx512*) where the CPU has them; off runs the AVX2 ones (A/B, parity).
 std::atomic<bool> g_avx512_path{true};
 
@@ -766,11 +763,14 @@ mx::array qgemv_cpu(const mx::array& x, const mx::array& w, const mx::array& sca
 uint64_t qgemv_cpu_calls() { return g_calls.load(std::memory_order_relaxed); }
 
 void qgemv_cpu_set_group32_path(bool on) { g_group32_path.store(on, std::memory_order_relaxed); }
-
 void qgemv_cpu_set_guided_split(bool on) { g_guided_split.store(on, std::memory_order_relaxed); }
 bool qgemv_cpu_guided_split() { return g_guided_split.load(std::memory_order_relaxed); }
-
 void qgemv_cpu_set_avx512_path(bool on) { g_avx512_path.store(on, std::memory_order_relaxed); }
+#ifdef MLXD_QGEMV_X86
+int qgemv_cpu_set_one_row_block(int rows) { return g_one_row_block.exchange(one_row_rows(rows)); }
+#else
+int qgemv_cpu_set_one_row_block(int) { return 1; }
+#endif
 
 QgemvStats qgemv_cpu_stats() {
   return {g_st_calls.load(), g_st_wall.load(), g_st_cpu.load(),      g_st_parallel.load(), g_st_bytes.load(),

@@ -91,6 +91,11 @@ void qgemv_cpu_set_avx512_path(bool on);
 void qgemv_cpu_set_guided_split(bool on);
 bool qgemv_cpu_guided_split();
 
+// Weight rows per step of the AVX-512 one-row kernels: 1, 2 or 4 (4 by default on Intel processors, 1
+// elsewhere; MLX_DELEGATE_QGEMV_ROWS at start-up), from the next call on. Returns the previous value (1
+// where the kernels are not built). For A/B timings and parity tests in one process.
+int qgemv_cpu_set_one_row_block(int rows);
+
 // Per-step counters of the GEMV's calls, kept while the pool's stats are on (cpu_pool_set_stats;
 // benchmarks/decode_split.py): where a decode step's time goes between and inside its products.
 // Times are wall (steady clock) and the running thread's CPU time (CLOCK_THREAD_CPUTIME_ID); a gap is

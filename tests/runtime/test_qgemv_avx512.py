@@ -2,7 +2,7 @@
 and VNNI): int4 / int8 in groups of 32, 64 and 128, fp32 / fp16 / bf16 scales, fp32 / bf16 / fp16
 activations, K a multiple of 64 but not of 512 (groups of 32: one step of eight groups and four on their
 own), odd output counts (one thread, and split across the cores), 1, 3 and 9 rows (9: row blocks of 8
-and 1). Each program matches eager torch, MLX's own kernels (CPU kernels off) and the AVX2 kernels
+and 1); one row of x at 1, 2 and 4 weight rows a step. Each program matches eager torch, MLX's own kernels (CPU kernels off) and the AVX2 kernels
 (`set_qgemv_avx512_path(False)`) in one process; the call counter proves the AVX-512 kernels ran.
 K stays small: x rounded to int16 is both kernels' error, summed over K with the unsigned weights as
 factors; at K = 640, int8 at 9 rows exceeds the fp32 tolerance by a hair on the AVX2 kernels too."""
@@ -130,6 +130,31 @@ def test_guided_split_matches_equal_parts(programs):
             _runtime.set_qgemv_guided_split(was)
         assert all(torch.equal(a, b) for a, b in zip(guided, equal))
         assert_close(guided, expected, *QUANTIZED_TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("pair", PAIRS[:2], ids=lambda p: f"x-{p[0]}-scales-{p[1]}".replace("torch.", ""))
+def test_one_row_blocks_agree(pair, programs):
+    """One row of x with 1, 2 and 4 weight rows per kernel step (`set_qgemv_one_row_block`: Intel's default
+    4, the others' 1), groups of 32, 64 and 128, N 389 and 37 (blocks of 4 and 2 leave tails): each output
+    sums in the same order whatever the block, so the outputs are bitwise equal, and they match eager."""
+    module, buffer = programs[pair]
+    method = Runtime.get().load_program(buffer).load_method("forward")
+    x = torch.randn(1, 1, K, dtype=pair[0])
+    with torch.no_grad():
+        expected = module(x)
+    was = _runtime.set_qgemv_one_row_block(1)
+    outs = {}
+    try:
+        for rows in (1, 2, 4):
+            _runtime.set_qgemv_one_row_block(rows)
+            before = avx512_calls()
+            outs[rows] = [method.execute([x]) for _ in range(2)][-1]  # node by node, then the traced graph
+            assert avx512_calls() - before == (2 * len(LAYOUTS) if avx512_vnni_runs() else 0)
+    finally:
+        _runtime.set_qgemv_one_row_block(was)
+    for rows in (2, 4):
+        assert all(torch.equal(a, b) for a, b in zip(outs[rows], outs[1])), f"{rows} rows a step differ from 1"
+    assert_close(outs[4], expected, *QUANTIZED_TOLERANCE[pair[0]])
 
 
 @pytest.mark.parametrize("bits,group_size", [(4, 64), (8, 64), (4, 128)])
