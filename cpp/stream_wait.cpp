@@ -44,6 +44,13 @@ constexpr double kOmpTeamMinGapBusy = 0.5;
 // idle, and pausing it is faster than lending it (a SmolLM2 Q4_1 step, separate runs: 5.9-6.7 against
 // 6.2-7.9 ms, 2026-12-06).
 constexpr double kOmpTeamMinGapWork = 0.25;
+// ... and only within this of the start of a call whose own gap held such work: the worker that work woke
+// spins for a few ms (see kOmpPauseMaxGapUs). The smoothed gap alone carried one long busy gap over a
+// dozen calls: a decode loop after its prefill (which followed other work: llama.cpp's turn in llm.py)
+// lent steps with nothing between them, each paying for a cold worker (SmolLM2 Q4_1 on an Ice Lake Xeon,
+// paired in one process: 8.50 -> 7.59 ms and 9.30 -> 8.66 ms a step). The demo block alternating with
+// eager torch lends as before (175 of 198 calls, level).
+constexpr double kOmpTeamWarmUs = 4000;
 // A call not lending the team pauses it (cpu_pool_pause_omp_team) when its evaluations lately took at
 // least this long, so the ~50 us pause and the team's later restart are a small share of what a free
 // core saves (a SmolLM2 decode step through the stock runtime, whose clone of the logits wakes the team:
@@ -559,7 +566,7 @@ void eval_impl(std::vector<mx::array>& arrays, EvalPace* pace, bool small) {
 }
 
 // Whether this call lends the caller's OpenMP team. Auto lends only while the caller works between
-// calls (kOmpTeamMinGapBusy), and then whichever mode this method's calls measured faster: where
+// calls (kOmpTeamMinGapBusy, kOmpTeamWarmUs), and then whichever mode this method's calls measured faster: where
 // eager torch runs between calls (the demo, encoders) its OpenMP worker is warm and, lent, does the
 // pool's parts (1.5x faster calls, 2026-11-26); where nothing else runs (a decode loop) a lent call pays
 // the region's closing barrier, which waits for a sleeping worker to be scheduled (the 1.2B step's tail
@@ -579,12 +586,13 @@ double EvalPace::Recent::mean() const {
 
 namespace {
 
-bool choose_lend(EvalPace& pace) {
+bool choose_lend(EvalPace& pace, int64_t start_ns) {
   const OmpTeam mode = pool_omp_team();
   if (mode == OmpTeam::Off || pace.call_us < kOmpTeamMinCallUs) return false;
   if (mode == OmpTeam::Always) return true;
   if (pace.gap_busy < kOmpTeamMinGapBusy) return false;
   if (pace.gap_busy * pace.gap_us < kOmpTeamMinGapWork * pace.call_us) return false;
+  if (start_ns - pace.work_gap_ns > kOmpTeamWarmUs * 1000) return false;
   // A method's first calls fill both windows, lent first: deciding on one or two samples of a mode
   // (a warm-up call's) settled a 60-call run on the slower mode, and probes grew rarer from there.
   if (pace.lent.n < EvalPace::kWindow) return true;
@@ -625,12 +633,13 @@ void eval_adaptive(std::vector<mx::array>& arrays, EvalPace& pace, bool small) {
   const double gap = known ? (start - pace.last_end_ns) / 1e3 : -1;
   if (known) {
     const double busy = std::clamp((start_cpu - pace.last_end_cpu_ns) / 1e3 / std::max(gap, 1.0), 0.0, 1.0);
+    if (busy * gap >= kOmpTeamMinGapWork * pace.call_us) pace.work_gap_ns = start;
     pace.gap_busy = pace.gap_busy < 0 ? busy : 0.75 * pace.gap_busy + 0.25 * busy;
     pace.gap_us = pace.gap_us < 0 ? gap : 0.75 * pace.gap_us + 0.25 * gap;
   }
   // Only a graph on a CPU stream: on a GPU the pool has no parts to give a lent worker.
   const bool cpu = cpu_stream(arrays).has_value();
-  const bool lent = cpu && choose_lend(pace) && cpu_pool_run_with_omp_team([&] {
+  const bool lent = cpu && choose_lend(pace, start) && cpu_pool_run_with_omp_team([&] {
     tl_lending = true;
     struct Reset {
       ~Reset() { tl_lending = false; }

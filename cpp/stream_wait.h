@@ -46,6 +46,7 @@ struct EvalPace {
   double gap_busy = -1;
   double gap_us = -1;  // smoothed wall time from one evaluation's result to the next one's start
   int64_t last_end_ns = 0, last_end_cpu_ns = 0;
+  int64_t work_gap_ns = 0;  // the start of the last call after a gap with work (kOmpTeamMinGapWork)
   // The OpenMP team's lending, chosen by measurement (stream_wait.cpp, eval_adaptive): recent wall times
   // of an evaluation with the team lent and without (compared by their means: unlent calls alternating
   // with eager torch are fast or slow by whether its worker still spins, and a median of five picked

@@ -71,6 +71,56 @@ def test_omp_team_modes_match_eager() -> None:
         assert count("always") == count("auto") == 0, out.stdout
 
 
+BURST_CHILD = r"""
+import time
+
+import torch
+import mlx_delegate
+from mlx_delegate import _runtime
+from mlx_delegate.testing import assert_close, lower
+
+torch.manual_seed(0)
+# calls of several ms, so that a call's successor starts past the worker's warm span (4 ms)
+layer = torch.nn.TransformerEncoderLayer(512, 8, 2048, dropout=0.0, activation="gelu", batch_first=True)
+model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+x = torch.randn(1, 512, 512)
+lent, burst = [], []
+with torch.no_grad():
+    expected = model(x)
+    lowered = lower(model, (x,))
+    _runtime.set_pool_omp_team("auto")
+    for _ in range(3):
+        method = lowered.fresh_method()  # a new pace: its first lending calls fill the lent window
+        for _ in range(2):  # the first call builds, the second times the evaluation
+            assert_close(method.execute([x]), [expected], 1e-4, 1e-4)
+        before = _runtime.omp_team_stats()["calls"]
+        for _ in range(4):  # the caller works between calls (the demo's eager torch): these lend
+            model(x)
+            assert_close(method.execute([x]), [expected], 1e-4, 1e-4)
+        lent.append(_runtime.omp_team_stats()["calls"] - before)
+        before = _runtime.omp_team_stats()["calls"]
+        for _ in range(8):  # then calls back to back, nothing between them (a decode loop after its prefill)
+            assert_close(method.execute([x]), [expected], 1e-4, 1e-4)
+        burst.append(_runtime.omp_team_stats()["calls"] - before)
+print("lent_min", min(lent), "burst_max", max(burst), "threads", torch.get_num_threads())
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="torch's libgomp: the Linux wheel's OpenMP runtime")
+def test_omp_team_lent_only_after_work() -> None:
+    """Auto lends calls that follow the caller's work, not the back-to-back calls after them: the smoothed
+    gap alone kept those lending with the team's worker gone cold."""
+    out = subprocess.run([sys.executable, "-c", BURST_CHILD], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    words = out.stdout.split()
+    count = lambda key: int(words[words.index(key) + 1])  # noqa: E731
+    if len(os.sched_getaffinity(0)) > 1 and count("threads") > 1:
+        assert count("lent_min") >= 1, out.stdout  # calls after the caller's work lend
+        assert count("burst_max") <= 1, out.stdout  # back-to-back ones only within 4 ms of such a call
+    else:
+        assert count("lent_min") == count("burst_max") == 0, out.stdout
+
+
 PAUSE_CHILD = r"""
 import time
 
