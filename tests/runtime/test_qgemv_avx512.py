@@ -2,8 +2,9 @@
 and VNNI): int4 / int8 in groups of 32, 64 and 128, fp32 / fp16 / bf16 scales, fp32 / bf16 / fp16
 activations, K a multiple of 64 but not of 512 (groups of 32: one step of eight groups and four on their
 own), odd output counts (one thread, and split across the cores), 1, 3 and 9 rows (9: row blocks of 8
-and 1); one row of x at 1, 2 and 4 weight rows a step. Each program matches eager torch, MLX's own kernels (CPU kernels off) and the AVX2 kernels
-(`set_qgemv_avx512_path(False)`) in one process; the call counter proves the AVX-512 kernels ran.
+and 1); one row of x at 1, 2 and 4 weight rows a step. Each program matches eager torch, MLX's own
+kernels (CPU kernels off) and the AVX2 kernels (`set_qgemv_avx512_path(False)`) in one process; the call
+counter proves the AVX-512 kernels ran.
 K stays small: x rounded to int16 is both kernels' error, summed over K with the unsigned weights as
 factors; at K = 640, int8 at 9 rows exceeds the fp32 tolerance by a hair on the AVX2 kernels too."""
 
