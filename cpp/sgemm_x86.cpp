@@ -400,13 +400,19 @@ struct PackHeader {
 constexpr int32_t kPackMagic = 0x4b50584d;  // "MXPK"
 constexpr int64_t kPackHeader = 16;
 
-// Products written across (own_sgemm_packed_a_ct) take the transposed form unless it wastes clearly more
-// of the tiles: the other form pays a transposing pass over the result (MobileNetV3's 480- and
-// 672-channel expands at 14x14, one thread's half: 300.3 -> 288.5 us a block, paired).
+// Products written across (own_sgemm_packed_a_ct) take the transposed form unless its wasted tile work
+// costs more than the other form's transposing pass over the result (written to scratch, then read and
+// written across), which costs about as much as kAcrossPassSteps steps of k per element: so at small k
+// nearly always. MobileNetV3's 240-channel expand at 28x28 (k 40, parts of 128 / 112 rows) ran 205 / 228
+// us a part the other way, 131 / 113 transposed (the pass ~22 steps, an Ice Lake Xeon); its 480- and
+// 672-channel expands at 14x14 (k 80 / 112): 300.3 -> 288.5 us a block transposed (Zen 4).
+constexpr double kAcrossPassSteps = 16;
+
 template <typename T>
 void pack_a_as(int isa, int m, int k, int m_hint, int n_hint, bool across, const float* a, int lda, float* dst) {
-  const bool transposed = across ? tile_use<T>(n_hint, m_hint) >= 0.95 * tile_use<T>(m_hint, n_hint)
-                                 : runs_transposed<T>(m_hint, n_hint);
+  const bool transposed =
+      across ? k / tile_use<T>(n_hint, m_hint) <= k / tile_use<T>(m_hint, n_hint) + kAcrossPassSteps
+             : runs_transposed<T>(m_hint, n_hint);
   const int width = transposed ? T::kNr : T::kMr, kc_step = kc_step_for<T>(k);
   const PackHeader h{kPackMagic, isa, transposed, m, k, width};
   std::memcpy(dst, &h, sizeof h);

@@ -130,10 +130,12 @@ def test_packed_weights_match_float64_over_row_ranges(own, m, n, k, hints, tb):
 
 
 # Packs for products written across (the pixel-major blocks' expand: ct [n, rows] = (a b)^T): the
-# transposed form wherever it wastes about as little (240 x 196, 49 x 960-shaped), the plain one through
-# scratch where it wastes clearly less (100 x 196), each over row ranges from panel boundaries, only ct's
-# own columns written, beta adding to what ct held.
-@pytest.mark.parametrize("m,n,k", [(240, 196, 80), (100, 196, 80), (480, 49, 160), (37, 45, 300)])
+# transposed form wherever its wasted tile work costs less than the other form's transposing pass (240 x
+# 196, 100 x 196 at k 80, 49 x 960-shaped), the plain one through scratch where it costs clearly more (100
+# x 196 at k 1200 and 37 x 45 on the AVX-512 tile, 96 x 7 on the AVX2 one), each over row ranges from panel
+# boundaries, only ct's own columns written, beta adding to what ct held.
+@pytest.mark.parametrize("m,n,k", [(240, 196, 80), (100, 196, 80), (100, 196, 1200), (480, 49, 160), (37, 45, 300),
+                                   (96, 7, 300)])
 @pytest.mark.parametrize("beta", [0.0, 0.5])
 def test_packed_weights_written_across(own, m, n, k, beta):
     rng = np.random.default_rng(m * 13 + n)
