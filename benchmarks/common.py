@@ -33,7 +33,7 @@ import mlx_delegate  # before mlx: it routes MLX's sgemm to torch's BLAS only if
 import mlx.core as mx  # noqa: I001
 import numpy as np
 from mlx_delegate import _blas
-from mlx_delegate.memory import peak_rss_mb, rss_mb  # noqa: F401  (re-exported to the scripts)
+from mlx_delegate.memory import available_mb, peak_rss_mb, rss_mb  # noqa: F401  (re-exported to the scripts)
 from mlx_delegate.testing import lower
 
 # Deprecation chatter from torch/executorch internals, once per export: not ours to fix.

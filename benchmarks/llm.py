@@ -32,8 +32,8 @@ Python mirror slices its cache to the current length (mlx-lm's way).
 A round is one prefill of `--prompt` tokens at position 0 followed by `--decode` single-token steps
 (fixed token ids, so every engine does the same work); figures are medians over rounds. Engines take
 turns within each round for the small model; for the 1.2B model the delegate and eager torch take
-turns (they share the machine's load alike), and the other engines run one after another, each freed
-before the next is built (more copies of 5 GB of weights do not fit). The memory bandwidth
+turns (they share the machine's load alike), joined by the others while the free memory holds twice the
+largest engine loaded so far; the rest run one after another, each freed before the next is built. The memory bandwidth
 is measured in the same run; `% bw` is decode tok/s over the bound from reading every weight once
 per token (for the weight-only quantized rows the bytes read are the program's: its .pte size, packed
 weights plus their scales and biases).
@@ -58,7 +58,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from common import format_table, machine_meta, one_line, peak_rss_mb, rss_mb  # first: mlx_delegate before mlx
+from common import (  # first: mlx_delegate before mlx
+    available_mb, format_table, machine_meta, one_line, peak_rss_mb, rss_mb)
 import mlx.core as mx  # noqa: I001
 import mlx.nn as mnn
 import numpy as np
@@ -532,6 +533,16 @@ def measure(spec: ModelSpec, label: str, m: Model, jobs: list[Job], args: argpar
     together = [j for j in jobs if spec.interleave is True or (spec.interleave and j.engine in spec.interleave)]
     for job in together:
         load(job)
+    # The others join the turns while memory allows: each may need twice what the largest loaded one took
+    # (an export builds copies before it settles), so a machine with room interleaves every engine.
+    need = max((rows[j.key].rss_delta_mb or 0.0 for j in together), default=0.0)
+    for job in [j for j in jobs if j not in together]:
+        free = available_mb()
+        if free is None or free < 2 * need:
+            break
+        load(job)
+        together.append(job)
+        need = max(need, rows[job.key].rss_delta_mb or 0.0)
     time_rounds([j.key for j in together])
     ready.clear()
     gc.collect()

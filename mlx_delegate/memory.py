@@ -38,6 +38,17 @@ def rss_mb() -> float:
     return rss if rss is not None else peak_rss_mb()
 
 
+def available_mb() -> float | None:
+    """Memory the system can still give without swapping (Linux's MemAvailable); None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def reset_peak_rss() -> bool:
     """Restart the peak from the current RSS (Linux >= 4.0); False where that is not possible."""
     try:
