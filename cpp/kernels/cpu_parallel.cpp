@@ -519,6 +519,19 @@ bool cpu_use_avx512() {
   return avx512;
 }
 
+int cpu_weight_streams() {
+  static const int streams = [] {
+    const char* e = std::getenv("MLX_DELEGATE_GEMV_STREAMS");
+    int n = 1;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    n = __builtin_cpu_is("intel") ? 4 : 1;
+#endif
+    if (e) n = std::atoi(e);
+    return n >= 4 ? 4 : n >= 2 ? 2 : 1;
+  }();
+  return streams;
+}
+
 bool cpu_kernel_dtype_ok(const mx::array& x) {
   auto t = x.dtype();
   return x.size() > 0 && (t == mx::float32 || t == mx::bfloat16 || t == mx::float16);

@@ -160,13 +160,21 @@ struct Widen {
 
 template <typename T, int M>
 MLXD_AVX2_F16C void gemv_avx2(const Gemv& g, int64_t n0, int64_t n1) {
-  // One row: the weight rows one after another (see gemv_avx512f), two FMA chains (a SmolLM2 bf16 decode
-  // step on these kernels 14.6 -> 13.4 ms against one, paired; fp32 level).
+  // One row: cpu_weight_streams() weight rows at a time, each its own stream (see gemv_avx512f), two FMA
+  // chains a row (a SmolLM2 bf16 decode step on these kernels 14.6 -> 13.4 ms against one, paired).
   if constexpr (M == 1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const float total[1] = {vmath::dot2<Widen<T>>(g.xf, w_row<T>(g, n), g.k)};
-      store<T, 1>(g, n, total);
-    }
+    auto rows = [&](int64_t n, int64_t stride, auto nb) {
+      constexpr int NB = decltype(nb)::value;
+      const T* w[NB];
+      for (int j = 0; j < NB; ++j) w[j] = w_row<T>(g, n + j * stride);
+      float total[NB];
+      vmath::dot2_rows<Widen<T>>(g.xf, w, g.k, g.ldw, total);
+      for (int j = 0; j < NB; ++j) store<T, 1>(g, n + j * stride, &total[j]);
+    };
+    const int streams = cpu_weight_streams();
+    if (streams >= 4) cpu_stream_rows<4>(n0, n1, rows);
+    else if (streams == 2) cpu_stream_rows<2>(n0, n1, rows);
+    else cpu_stream_rows<1>(n0, n1, rows);
     return;
   }
   const int64_t k8 = g.k - g.k % 8;
@@ -291,33 +299,57 @@ MLXD_AVX512F inline void dot_rows_avx512f(const Gemv& g, int64_t n, int64_t k16,
   }
 }
 
-// One output for one row of x, two accumulator chains over K.
-MLXD_AVX512F inline float dot_stream_f32(const float* x, const float* w, int64_t k) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+// Outputs n0 + j * stride (j < NB) for one row of x, each weight row its own stream (cpu_stream_rows),
+// prefetched a row ahead where there are several; two accumulator chains over K a row, summed in the same
+// order whatever NB.
+template <int NB>
+MLXD_AVX512F void dot_streams_f32(const Gemv& g, int64_t n0, int64_t stride) {
+  const float* w[NB];
+  __m512 a0[NB], a1[NB];
+  for (int j = 0; j < NB; ++j) {
+    w[j] = w_row<float>(g, n0 + j * stride);
+    a0[j] = a1[j] = _mm512_setzero_ps();
+  }
+  const float* x = g.xf;
+  const int64_t k = g.k;
   int64_t i = 0;
   for (; i + 32 <= k; i += 32) {
-    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(w + i), a0);
-    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(w + i + 16), a1);
+    const __m512 x0 = _mm512_loadu_ps(x + i), x1 = _mm512_loadu_ps(x + i + 16);
+    for (int j = 0; j < NB; ++j) {
+      if constexpr (NB > 1) {
+        _mm_prefetch(reinterpret_cast<const char*>(w[j] + g.ldw + i), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w[j] + g.ldw + i + 16), _MM_HINT_T0);
+      }
+      a0[j] = _mm512_fmadd_ps(x0, _mm512_loadu_ps(w[j] + i), a0[j]);
+      a1[j] = _mm512_fmadd_ps(x1, _mm512_loadu_ps(w[j] + i + 16), a1[j]);
+    }
   }
   for (; i < k; i += 16) {
     const __mmask16 m = k - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (k - i)) - 1);
-    a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, w + i), a0);
+    const __m512 xm = _mm512_maskz_loadu_ps(m, x + i);
+    for (int j = 0; j < NB; ++j) a0[j] = _mm512_fmadd_ps(xm, _mm512_maskz_loadu_ps(m, w[j] + i), a0[j]);
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+  for (int j = 0; j < NB; ++j) {
+    const float total[1] = {_mm512_reduce_add_ps(_mm512_add_ps(a0[j], a1[j]))};
+    store<float, 1>(g, n0 + j * stride, total);
+  }
 }
 
-// One row of x (a decode step's products) reads the weight rows one after another: a single sequential
-// stream, which the hardware prefetcher follows. Several rows at a time are as many short streams (a
-// SmolLM2 row is 2.3 KB): on Zen 4 one thread streamed 17 GB/s with eight rows against 27 GB/s a row at a
-// time, and a SmolLM2 fp32 decode step went from 0.76-0.81x to 0.98-1.04x ExecuTorch's XNNPACK Llama export
-// (paired in one process). Several rows of x share each weight load instead.
+// One row of x (a decode step's products) reads cpu_weight_streams() weight rows at a time, each its
+// own sequential stream. One on Zen 4, whose prefetchers follow a single stream best: eight adjacent rows
+// (as many short streams in a SmolLM2 row of 2.3 KB) streamed 17 GB/s a thread there against 27 one row
+// at a time, and a SmolLM2 fp32 decode step went from 0.76-0.81x to 0.98-1.04x ExecuTorch's XNNPACK Llama
+// export. Four far apart on the Ice Lake Xeon: two threads streamed 27-29 GB/s against 21-23 one row at a
+// time (the 1.2B's and SmolLM2's shapes, at or above MKL's sgemm). Several rows of x share each weight
+// load instead.
 template <int M>
 MLXD_AVX512F void gemv_avx512f(const Gemv& g, int64_t n0, int64_t n1) {
   if constexpr (M == 1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const float total[1] = {dot_stream_f32(g.xf, w_row<float>(g, n), g.k)};
-      store<float, 1>(g, n, total);
-    }
+    auto rows = [&](int64_t n, int64_t stride, auto nb) { dot_streams_f32<decltype(nb)::value>(g, n, stride); };
+    const int streams = cpu_weight_streams();
+    if (streams >= 4) cpu_stream_rows<4>(n0, n1, rows);
+    else if (streams == 2) cpu_stream_rows<2>(n0, n1, rows);
+    else cpu_stream_rows<1>(n0, n1, rows);
     return;
   }
   constexpr int NB = M <= 4 ? 4 : 2;  // at most 16 accumulators

@@ -140,6 +140,36 @@ MLXD_AVX2_F16C inline float dot2(const float* x, const T* w, int64_t k) {
   return total;
 }
 
+// dot2 for NB weight rows against the same x, each summed in dot2's order (so outputs equal dot2's);
+// with NB > 1 each row's next one (`next` elements on) is prefetched at the same columns, the rows being
+// separate streams (cpu_stream_rows).
+template <typename L, typename T, int NB>
+MLXD_AVX2_F16C inline void dot2_rows(const float* x, const T* const (&w)[NB], int64_t k, int64_t next,
+                                     float (&out)[NB]) {
+  __m256 a0[NB], a1[NB];
+  for (int j = 0; j < NB; ++j) a0[j] = a1[j] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) {
+    const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
+    for (int j = 0; j < NB; ++j) {
+      if constexpr (NB > 1)
+        if ((i * sizeof(T)) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w[j] + next + i), _MM_HINT_T0);
+      a0[j] = _mm256_fmadd_ps(L::load8(w[j] + i), x0, a0[j]);
+      a1[j] = _mm256_fmadd_ps(L::load8(w[j] + i + 8), x1, a1[j]);
+    }
+  }
+  const bool eight = i + 8 <= k;
+  for (int j = 0; j < NB; ++j) {
+    int64_t e = i;
+    if (eight) {
+      a0[j] = _mm256_fmadd_ps(L::load8(w[j] + e), _mm256_loadu_ps(x + e), a0[j]);
+      e += 8;
+    }
+    out[j] = hsum8(_mm256_add_ps(a0[j], a1[j]));
+    for (; e < k; ++e) out[j] += static_cast<float>(w[j][e]) * x[e];
+  }
+}
+
 MLXD_AVX2 inline float hmax8(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
