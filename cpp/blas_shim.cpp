@@ -510,6 +510,22 @@ __attribute__((visibility("default"))) int mlxd_sgemm_serial_packed(const float*
   return 1;
 }
 
+// Row-major c[m, n] = alpha a op(b) + beta c on the calling thread, op(b) [k, n] written panel by panel
+// by fn (sgemm_x86.h, BPanelFn: quantized weights dequantized into the own tile's panels). The own
+// tile serves it even where MKL serves plain products (it skips a float32 copy of the weights and MKL's
+// packing of it). Returns 0 (nothing done) without an own tile. m 0: whether one serves.
+__attribute__((visibility("default"))) int mlxd_sgemm_serial_b_source(int m, int n, int k, float alpha, const float* a,
+                                                                      int lda, mlxd::blas::BPanelFn fn, void* ctx,
+                                                                      float beta, float* c, int ldc) {
+  int isa = g_own_sgemm.load(std::memory_order_relaxed);
+  if (isa == 0) isa = mlxd::blas::own_sgemm_best();
+  if (isa == 0) return 0;
+  if (m <= 0) return 1;
+  g_fast_calls.fetch_add(1, std::memory_order_relaxed);
+  mlxd::blas::own_sgemm_b_source(isa, m, n, k, alpha, a, lda, {fn, ctx}, beta, c, ldc);
+  return 1;
+}
+
 // mlxd_sgemm_serial_packed's product written across: ct [n, m], row stride ldct.
 __attribute__((visibility("default"))) int mlxd_sgemm_serial_packed_ct(const float* pack, int r0, int m, int k,
                                                                        int trans_b, int n, float alpha,

@@ -265,7 +265,8 @@ struct Prepacked {
 
 template <typename T>
 void blocked_sgemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda,
-                   const float* b, int ldb, float beta, float* c, int ldc, Prepacked pa = {}, Prepacked pb = {}) {
+                   const float* b, int ldb, float beta, float* c, int ldc, Prepacked pa = {}, Prepacked pb = {},
+                   BPanelSource source = {}) {
   constexpr int kMr = T::kMr, kNr = T::kNr, kMaxKc = T::kMaxKc, kMc = kMaxMc / kMr * kMr;
   static_assert(kMaxKc <= kMaxKcAny && kNc % kNr == 0);
   Scratch& s = scratch();
@@ -292,10 +293,11 @@ void blocked_sgemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha,
           // reading them from memory overlaps the tiles' arithmetic (and its prefetched source) where
           // packing the whole block first left both threads waiting on memory at once.
           // A whole panel of an untransposed b is read where it lies (b_in_place), else packed.
-          const bool in_place = !trans_b && !pb.base && nr == kNr && b_in_place(ldb, m);
-          if (ic == 0 && !pb.base && !in_place)
+          const bool in_place = !trans_b && !pb.base && !source.fn && nr == kNr && b_in_place(ldb, m);
+          if (ic == 0 && source.fn) source.fn(source.ctx, jc + j, nr, pc, kc, s.b + int64_t{j} * kc, kNr);
+          else if (ic == 0 && !pb.base && !in_place)
             pack_b_panel(trans_b, b, ldb, jc + j, pc, kc, nr, kNr, s.b + int64_t{j} * kc);
-          const bool fetch_next = ic == 0 && j + kNr < nc && !pb.base;
+          const bool fetch_next = ic == 0 && j + kNr < nc && !pb.base && !source.fn;
           const int tiles = (mc + kMr - 1) / kMr;
           for (int i = 0, t = 0; i < mc; i += kMr, ++t) {
             const int mr = std::min(kMr, mc - i);
@@ -478,6 +480,18 @@ void own_sgemm(int isa, bool trans_a, bool trans_b, int m, int n, int k, float a
   else tiled_sgemm<Avx2Tile>(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
+void own_sgemm_b_source(int isa, int m, int n, int k, float alpha, const float* a, int lda, BPanelSource source,
+                        float beta, float* c, int ldc) {
+  if (m <= 0 || n <= 0) return;
+  if (k <= 0 || alpha == 0.f) {
+    scale_c(m, n, beta, c, ldc);
+    return;
+  }
+  if (isa == kOwnAvx512)
+    blocked_sgemm<Avx512Tile>(false, false, m, n, k, alpha, a, lda, nullptr, 0, beta, c, ldc, {}, {}, source);
+  else blocked_sgemm<Avx2Tile>(false, false, m, n, k, alpha, a, lda, nullptr, 0, beta, c, ldc, {}, {}, source);
+}
+
 int64_t own_pack_a_floats(int m, int k) {
   // Rows rounded up to whole panels of any width: a multiple of the widest is not one of every width
   // (256 rows are 258 in panels of 6: the AVX2 tile's rows wrote past the pack's end).
@@ -590,6 +604,7 @@ bool own_sgemm_packed_a(const float*, int, int, int, bool, int, float, const flo
   return false;
 }
 bool own_pack_a_scaled(const float*, int, int, const float*, float*) { return false; }
+void own_sgemm_b_source(int, int, int, int, float, const float*, int, BPanelSource, float, float*, int) {}
 bool own_sgemm_packed_a_ct(const float*, int, int, int, bool, int, float, const float*, int, float, float*, int) {
   return false;
 }

@@ -56,4 +56,18 @@ bool own_sgemm_packed_a(const float* pack, int r0, int m, int k, bool trans_b, i
 bool own_sgemm_packed_a_ct(const float* pack, int r0, int m, int k, bool trans_b, int n, float alpha,
                            const float* b, int ldb, float beta, float* ct, int ldct);
 
+// op(b) written panel by panel by the caller instead of packed from memory (quantized weights
+// dequantized straight into the tile's panels, no float32 copy of them): fn(ctx, j, nr, pc, kc, dst,
+// width) writes dst[p * width + q] = op(b)[pc + p, j + q] for p < kc, q < nr, and zeros for nr <= q <
+// width. k blocks start at multiples of 8.
+using BPanelFn = void (*)(void* ctx, int j, int nr, int pc, int kc, float* dst, int width);
+struct BPanelSource {
+  BPanelFn fn = nullptr;
+  void* ctx = nullptr;
+};
+// Row-major c[m, n] = alpha a op(b) + beta c, a stored [m, k], op(b) [k, n] from `source`, on the
+// calling thread with the `isa` tile (0 < isa <= own_sgemm_best()).
+void own_sgemm_b_source(int isa, int m, int n, int k, float alpha, const float* a, int lda, BPanelSource source,
+                        float beta, float* c, int ldc);
+
 }  // namespace mlxd::blas

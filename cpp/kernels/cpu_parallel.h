@@ -291,6 +291,14 @@ using SerialSgemmFn = int (*)(int trans_a, int trans_b, int m, int n, int k, flo
                               const float* b, int ldb, float beta, float* c, int ldc);
 SerialSgemmFn serial_sgemm();
 
+// serial_sgemm's c = alpha a op(b) + beta c (a row-major [m, k]) with op(b) [k, n] written panel by
+// panel by fn (the shim's own tile: sgemm_x86.h, BPanelFn), so quantized weights are dequantized
+// straight into the tile's panels. nullptr without the shim or an own tile.
+using SgemmPanelFn = void (*)(void* ctx, int j, int nr, int pc, int kc, float* dst, int width);
+using SerialSgemmBSourceFn = int (*)(int m, int n, int k, float alpha, const float* a, int lda, SgemmPanelFn fn,
+                                     void* ctx, float beta, float* c, int ldc);
+SerialSgemmBSourceFn serial_sgemm_b_source();
+
 // The products a pack is made for: about m rows and n columns, written across (serial_sgemm_packed_ct)
 // when `across`.
 struct SgemmPackHints {

@@ -19,6 +19,16 @@ SerialSgemmFn serial_sgemm() {
   return f;
 }
 
+SerialSgemmBSourceFn serial_sgemm_b_source() {
+  static const SerialSgemmBSourceFn f = [] {
+    if (serial_sgemm() == nullptr) return SerialSgemmBSourceFn{nullptr};
+    auto fn = reinterpret_cast<SerialSgemmBSourceFn>(dlsym(RTLD_DEFAULT, "mlxd_sgemm_serial_b_source"));
+    // m 0 asks whether an own tile serves (nothing is read or written).
+    return fn && fn(0, 0, 0, 1.f, nullptr, 1, nullptr, nullptr, 0.f, nullptr, 1) == 1 ? fn : nullptr;
+  }();
+  return f;
+}
+
 namespace {
 
 // The shim's packing entry points (blas_shim.cpp), resolved once; null without the shim.

@@ -69,6 +69,134 @@ MLXD_AVX2 void dequantize_row_avx2(const Problem& p, int64_t row, float* out) {
 }
 #endif
 
+// ---- Panels of the own tile: w's rows as lanes ----------------------------------
+
+// Columns [j, j + nr) of op(w) = w^T over k in [pc, pc + kc), i.e. w's rows n0 + j ..., as one
+// width-wide panel: dst[e * width + r] = w[n0 + j + r][pc + e], zeros for r >= nr (sgemm_x86.h, BPanelFn).
+struct PanelSource {
+  const Problem* p;
+  int64_t n0;  // the part's first row of w
+};
+
+template <int Bits>
+void dequantize_panel_portable(void* ctx, int j, int nr, int pc, int kc, float* dst, int width) {
+  const auto& c = *static_cast<const PanelSource*>(ctx);
+  const Problem& p = *c.p;
+  constexpr int per_word = 32 / Bits;
+  constexpr uint32_t mask = (1u << Bits) - 1;
+  for (int r = 0; r < width; ++r) {
+    const int64_t row = c.n0 + j + r;
+    for (int e = 0; e < kc; ++e) {
+      const int64_t col = pc + e, g = col / p.group_size;
+      dst[int64_t{e} * width + r] =
+          r >= nr ? 0.f
+                  : p.scales[row * p.groups + g] *
+                            static_cast<float>((p.w[row * p.words_per_row + col / per_word] >> (Bits * (col % per_word))) &
+                                               mask) +
+                        p.biases[row * p.groups + g];
+    }
+  }
+}
+
+#ifdef MLXD_CPU_X86
+// Sixteen rows a lane each, both halves of the AVX-512 tile's 32-wide panel a step: one gathered word
+// per row holds per_word consecutive k, each shifted out, converted and scaled with one FMA into a
+// panel row. Rows past nr gather nothing (masked) and get a zero scale and bias.
+template <int Bits>
+MLXD_AVX512 void dequantize_panel_avx512(void* ctx, int j, int nr, int pc, int kc, float* dst, int width) {
+  const auto& c = *static_cast<const PanelSource*>(ctx);
+  const Problem& p = *c.p;
+  constexpr int per_word = 32 / Bits;
+  const int halves = width / 16;  // the tiles' panels: 16 or 32 wide
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i mask = _mm512_set1_epi32((1 << Bits) - 1);
+  const __m512i words_at = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(p.words_per_row)));
+  const __m512i groups_at = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(p.groups)));
+  __mmask16 valid[2];
+  const int* w[2];
+  const float *scales[2], *biases[2];
+  for (int h = 0; h < 2; ++h) {
+    const int rows = h < halves ? std::clamp(nr - 16 * h, 0, 16) : 0;
+    valid[h] = static_cast<__mmask16>((1u << rows) - 1);
+    const int64_t row0 = c.n0 + j + (rows > 0 ? 16 * h : 0);
+    w[h] = reinterpret_cast<const int*>(p.w + row0 * p.words_per_row);
+    scales[h] = p.scales + row0 * p.groups;
+    biases[h] = p.biases + row0 * p.groups;
+  }
+  __m512 s[2] = {}, b[2] = {};
+  for (int e = 0; e < kc; e += per_word) {
+    const int64_t col = pc + e;
+    const bool new_group = e == 0 || col % p.group_size == 0;
+    __m512i words[2];
+    for (int h = 0; h < halves; ++h) {
+      if (new_group) {
+        const int64_t g = col / p.group_size;
+        s[h] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid[h], groups_at, scales[h] + g, 4);
+        b[h] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid[h], groups_at, biases[h] + g, 4);
+      }
+      words[h] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid[h], words_at, w[h] + col / per_word, 4);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < per_word; ++i)
+      for (int h = 0; h < halves; ++h) {
+        const __m512i q = _mm512_and_si512(_mm512_srli_epi32(words[h], Bits * i), mask);
+        _mm512_storeu_ps(dst + int64_t{e + i} * width + 16 * h, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), s[h], b[h]));
+      }
+  }
+}
+
+// Eight rows a step: one gathered word per row holds per_word consecutive k, each shifted out,
+// converted and scaled with one FMA into a panel row. Rows past nr read row j (valid) and are zeroed by
+// a zero scale and bias.
+template <int Bits>
+MLXD_AVX2 void dequantize_panel_avx2(void* ctx, int j, int nr, int pc, int kc, float* dst, int width) {
+  const auto& c = *static_cast<const PanelSource*>(ctx);
+  const Problem& p = *c.p;
+  constexpr int per_word = 32 / Bits;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), mask = _mm256_set1_epi32((1 << Bits) - 1);
+  for (int r0 = 0; r0 < width; r0 += 8) {
+    const int rows = std::clamp(nr - r0, 0, 8);
+    float* d = dst + r0;
+    if (rows == 0) {
+      for (int e = 0; e < kc; ++e) _mm256_storeu_ps(d + int64_t{e} * width, _mm256_setzero_ps());
+      continue;
+    }
+    const int64_t row0 = c.n0 + j + r0;
+    const __m256i in_rows = _mm256_min_epi32(lane, _mm256_set1_epi32(rows - 1));
+    const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(rows), lane));
+    const __m256i words_at = _mm256_mullo_epi32(in_rows, _mm256_set1_epi32(static_cast<int>(p.words_per_row)));
+    const __m256i groups_at = _mm256_mullo_epi32(in_rows, _mm256_set1_epi32(static_cast<int>(p.groups)));
+    const auto* w = reinterpret_cast<const int*>(p.w + row0 * p.words_per_row);
+    const float* scales = p.scales + row0 * p.groups;
+    const float* biases = p.biases + row0 * p.groups;
+    __m256 s = _mm256_setzero_ps(), b = s;
+    int64_t group = -1;
+    for (int e = 0; e < kc; e += per_word) {
+      const int64_t col = pc + e;
+      if (col / p.group_size != group) {
+        group = col / p.group_size;
+        s = _mm256_and_ps(_mm256_i32gather_ps(scales + group, groups_at, 4), valid);
+        b = _mm256_and_ps(_mm256_i32gather_ps(biases + group, groups_at, 4), valid);
+      }
+      const __m256i words = _mm256_i32gather_epi32(w + col / per_word, words_at, 4);
+#pragma GCC unroll 8
+      for (int i = 0; i < per_word; ++i) {
+        const __m256i q = _mm256_and_si256(_mm256_srli_epi32(words, Bits * i), mask);
+        _mm256_storeu_ps(d + int64_t{e + i} * width, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), s, b));
+      }
+    }
+  }
+}
+#endif
+
+SgemmPanelFn pick_panel(int bits) {
+#ifdef MLXD_CPU_X86
+  if (cpu_use_avx512()) return bits == 4 ? dequantize_panel_avx512<4> : dequantize_panel_avx512<8>;
+  if (cpu_use_avx2()) return bits == 4 ? dequantize_panel_avx2<4> : dequantize_panel_avx2<8>;
+#endif
+  return bits == 4 ? dequantize_panel_portable<4> : dequantize_panel_portable<8>;
+}
+
 using DequantizeFn = void (*)(const Problem&, int64_t, float*);
 
 DequantizeFn pick_dequantize(int bits) {
@@ -82,7 +210,26 @@ DequantizeFn pick_dequantize(int bits) {
 // core's cache while the sgemm reads them once per block of x's rows.
 int64_t chunk_rows(int64_t k) { return std::clamp<int64_t>((int64_t{1} << 16) / k / 16 * 16, 16, 128); }
 
+// The route: w dequantized into the own tile's panels (one product per core, x packed once per
+// block), else chunks of w's rows as float32 for serial_sgemm (MKL or the own tile).
+// MLX_DELEGATE_QGEMM=chunks (read per call) takes the latter for A/B runs and tests.
+bool panels_route() {
+  const char* e = std::getenv("MLX_DELEGATE_QGEMM");
+  return serial_sgemm_b_source() != nullptr && !(e != nullptr && std::strcmp(e, "chunks") == 0);
+}
+
 void run_problem(const Problem& p, int bits) {
+  if (panels_route()) {
+    const SerialSgemmBSourceFn product = serial_sgemm_b_source();
+    const SgemmPanelFn panel = pick_panel(bits);
+    // Parts on whole panels (32 columns: the AVX-512 tile's, two of the AVX2 tile's).
+    cpu_parallel_for(p.n, p.m * p.k, 32, [&](int64_t begin, int64_t end) {
+      PanelSource source{&p, begin};
+      product(static_cast<int>(p.m), static_cast<int>(end - begin), static_cast<int>(p.k), 1.f, p.x,
+              static_cast<int>(p.k), panel, &source, 0.f, p.y + begin, static_cast<int>(p.n));
+    });
+    return;
+  }
   const SerialSgemmFn sgemm = serial_sgemm();
   const DequantizeFn dequantize = pick_dequantize(bits);
   const int64_t rows = chunk_rows(p.k);

@@ -1,8 +1,10 @@
 """The CPU quantized GEMM for prefill-sized products (cpp/kernels/qgemm_cpu.cpp): from
-kQgemmMinRows (24) rows of x, quantized linears dequantize chunks of w and run the BLAS. int4/int8,
-groups of 32/64/128, fp32 and bf16 activations, a strided input and output counts that are not a
-whole number of chunks match eager torch and the integer GEMV (MLX_DELEGATE_QGEMM=0); the portable
-dequantization (MLX_DELEGATE_CPU_KERNELS=portable) matches too; fewer rows stay on the GEMV."""
+kQgemmMinRows (24) rows of x, quantized linears run on the BLAS front's own tile with w dequantized
+straight into its panels, or (MLX_DELEGATE_QGEMM=chunks) dequantize chunks of w and run the serial
+sgemm. int4/int8, groups of 32/64/128, fp32 and bf16 activations, a strided input, output counts that
+are not a whole number of panels or chunks, k cut into blocks across group boundaries and rows in
+several row blocks match eager torch, each other and the integer GEMV (MLX_DELEGATE_QGEMM=0); the
+portable dequantization (MLX_DELEGATE_CPU_KERNELS=portable) matches too; fewer rows stay on the GEMV."""
 
 from dataclasses import dataclass, replace
 
@@ -73,9 +75,12 @@ def served() -> bool:
     return cpu_kernels_active() and mlx_delegate._blas.mode() == "torch"
 
 
-def run(case: Case, x: torch.Tensor, qgemm: bool, monkeypatch) -> list[torch.Tensor]:
-    """Node by node (the switch is read while a graph is built)."""
-    monkeypatch.setenv("MLX_DELEGATE_QGEMM", "1" if qgemm else "0")
+ROUTES = ("1", "chunks")  # MLX_DELEGATE_QGEMM: w into the own tile's panels, float32 chunks of w
+
+
+def run(case: Case, x: torch.Tensor, qgemm: bool | str, monkeypatch) -> list[torch.Tensor]:
+    """Node by node (the switch is read while a graph is built); qgemm True / False, or a route."""
+    monkeypatch.setenv("MLX_DELEGATE_QGEMM", qgemm if isinstance(qgemm, str) else "1" if qgemm else "0")
     was = _runtime.compile_enabled()
     _runtime.set_compile(False)
     try:
@@ -88,15 +93,51 @@ def run(case: Case, x: torch.Tensor, qgemm: bool, monkeypatch) -> list[torch.Ten
 def test_qgemm_matches_eager_and_gemv(dtype, cases, monkeypatch):
     case = cases[dtype]
     for x in case.inputs:
-        before = qgemm_calls()
-        got = run(case, x, True, monkeypatch)
-        assert qgemm_calls() - before == CALLS[x.shape[1]] * served()
-        with torch.no_grad():
-            assert_close(got, case.module(x), *QUANTIZED_TOLERANCE[dtype])
+        routes = {}
+        for route in ROUTES:
+            before = qgemm_calls()
+            routes[route] = got = run(case, x, route, monkeypatch)
+            assert qgemm_calls() - before == CALLS[x.shape[1]] * served()
+            with torch.no_grad():
+                assert_close(got, case.module(x), *QUANTIZED_TOLERANCE[dtype])
+        assert_close(routes["1"], routes["chunks"], *QUANTIZED_TOLERANCE[dtype])
         before = qgemm_calls()
         gemv = run(case, x, False, monkeypatch)
         assert qgemm_calls() == before
-        assert_close(got, gemv, *QUANTIZED_TOLERANCE[dtype])
+        assert_close(routes["1"], gemv, *QUANTIZED_TOLERANCE[dtype])
+
+
+def test_qgemm_k_blocks_and_row_blocks(monkeypatch):
+    """k of 640 runs as k blocks of 216, 216 and 208 (groups of 64 and 128 straddle them), 150 rows as
+    two row blocks reusing the panels, 70 and 45 outputs end in part and half panels."""
+    torch.manual_seed(1)
+    k = 640
+    layers = torch.nn.ModuleList([torch.nn.Linear(k, 70, bias=True), torch.nn.Linear(k, 45, bias=False)]).eval()
+    for linear, (mode, group_size) in zip(layers, (("int4", 64), ("int8", 128))):
+        quantize_(linear, Q.torchao_config(mode, group_size), filter_fn=lambda m, _: isinstance(m, torch.nn.Linear))
+
+    class Both(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linears = layers
+
+        def forward(self, x):
+            return [linear(x) for linear in self.linears]
+
+    both = Both()
+    x = torch.randn(1, 150, k)
+    ep = torch.export.export(both, (x,), strict=True)
+    buffer = llm_export.lower(ep, partitioner=MLXPartitioner(disable={"fuse_linears"})).to_executorch().buffer
+    case = Case(both, buffer, [])
+    with torch.no_grad():
+        want = both(x)
+    routes = {}
+    for route in ROUTES:
+        before = qgemm_calls()
+        routes[route] = run(case, x, route, monkeypatch)
+        assert qgemm_calls() - before == 2 * served()
+        assert_close(routes[route], want, *QUANTIZED_TOLERANCE[torch.float32])
+    assert_close(routes["1"], routes["chunks"], *QUANTIZED_TOLERANCE[torch.float32])
 
 
 def test_qgemm_compiled(cases, compile_on):
