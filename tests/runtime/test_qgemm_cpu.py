@@ -153,10 +153,17 @@ def test_qgemm_compiled(cases, compile_on):
         assert_close(got, case.module(x), *QUANTIZED_TOLERANCE[torch.float32])
 
 
-def test_qgemm_portable_dequantize(cases, tmp_path):
-    """MLX_DELEGATE_CPU_KERNELS=portable: the scalar dequantization feeds the same sgemm."""
+# Other panel writers and tiles in a fresh process (each is chosen at start-up): the scalar
+# dequantization, the AVX2 writer (AVX-512 capped), the AVX-512 writer with the AVX2 tile's 16-wide panels.
+WRITERS = {"portable": {"MLX_DELEGATE_CPU_KERNELS": "portable"}, "avx2": {"MLX_DELEGATE_CPU_KERNELS": "avx2"},
+           "avx2-tile": {"MLX_DELEGATE_SGEMM": "own-avx2"}}
+
+
+@pytest.mark.parametrize("writer", WRITERS)
+def test_qgemm_portable_dequantize(writer, cases, tmp_path):
+    """Each panel writer / tile feeds the same product: eager torch's result."""
     programs = {dtype: (c.buffer, c.inputs[1:]) for dtype, c in cases.items()}
-    portable = run_in_subprocess(programs, {"MLX_DELEGATE_CPU_KERNELS": "portable"}, tmp_path)
+    portable = run_in_subprocess(programs, WRITERS[writer], tmp_path)
     runs = sum(CALLS[x.shape[1]] for c in cases.values() for x in c.inputs[1:])
     assert portable["counts"].get("qgemm", 0) == runs * served()
     for dtype, case in cases.items():
