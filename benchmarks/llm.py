@@ -34,8 +34,9 @@ A round is one prefill of `--prompt` tokens at position 0 followed by `--decode`
 turns within each round for the small model; for the 1.2B model the delegate and eager torch take
 turns (they share the machine's load alike), joined by the others while the free memory holds twice the
 largest engine loaded so far; the rest run one after another, each freed before the next is built. The memory bandwidth
-is measured in the same run; `% bw` is decode tok/s over the bound from reading every weight once
-per token (for the weight-only quantized rows the bytes read are the program's: its .pte size, packed
+is probed in the same run, at the start and after each model's rounds; `% bw` is decode tok/s over the
+bound, at the mean of the probes before and after that row's rounds (the machine's bandwidth drifts
+over minutes), from reading every weight once per token (for the weight-only quantized rows the bytes read are the program's: its .pte size, packed
 weights plus their scales and biases).
 
     python benchmarks/llm.py [--quick] [--json out.json] [--models smollm2,1.2b] [--dtypes fp32,bf16]
@@ -59,7 +60,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from common import (  # first: mlx_delegate before mlx
-    available_mb, format_table, machine_meta, one_line, peak_rss_mb, rss_mb)
+    available_mb, format_table, machine_meta, memory_bandwidth_gbs, one_line, peak_rss_mb, rss_mb)
 import mlx.core as mx  # noqa: I001
 import mlx.nn as mnn
 import numpy as np
@@ -627,6 +628,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         # llama.cpp shares torch's libgomp: its barriers spin unless this says PASSIVE (see README)
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "-")}
     bw = meta.get("bandwidth_gbs")
+    probes = [bw] if bw else []  # GEMV probes: the start, then after each group's rounds
     print("  ".join(f"{k}={v}" for k, v in meta.items()), file=sys.stderr, flush=True)
     rows: list[Row] = []
     max_seq_len = args.prompt + args.decode + 8
@@ -650,16 +652,22 @@ def main(argv: Sequence[str] | None = None) -> None:
                     base.reset_cache()
                 reference[GGUF] = reference["fp32"]
             got = measure(spec, label, m, jobs(m), args, reference)
+            if bw:
+                probes.append(round(memory_bandwidth_gbs(), 1))
+                print(f"  GEMV bandwidth probe after the rounds: {probes[-1]} GB/s", file=sys.stderr, flush=True)
             for r in got:
                 if bw and r.decode_tok_s:
                     read = weight_bytes(m) if r.dtype in DTYPES else r.program_bytes
-                    r.bw_share = r.decode_tok_s * read / (bw * 1e9) if read else None
+                    around = (probes[-2] + probes[-1]) / 2
+                    r.bw_share = r.decode_tok_s * read / (around * 1e9) if read else None
             rows += got
             print(table(rows), file=sys.stderr, flush=True)  # progress: the table so far
             del m
             gc.collect()
         del base
         gc.collect()
+    if probes:
+        meta["bandwidth_probes_gbs"] = probes
     meta |= {"loadavg_end": [round(x, 2) for x in os.getloadavg()], "peak_rss_mb": round(peak_rss_mb()),
              "wall_s": round(time.perf_counter() - started, 1)}
     print()
@@ -667,7 +675,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print()
     print(table(rows))
     if bw:
-        print(f"% bw: decode tok/s over {bw} GB/s / bytes read per token (every weight once; for the quantized "
+        print(f"% bw: decode tok/s over (the mean of the GEMV probes before and after the row's rounds, of "
+              f"{', '.join(map(str, probes))} GB/s) / bytes read per token (every weight once; for the quantized "
               "rows the .pte size)")
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
