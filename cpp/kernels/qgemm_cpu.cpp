@@ -98,51 +98,74 @@ void dequantize_panel_portable(void* ctx, int j, int nr, int pc, int kc, float* 
   }
 }
 
-#ifdef MLXD_CPU_X86
-// Sixteen rows a lane each, both halves of the AVX-512 tile's 32-wide panel a step: one gathered word
-// per row holds per_word consecutive k, each shifted out, converted and scaled with one FMA into a
-// panel row. Rows past nr gather nothing (masked) and get a zero scale and bias.
+// A panel's words of w, rows [row0, row0 + rows) over k [pc, pc + kc), copied one after another into
+// a per-thread buffer (rows kc * Bits / 32 words apart): w's rows lie a kilobyte or more apart (4 KiB
+// at k 8192, int4), so gathers across them straight from w put a panel's lines in a few L1 sets, each
+// refetched at every step. Returns the copy.
 template <int Bits>
-MLXD_AVX512 void dequantize_panel_avx512(void* ctx, int j, int nr, int pc, int kc, float* dst, int width) {
-  const auto& c = *static_cast<const PanelSource*>(ctx);
-  const Problem& p = *c.p;
-  constexpr int per_word = 32 / Bits;
-  const int halves = width / 16;  // the tiles' panels: 16 or 32 wide
+const uint32_t* copy_panel_words(const Problem& p, int64_t row0, int rows, int pc, int kc) {
+  thread_local std::vector<uint32_t> buffer;
+  const int span = kc * Bits / 32;
+  buffer.resize(static_cast<size_t>(std::max(rows, 1) * span));
+  for (int r = 0; r < rows; ++r)
+    std::memcpy(buffer.data() + int64_t{r} * span, p.w + (row0 + r) * p.words_per_row + int64_t{pc} * Bits / 32,
+                sizeof(uint32_t) * span);
+  return buffer.data();
+}
+
+#ifdef MLXD_CPU_X86
+// Sixteen rows a lane each, H halves of 16 (the AVX-512 tile's 32-wide panels: 2) a step: one gathered
+// word per row holds per_word consecutive k, each shifted out, converted and scaled with one FMA into a
+// panel row. Rows past nr gather nothing (masked) and get a zero scale and bias. The group changes at
+// a counted k (a 64-bit division per step cost more than the step).
+template <int Bits, int H>
+MLXD_AVX512 void panel_avx512(const Problem& p, int64_t row0, int nr, int pc, int kc, float* dst) {
+  constexpr int per_word = 32 / Bits, width = 16 * H;
+  const int span = kc * Bits / 32;
+  const uint32_t* panel = copy_panel_words<Bits>(p, row0, nr, pc, kc);
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i mask = _mm512_set1_epi32((1 << Bits) - 1);
-  const __m512i words_at = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(p.words_per_row)));
+  const __m512i words_at = _mm512_mullo_epi32(lane, _mm512_set1_epi32(span));
   const __m512i groups_at = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(p.groups)));
-  __mmask16 valid[2];
-  const int* w[2];
-  const float *scales[2], *biases[2];
-  for (int h = 0; h < 2; ++h) {
-    const int rows = h < halves ? std::clamp(nr - 16 * h, 0, 16) : 0;
+  __mmask16 valid[H];
+  const int* w[H];
+  const float *scales[H], *biases[H];
+  for (int h = 0; h < H; ++h) {
+    const int rows = std::clamp(nr - 16 * h, 0, 16), r0 = rows > 0 ? 16 * h : 0;
     valid[h] = static_cast<__mmask16>((1u << rows) - 1);
-    const int64_t row0 = c.n0 + j + (rows > 0 ? 16 * h : 0);
-    w[h] = reinterpret_cast<const int*>(p.w + row0 * p.words_per_row);
-    scales[h] = p.scales + row0 * p.groups;
-    biases[h] = p.biases + row0 * p.groups;
+    w[h] = reinterpret_cast<const int*>(panel + int64_t{r0} * span);
+    scales[h] = p.scales + (row0 + r0) * p.groups;
+    biases[h] = p.biases + (row0 + r0) * p.groups;
   }
-  __m512 s[2] = {}, b[2] = {};
+  __m512 s[H], b[H];
+  int64_t g = pc / p.group_size - 1;
+  int next = 0;  // e where group g + 1 starts
   for (int e = 0; e < kc; e += per_word) {
-    const int64_t col = pc + e;
-    const bool new_group = e == 0 || col % p.group_size == 0;
-    __m512i words[2];
-    for (int h = 0; h < halves; ++h) {
-      if (new_group) {
-        const int64_t g = col / p.group_size;
+    if (e == next) {
+      ++g;
+      next = static_cast<int>((g + 1) * p.group_size - pc);
+      for (int h = 0; h < H; ++h) {
         s[h] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid[h], groups_at, scales[h] + g, 4);
         b[h] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid[h], groups_at, biases[h] + g, 4);
       }
-      words[h] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid[h], words_at, w[h] + col / per_word, 4);
     }
+    __m512i words[H];
+    for (int h = 0; h < H; ++h)
+      words[h] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid[h], words_at, w[h] + e / per_word, 4);
 #pragma GCC unroll 8
     for (int i = 0; i < per_word; ++i)
-      for (int h = 0; h < halves; ++h) {
+      for (int h = 0; h < H; ++h) {
         const __m512i q = _mm512_and_si512(_mm512_srli_epi32(words[h], Bits * i), mask);
         _mm512_storeu_ps(dst + int64_t{e + i} * width + 16 * h, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), s[h], b[h]));
       }
   }
+}
+
+template <int Bits>
+void dequantize_panel_avx512(void* ctx, int j, int nr, int pc, int kc, float* dst, int width) {
+  const auto& c = *static_cast<const PanelSource*>(ctx);
+  if (width == 32) panel_avx512<Bits, 2>(*c.p, c.n0 + j, nr, pc, kc, dst);
+  else panel_avx512<Bits, 1>(*c.p, c.n0 + j, nr, pc, kc, dst);  // the AVX2 tile's 16
 }
 
 // Eight rows a step: one gathered word per row holds per_word consecutive k, each shifted out,
@@ -154,6 +177,8 @@ MLXD_AVX2 void dequantize_panel_avx2(void* ctx, int j, int nr, int pc, int kc, f
   const Problem& p = *c.p;
   constexpr int per_word = 32 / Bits;
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), mask = _mm256_set1_epi32((1 << Bits) - 1);
+  const int span = kc * Bits / 32;
+  const uint32_t* panel = copy_panel_words<Bits>(p, c.n0 + j, nr, pc, kc);
   for (int r0 = 0; r0 < width; r0 += 8) {
     const int rows = std::clamp(nr - r0, 0, 8);
     float* d = dst + r0;
@@ -164,21 +189,22 @@ MLXD_AVX2 void dequantize_panel_avx2(void* ctx, int j, int nr, int pc, int kc, f
     const int64_t row0 = c.n0 + j + r0;
     const __m256i in_rows = _mm256_min_epi32(lane, _mm256_set1_epi32(rows - 1));
     const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(rows), lane));
-    const __m256i words_at = _mm256_mullo_epi32(in_rows, _mm256_set1_epi32(static_cast<int>(p.words_per_row)));
+    const __m256i words_at = _mm256_mullo_epi32(in_rows, _mm256_set1_epi32(span));
     const __m256i groups_at = _mm256_mullo_epi32(in_rows, _mm256_set1_epi32(static_cast<int>(p.groups)));
-    const auto* w = reinterpret_cast<const int*>(p.w + row0 * p.words_per_row);
+    const auto* w = reinterpret_cast<const int*>(panel + int64_t{r0} * span);
     const float* scales = p.scales + row0 * p.groups;
     const float* biases = p.biases + row0 * p.groups;
     __m256 s = _mm256_setzero_ps(), b = s;
-    int64_t group = -1;
+    int64_t group = pc / p.group_size - 1;
+    int next = 0;  // e where group + 1 starts (counted: see panel_avx512)
     for (int e = 0; e < kc; e += per_word) {
-      const int64_t col = pc + e;
-      if (col / p.group_size != group) {
-        group = col / p.group_size;
+      if (e == next) {
+        ++group;
+        next = static_cast<int>((group + 1) * p.group_size - pc);
         s = _mm256_and_ps(_mm256_i32gather_ps(scales + group, groups_at, 4), valid);
         b = _mm256_and_ps(_mm256_i32gather_ps(biases + group, groups_at, 4), valid);
       }
-      const __m256i words = _mm256_i32gather_epi32(w + col / per_word, words_at, 4);
+      const __m256i words = _mm256_i32gather_epi32(w + e / per_word, words_at, 4);
 #pragma GCC unroll 8
       for (int i = 0; i < per_word; ++i) {
         const __m256i q = _mm256_and_si256(_mm256_srli_epi32(words, Bits * i), mask);

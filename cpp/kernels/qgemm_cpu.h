@@ -14,10 +14,11 @@
 
 namespace mlxd::rt {
 
-// From this many rows of x on, qgemm_cpu takes products qgemv_cpu would (measured on SmolLM2's
-// Q4_1 linears, K 576-1536: at 32 rows the sgemm route costs about half the integer GEMV's CPU
-// time, and about the same at 16).
-constexpr int64_t kQgemmMinRows = 24;
+// From this many rows of x on, qgemm_cpu takes products qgemv_cpu would. With w dequantized into
+// the tile's panels (Ice Lake Xeon, paired prefills node by node): the 1.2B Llama's int4 linears (K
+// 2048 / 8192) level with the integer GEMV at 12 rows (0.89x its time at 8, 1.52x faster at 16);
+// SmolLM2's (K 576-1536) 1.2-1.25x faster at 8, 1.4x at 12.
+constexpr int64_t kQgemmMinRows = 12;
 
 // Whether qgemm_cpu takes this product: cpu_kernels_active(), MLX_DELEGATE_QGEMM is not "0" (read
 // each time a graph is built), at least kQgemmMinRows rows of x, bits 4 or 8, a group size that is a

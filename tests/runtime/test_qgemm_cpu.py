@@ -1,5 +1,5 @@
 """The CPU quantized GEMM for prefill-sized products (cpp/kernels/qgemm_cpu.cpp): from
-kQgemmMinRows (24) rows of x, quantized linears run on the BLAS front's own tile with w dequantized
+kQgemmMinRows (12) rows of x, quantized linears run on the BLAS front's own tile with w dequantized
 straight into its panels, or (MLX_DELEGATE_QGEMM=chunks) dequantize chunks of w and run the serial
 sgemm. int4/int8, groups of 32/64/128, fp32 and bf16 activations, a strided input, output counts that
 are not a whole number of panels or chunks, k cut into blocks across group boundaries and rows in
@@ -22,7 +22,7 @@ from mlx_delegate.pipelines.llm import export as llm_export
 from mlx_delegate.testing import QUANTIZED_TOLERANCE, assert_close, cpu_kernels_active, run_in_subprocess
 
 K = 256
-MIN_ROWS = 24  # kQgemmMinRows in cpp/kernels/qgemm_cpu.h
+MIN_ROWS = 12  # kQgemmMinRows in cpp/kernels/qgemm_cpu.h
 # (mode, group size, torchao mapping, outputs): 200 outputs end in a partial chunk of w's rows.
 LAYOUTS = [("int4", 32, "asymmetric", 200), ("int4", 128, "symmetric", 48), ("int8", 64, "asymmetric", 200)]
 DTYPES = (torch.float32, torch.bfloat16)
