@@ -98,34 +98,18 @@ void dequantize_panel_portable(void* ctx, int j, int nr, int pc, int kc, float* 
   }
 }
 
-// A panel's words of w, rows [row0, row0 + rows) over k [pc, pc + kc), copied one after another into
-// a per-thread buffer (rows kc * Bits / 32 words apart): w's rows lie a kilobyte or more apart (4 KiB
-// at k 8192, int4), so gathers across them straight from w put a panel's lines in a few L1 sets, each
-// refetched at every step. Returns the copy.
-template <int Bits>
-const uint32_t* copy_panel_words(const Problem& p, int64_t row0, int rows, int pc, int kc) {
-  thread_local std::vector<uint32_t> buffer;
-  const int span = kc * Bits / 32;
-  buffer.resize(static_cast<size_t>(std::max(rows, 1) * span));
-  for (int r = 0; r < rows; ++r)
-    std::memcpy(buffer.data() + int64_t{r} * span, p.w + (row0 + r) * p.words_per_row + int64_t{pc} * Bits / 32,
-                sizeof(uint32_t) * span);
-  return buffer.data();
-}
-
 #ifdef MLXD_CPU_X86
 // Sixteen rows a lane each, H halves of 16 (the AVX-512 tile's 32-wide panels: 2) a step: one gathered
 // word per row holds per_word consecutive k, each shifted out, converted and scaled with one FMA into a
 // panel row. Rows past nr gather nothing (masked) and get a zero scale and bias. The group changes at
-// a counted k (a 64-bit division per step cost more than the step).
+// a counted k, not a division per step.
 template <int Bits, int H>
 MLXD_AVX512 void panel_avx512(const Problem& p, int64_t row0, int nr, int pc, int kc, float* dst) {
   constexpr int per_word = 32 / Bits, width = 16 * H;
-  const int span = kc * Bits / 32;
-  const uint32_t* panel = copy_panel_words<Bits>(p, row0, nr, pc, kc);
+  const uint32_t* panel = p.w + row0 * p.words_per_row + int64_t{pc} * Bits / 32;  // k blocks start at 8s
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i mask = _mm512_set1_epi32((1 << Bits) - 1);
-  const __m512i words_at = _mm512_mullo_epi32(lane, _mm512_set1_epi32(span));
+  const __m512i words_at = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(p.words_per_row)));
   const __m512i groups_at = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(p.groups)));
   __mmask16 valid[H];
   const int* w[H];
@@ -133,7 +117,7 @@ MLXD_AVX512 void panel_avx512(const Problem& p, int64_t row0, int nr, int pc, in
   for (int h = 0; h < H; ++h) {
     const int rows = std::clamp(nr - 16 * h, 0, 16), r0 = rows > 0 ? 16 * h : 0;
     valid[h] = static_cast<__mmask16>((1u << rows) - 1);
-    w[h] = reinterpret_cast<const int*>(panel + int64_t{r0} * span);
+    w[h] = reinterpret_cast<const int*>(panel + r0 * p.words_per_row);
     scales[h] = p.scales + (row0 + r0) * p.groups;
     biases[h] = p.biases + (row0 + r0) * p.groups;
   }
@@ -177,8 +161,7 @@ MLXD_AVX2 void dequantize_panel_avx2(void* ctx, int j, int nr, int pc, int kc, f
   const Problem& p = *c.p;
   constexpr int per_word = 32 / Bits;
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), mask = _mm256_set1_epi32((1 << Bits) - 1);
-  const int span = kc * Bits / 32;
-  const uint32_t* panel = copy_panel_words<Bits>(p, c.n0 + j, nr, pc, kc);
+  const uint32_t* panel = p.w + (c.n0 + j) * p.words_per_row + int64_t{pc} * Bits / 32;
   for (int r0 = 0; r0 < width; r0 += 8) {
     const int rows = std::clamp(nr - r0, 0, 8);
     float* d = dst + r0;
@@ -189,9 +172,9 @@ MLXD_AVX2 void dequantize_panel_avx2(void* ctx, int j, int nr, int pc, int kc, f
     const int64_t row0 = c.n0 + j + r0;
     const __m256i in_rows = _mm256_min_epi32(lane, _mm256_set1_epi32(rows - 1));
     const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(rows), lane));
-    const __m256i words_at = _mm256_mullo_epi32(in_rows, _mm256_set1_epi32(span));
+    const __m256i words_at = _mm256_mullo_epi32(in_rows, _mm256_set1_epi32(static_cast<int>(p.words_per_row)));
     const __m256i groups_at = _mm256_mullo_epi32(in_rows, _mm256_set1_epi32(static_cast<int>(p.groups)));
-    const auto* w = reinterpret_cast<const int*>(panel + int64_t{r0} * span);
+    const auto* w = reinterpret_cast<const int*>(panel + r0 * p.words_per_row);
     const float* scales = p.scales + row0 * p.groups;
     const float* biases = p.biases + row0 * p.groups;
     __m256 s = _mm256_setzero_ps(), b = s;
