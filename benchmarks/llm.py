@@ -36,8 +36,8 @@ turns (they share the machine's load alike), joined by the others while the free
 largest engine loaded so far; the rest run one after another, each freed before the next is built. The memory bandwidth
 is probed in the same run, at the start and after each model's rounds; `% bw` is decode tok/s over the
 bound, at the mean of the probes before and after that row's rounds (the machine's bandwidth drifts
-over minutes), from reading every weight once per token (for the weight-only quantized rows the bytes read are the program's: its .pte size, packed
-weights plus their scales and biases).
+over minutes), from reading every weight once per token (for the weight-only quantized rows the bytes
+read are the program's: its .pte size, packed weights plus their scales and biases).
 
     python benchmarks/llm.py [--quick] [--json out.json] [--models smollm2,1.2b] [--dtypes fp32,bf16]
 """

@@ -88,12 +88,13 @@ void dequantize_panel_portable(void* ctx, int j, int nr, int pc, int kc, float* 
     const int64_t row = c.n0 + j + r;
     for (int e = 0; e < kc; ++e) {
       const int64_t col = pc + e, g = col / p.group_size;
-      dst[int64_t{e} * width + r] =
-          r >= nr ? 0.f
-                  : p.scales[row * p.groups + g] *
-                            static_cast<float>((p.w[row * p.words_per_row + col / per_word] >> (Bits * (col % per_word))) &
-                                               mask) +
-                        p.biases[row * p.groups + g];
+      if (r >= nr) {
+        dst[int64_t{e} * width + r] = 0.f;
+        continue;
+      }
+      const uint32_t word = p.w[row * p.words_per_row + col / per_word];
+      const auto q = static_cast<float>((word >> (Bits * (col % per_word))) & mask);
+      dst[int64_t{e} * width + r] = p.scales[row * p.groups + g] * q + p.biases[row * p.groups + g];
     }
   }
 }
