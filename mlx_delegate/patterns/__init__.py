@@ -13,9 +13,10 @@ patterns run as a transform pass ahead of it:
                                 partitioner=[MLXPartitioner()])
 
 The patterns whose parts the delegate lowers anyway (`IN_PREPROCESS`: RMSNorm,
-RoPE, the KV-cache write) also run in `MLXDelegateBackend.preprocess` on each
-delegated graph, so a plain `partitioner=[MLXPartitioner()]` lowering gets them
-too; `MLXPartitioner(disable={name})` switches them off there.
+RoPE, the KV-cache write, torchao's quantized linears and embeddings) also run in
+`MLXDelegateBackend.preprocess` on each delegated graph, so a plain
+`partitioner=[MLXPartitioner()]` lowering gets them too; `MLXPartitioner(disable={name})`
+switches them off there.
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ PATTERNS = {"rms_norm": rms_norm.apply, "rope": rope.apply, "kv_cache": kv_cache
 # `rope` alone (positions `pos + arange(L)` then stay composed: cos/sin tables node by node).
 PATTERN_SWITCHES = sorted({*PATTERNS, "rope_at"})
 # Patterns that only merge ops the delegate lowers one by one: safe to run on a delegated graph.
-# (`quantized` must run before partitioning: the delegate takes torchao's ops only fused.)
-IN_PREPROCESS = ("rms_norm", "rope", "kv_cache")
+# `quantized` too: the delegate runs an unfused dequantize_affine as element-wise ops, so a plain
+# `to_edge_transform_and_lower(..., partitioner=[MLXPartitioner()])` delegates torchao's linears, and
+# without the pattern in preprocess they dequantized every weight per call into a float32 product.
+IN_PREPROCESS = ("rms_norm", "rope", "kv_cache", "quantized")
 
 
 def preprocess_switches(disabled: Iterable[str]) -> frozenset[str]:

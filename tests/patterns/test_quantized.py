@@ -7,12 +7,14 @@ from dataclasses import replace
 
 import pytest
 import torch
+from executorch.exir import to_edge_transform_and_lower
 from executorch.runtime import Runtime
 from torch.export import Dim
 from torchao.quantization import IntxWeightOnlyConfig, MappingType, quantize_
 from torchao.quantization.granularity import PerGroup
 from transformers import LlamaConfig
 
+from mlx_delegate import MLXPartitioner
 from mlx_delegate import quantization as Q
 from mlx_delegate.ir import nodes as N
 from mlx_delegate.pipelines.llm import export as llm_export
@@ -67,19 +69,23 @@ def ir_nodes(edge) -> Counter:
     return counts
 
 
-def lower_quantized(module, inputs, dtype, more_inputs=()):
-    """Lower with the pattern pass (token count dynamic), check every input set against eager;
-    returns (pattern count, delegate summary, IR node counts)."""
+def lower_quantized(module, inputs, dtype, more_inputs=(), standard=False):
+    """Lower with the pattern pass (token count dynamic), or with `standard` as ExecuTorch's docs show
+    (`to_edge_transform_and_lower` with only the partitioner: the delegate's preprocess fuses), check
+    every input set against eager; returns (pattern count, delegate summary, IR node counts)."""
     pattern_pass = MLXPatternPass()
     dynamic = ({1: Dim("L", min=1, max=16)}, {1: Dim("T", min=1, max=16)})
     ep = torch.export.export(module, inputs, dynamic_shapes=dynamic, strict=True)
-    edge = llm_export.lower(ep, pattern_pass=pattern_pass)
+    if standard:
+        edge = to_edge_transform_and_lower(ep, partitioner=[MLXPartitioner()])
+    else:
+        edge = llm_export.lower(ep, pattern_pass=pattern_pass)
     buffer = edge.to_executorch().buffer  # the program reads from it: keep it alive
     method = Runtime.get().load_program(buffer).load_method("forward")
     for args in (inputs, *more_inputs):
         with torch.no_grad():
             assert_close(method.execute(list(args)), module(*args), *QUANTIZED_TOLERANCE[dtype])
-    return pattern_pass.counts["quantized"], delegate_summary(edge), ir_nodes(edge)
+    return pattern_pass.counts.get("quantized", 0), delegate_summary(edge), ir_nodes(edge)
 
 
 def sample(dtype, k=256, length=3):
@@ -103,6 +109,17 @@ def test_quantized_layers_fuse(dtype):
     assert nodes["QuantizedLinearNode"] == layouts == 5 and nodes["SliceNode"] == 2 * len(LAYOUTS)
     assert nodes["QuantizedEmbeddingNode"] == len(LAYOUTS)
     assert not PLAIN & set(nodes) and not {"BinaryNode", "AsTypeNode"} & set(nodes)  # no dequantize + matmul
+
+
+def test_standard_lowering_fuses_in_preprocess():
+    """torchao's linears and embeddings lowered the standard way, with no pattern pass, run as the same
+    quantized nodes (fused in the delegate's preprocess), not a dequantize per call into a float product."""
+    module = AllLayouts(torch.float32)
+    _, summary, nodes = lower_quantized(module, sample(torch.float32), torch.float32,
+                                        [sample(torch.float32, length=16)], standard=True)
+    assert summary == (1, [])
+    assert nodes["QuantizedLinearNode"] == 5 and nodes["QuantizedEmbeddingNode"] == len(LAYOUTS)
+    assert not PLAIN & set(nodes) and not {"BinaryNode", "AsTypeNode"} & set(nodes)
 
 
 class MergedHeads(torch.nn.Module):
