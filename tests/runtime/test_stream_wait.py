@@ -70,9 +70,14 @@ def test_many_back_to_back_calls_linger_and_stay_exact(small):
     _runtime.set_stream_linger(20_000)
     try:
         before = _stats()
-        for i in range(600):
-            _check(method, *xs[i % len(xs)])
-        ran = {k: v - before[k] for k, v in _stats().items()}
+        # Blocks of 600 calls, up to three: on a machine whose other process takes both cores (a
+        # parallel test run), one block can go without the linger ever holding a result.
+        for _block in range(3):
+            for i in range(600):
+                _check(method, *xs[i % len(xs)])
+            ran = {k: v - before[k] for k, v in _stats().items()}
+            if not _on_cpu_stream() or (ran["held"] > 0 and ran["spins"] > 0):
+                break
     finally:
         _runtime.set_stream_linger(was)
     if _on_cpu_stream():
