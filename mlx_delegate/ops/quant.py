@@ -1,18 +1,11 @@
 """Weight-only quantization: the fused `mlx_delegate::quantized_linear` /
 `quantized_embedding` ops (emitted by the `quantized_linear` pattern, weights
 already in MLX's affine format) map to `mx::quantized_matmul` and a gather of
-packed rows + `mx::dequantize`.
-
-`torchao.dequantize_affine` left unfused (a layout MLX's kernels cannot take,
-or a weight read by other ops) is lowered as plain element-wise MLX ops, so a
-quantized model stays correct inside the delegate; ExecuTorch's runtime has no
-kernel for it.
+packed rows + `mx::dequantize`. torchao's own ops left unfused are in `affine.py`.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import math
 from typing import Any
 
 import torch
@@ -21,6 +14,7 @@ from .. import quantization as q
 from ..builder import ProgramBuilder
 from ..ir import nodes as N
 from ..registry import register
+from .elementwise import binary_slots
 from .indexing import index_tensor
 from .linalg import split_last_axis
 
@@ -70,7 +64,7 @@ def _packed(b: ProgramBuilder, w: Any, scales: Any, biases: Any, group_size: int
 
 def _scaled(b: ProgramBuilder, y: Any, global_scale: float, dtype: torch.dtype) -> Any:
     """y * global_scale (nvfp4's per-tensor scale), or y when it is 1."""
-    return y if global_scale == 1.0 else _binary(b, N.BinaryOp.Mul, y, b.full(global_scale, dtype))
+    return y if global_scale == 1.0 else binary_slots(b, N.BinaryOp.Mul, y, b.full(global_scale, dtype))
 
 
 @register(mlxd.quantized_linear.default)
@@ -225,67 +219,7 @@ def dequantize(b: ProgramBuilder, n: torch.fx.Node) -> None:
         b.emit(N.IdentityNode(x=_scaled(b, out, float(a["global_scale"]), dtype), out=b.out(n)))
 
 
-# ----------------------------------------------------------- unfused dequantize
-def reduction_shapes(block: list[int], shape: list[int]) -> tuple[list[int], list[int]]:
-    """(input viewed with each block split out, the scale's broadcast shape): torchao's block layout."""
-    split, reduced = [], []
-    for size, blk in zip(shape, block):
-        if blk != size and blk > 1:
-            split += [size // blk, blk]
-            reduced += [size // blk, 1]
-        else:
-            split.append(size)
-            reduced.append(1 if blk != 1 else size)
-    return split, reduced
-
-
 def _reshape(b: ProgramBuilder, x: Any, shape: list[int]) -> Any:
     t = b.temp()
     b.emit(N.ReshapeNode(x=x, shape=[b.int_or_vid(d) for d in shape], out=t))
     return t
-
-
-def _binary(b: ProgramBuilder, op: Any, x: Any, y: Any) -> Any:
-    t = b.temp()
-    b.emit(N.BinaryNode(op=op, a=x, b=y, out=t))
-    return t
-
-
-def _dequantize_affine_target() -> Any:
-    """torchao's op, or None when torchao is not installed (no graph can hold it then)."""
-    if importlib.util.find_spec("torchao") is None:
-        return None
-    import torchao.quantization.quant_primitives  # noqa: F401  (defines the op)
-
-    return torch.ops.torchao.dequantize_affine.default
-
-
-def dequantize_affine(b: ProgramBuilder, n: torch.fx.Node) -> None:
-    """Unfused: (q - zero_point) * scale per block as element-wise ops, in torchao's order and dtypes."""
-    args = b.args(n)
-    x, scale, zp = args["input"], args["scale"], args["zero_point"]
-    out_dtype = b.dtype_of(n)
-    if out_dtype not in FLOAT_DTYPES:
-        raise b.unsupported(f"output dtype {out_dtype}")
-    shape = _static(b, b.shape_of(x), "quantized input")
-    block = [int(s) for s in args["block_size"]]
-    if len(block) != len(shape) or any(blk < 1 or (blk != size and size % blk) for blk, size in zip(block, shape)):
-        raise b.unsupported(f"block size {block} does not tile shape {shape}")
-    split, groups = reduction_shapes(block, shape)
-    for param in (scale, zp):
-        if param is not None and math.prod(_static(b, b.shape_of(param), param.name)) != math.prod(groups):
-            raise b.unsupported(f"{param.name} {b.shape_of(param)} does not give one value per block {groups}")
-    # torchao: x.to(out) - zp.to(out), times scale (promoting), then .to(out).
-    y = b.cast(_reshape(b, b.tensor(x), split), b.dtype_of(x), out_dtype)
-    if zp is not None:
-        z = b.cast(_reshape(b, b.tensor(zp), groups), b.dtype_of(zp), out_dtype)
-        y = _binary(b, N.BinaryOp.Sub, y, z)
-    compute = torch.promote_types(out_dtype, b.dtype_of(scale))
-    s = b.cast(_reshape(b, b.tensor(scale), groups), b.dtype_of(scale), compute)
-    y = b.cast(_binary(b, N.BinaryOp.Mul, b.cast(y, out_dtype, compute), s), compute, out_dtype)
-    b.emit(N.ReshapeNode(x=y, shape=[b.int_or_vid(d) for d in shape], out=b.out(n)))
-
-
-_TARGET = _dequantize_affine_target()
-if _TARGET is not None:
-    register(_TARGET)(dequantize_affine)

@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .. import quantization
 from ..builder import ProgramBuilder
-from ..ops.quant import _TARGET as DEQUANTIZE
+from ..ops.affine import DEQUANTIZE
 from ..registry import canonical
 from .common import aten, constant_value, dtype, is_op, replace
 

@@ -10,8 +10,8 @@ import torch
 from executorch.exir import to_edge_transform_and_lower
 from executorch.runtime import Runtime
 from torch.export import Dim
-from torchao.quantization import IntxWeightOnlyConfig, MappingType, quantize_
-from torchao.quantization.granularity import PerGroup
+from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, MappingType, quantize_
+from torchao.quantization.granularity import PerAxis, PerGroup
 from transformers import LlamaConfig
 
 from mlx_delegate import MLXPartitioner
@@ -120,6 +120,25 @@ def test_standard_lowering_fuses_in_preprocess():
     assert summary == (1, [])
     assert nodes["QuantizedLinearNode"] == 5 and nodes["QuantizedEmbeddingNode"] == len(LAYOUTS)
     assert not PLAIN & set(nodes) and not {"BinaryNode", "AsTypeNode"} & set(nodes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("weights", ["int4-g32", "int8-channel"])
+def test_dynamic_activation_quantization_lowers_whole(weights, dtype):
+    """torchao's 8da4w / 8da8w (Int8DynamicActivationIntxWeightConfig, ExecuTorch's documented LLM
+    configs) quantize each linear's input per token on every call: choose_qparams_affine,
+    quantize_affine and dequantize_affine, ops ExecuTorch's runtime has no kernels for (to_executorch
+    refused the program while they stayed outside the delegate). Lowered the standard way, the whole
+    program is delegated, the weights are fused quantized products, and every token count matches eager."""
+    granularity = PerGroup(32) if weights == "int4-g32" else PerAxis(0)
+    config = Int8DynamicActivationIntxWeightConfig(weight_dtype=getattr(torch, weights.split("-")[0]),
+                                                   weight_granularity=granularity)
+    module = LinearsAndEmbedding().to(dtype).eval()
+    quantize_(module, config, filter_fn=lambda m, _: isinstance(m, torch.nn.Linear))
+    _, summary, nodes = lower_quantized(module, sample(dtype), dtype, [sample(dtype, length=1),
+                                                                       sample(dtype, length=16)], standard=True)
+    assert summary == (1, [])
+    assert nodes["QuantizedLinearNode"] >= 1 and not PLAIN - {"TakeNode"} & set(nodes)
 
 
 class MergedHeads(torch.nn.Module):
