@@ -140,8 +140,9 @@ class ProgramBuilder:
             raise self.unsupported(f"dtype {dtype} is not supported")
         return TORCH_TO_IR[dtype]
 
-    def tensor(self, x: Any) -> Any:
-        """The slot holding tensor argument `x` (an fx node already lowered)."""
+    def tensor(self, x: Any, held_as: torch.dtype | None = None) -> Any:
+        """The slot holding tensor argument `x` (an fx node already lowered). `held_as`: the dtype its
+        producer stores in the slot where that differs from x's own (a float64 scale made in float32)."""
         if isinstance(x, torch.fx.Node):
             if x in self._slots and not isinstance(self._slots[x], list):
                 return self._slots[x]
@@ -150,7 +151,7 @@ class ProgramBuilder:
             v = self.meta(x)
             if not isinstance(v, torch.Tensor):
                 raise self.unsupported(f"argument {x.name} is not a tensor")
-            self.ir_dtype(v.dtype)
+            self.ir_dtype(held_as or v.dtype)
             if self.check_only:
                 return self._bind(x, self._alloc())
             raise LoweringError(f"{x.name} is used before it is lowered")

@@ -1,24 +1,30 @@
-"""torchao's affine quantization primitives left unfused, as element-wise MLX ops.
+"""Affine quantization primitives left unfused, as element-wise MLX ops and reductions.
 
-`dequantize_affine` of a weight the `quantized` pattern cannot take (a layout MLX's kernels do not
-have, or a weight read by other ops), and the dynamic activation quantization of torchao's
-`Int8DynamicActivationIntxWeightConfig` (8da4w / 8da8w): `choose_qparams_affine` + `quantize_affine`
-+ `dequantize_affine` on every call's activations. ExecuTorch's runtime has no kernels for these ops
-(to_executorch refuses a program that keeps them outside a delegate), so the delegate runs them, in
-torchao's order of operations and dtypes so the result matches eager bit for bit.
+- torchao's: `dequantize_affine` of a weight the `quantized` pattern cannot take (a layout MLX's
+  kernels do not have, or a weight read by other ops), and the dynamic activation quantization of
+  `Int8DynamicActivationIntxWeightConfig` (8da4w / 8da8w): `choose_qparams_affine` +
+  `quantize_affine` + `dequantize_affine` on every call's activations.
+- torch's `quantized_decomposed` (PT2E's convert_pt2e): quantize / dequantize per tensor and per
+  channel, and dynamic quantization's `choose_qparams.tensor`. PT2E's int8 weights are dequantized
+  once at lowering (patterns/dequantized_constants.py); these handlers run the activations' pairs.
+
+ExecuTorch's runtime has no kernels for these ops (to_executorch refuses a program that keeps them
+outside a delegate), so the delegate runs them, in the reference's order of operations and dtypes so
+the result matches eager bit for bit.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
+import operator
 from typing import Any
 
 import torch
 
 from ..builder import ProgramBuilder
 from ..ir import nodes as N
-from ..registry import register
+from ..registry import canonical, register
 from .elementwise import binary_slots, unary
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -207,6 +213,114 @@ def dequantize_affine(b: ProgramBuilder, n: torch.fx.Node) -> None:
     blocks.back(y, b.out(n))
 
 
+# ------------------------------------------- torch's quantized_decomposed (PT2E: prepare_pt2e / convert_pt2e)
+QD_FLOAT = torch.float32  # these ops quantize from, and by default dequantize to, float32
+
+
+def _along(b: ProgramBuilder, p: Any, ndim: int, axis: int | None) -> Any:
+    """Per-tensor parameter `p` (a slot) as is, or a per-channel one shaped to broadcast along `axis`."""
+    if axis is None:
+        return p
+    t = b.temp()
+    b.emit(N.ReshapeNode(x=p, shape=[b.int_or_vid(-1 if i == axis else 1) for i in range(ndim)], out=t))
+    return t
+
+
+def _qd_params(b: ProgramBuilder, a: dict[str, Any], x: torch.fx.Node) -> tuple[Any, Any, int | None]:
+    """(scale slot in float32, zero point slot in float32 or None, channel axis or None) of a q / dq node:
+    Python numbers (`.default`), one-element tensors (`.tensor`) or one per channel (per_channel)."""
+    ndim = len(b.shape_of(x))
+    axis = a.get("axis")
+    if axis is not None:
+        axis = int(axis) % ndim
+    scale, zp = a.get("scale", a.get("scales")), a.get("zero_point", a.get("zero_points"))
+    if _chosen_scale(scale):  # float64 in name only: its slot holds the float32 it was computed in
+        s = b.tensor(scale, held_as=QD_FLOAT)
+    elif isinstance(scale, torch.fx.Node) and b.dtype_of(scale) == torch.float64:
+        raise b.unsupported(f"{scale.name} is float64 (refused everywhere: Metal has none)")
+    else:
+        s = _along(b, b.operand(scale, QD_FLOAT), ndim, axis)
+    z = None if zp is None else _along(b, b.operand(zp, QD_FLOAT), ndim, axis)
+    return s, z, axis
+
+
+def _qd_range(b: ProgramBuilder, a: dict[str, Any]) -> tuple[int, int]:
+    qmin, qmax = a["quant_min"], a["quant_max"]
+    if not isinstance(qmin, int) or not isinstance(qmax, int):
+        raise b.unsupported("quant_min / quant_max must be Python ints (tensor bounds: .tensor2)")
+    return qmin, qmax
+
+
+def qd_quantize(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    """clamp(round(x * (1 / scale)) + zero_point, qmin, qmax) in float32, cast to the quantized dtype.
+
+    A Python scale's reciprocal is taken in double and used as float32, as torch does; a float32 scale's
+    float32 reciprocal is the same number (double rounding of a quotient is innocuous at 53 / 24 bits)."""
+    a = b.args(n)
+    x = a["input"]
+    qmin, qmax = _qd_range(b, a)
+    src = b.cast(b.tensor(x), _float_input(b, x), QD_FLOAT)
+    scale, zp, _ = _qd_params(b, a, x)
+    if isinstance(a.get("scale"), (int, float)):
+        inv = b.full(1.0 / float(a["scale"]), QD_FLOAT)
+    else:
+        inv = unary(b, N.UnaryOp.Reciprocal, scale)
+    y = unary(b, N.UnaryOp.Round, binary_slots(b, N.BinaryOp.Mul, src, inv))
+    if zp is not None:
+        y = binary_slots(b, N.BinaryOp.Add, y, zp)
+    b.emit(N.AsTypeNode(x=_clip(b, y, qmin, qmax, QD_FLOAT), dtype=b.ir_dtype(b.dtype_of(n)), out=b.out(n)))
+
+
+def qd_dequantize(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    """(q - zero_point) * scale in float32 (the difference is exact there), cast to out_dtype."""
+    a = b.args(n)
+    x = a["input"]
+    scale, zp, _ = _qd_params(b, a, x)
+    y = b.cast(b.tensor(x), b.dtype_of(x), QD_FLOAT)
+    if zp is not None:
+        y = binary_slots(b, N.BinaryOp.Sub, y, zp)
+    y = binary_slots(b, N.BinaryOp.Mul, y, scale)
+    b.emit(N.AsTypeNode(x=y, dtype=b.ir_dtype(b.dtype_of(n)), out=b.out(n)))
+
+
+def _chosen_scale(p: Any) -> bool:
+    """Whether `p` is choose_qparams.tensor's scale: float64 by its schema, a float32 value by its making."""
+    return isinstance(p, torch.fx.Node) and p.target is operator.getitem and p.args[1] == 0 \
+        and canonical(p.args[0].target) is qd.choose_qparams.tensor
+
+
+def qd_choose_qparams(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    """Per-tensor affine qparams of dynamic quantization (torch's determine_qparams): the scale
+    (max(x, 0) - min(x, 0)) / (qmax - qmin), at least eps, and zero point qmin - round(min(x, 0) / scale).
+
+    torch computes the scale in float32 and returns it as float64; here its slot keeps the float32 (the
+    same number: the quantize / dequantize reading it use it as float32), so the scale may only feed them."""
+    a = b.args(n)
+    x = a["input"]
+    dtype = _float_input(b, x)
+    qmin, qmax = _qd_range(b, a)
+    for get in n.users:
+        readers = [u for u in get.users] if get.target is operator.getitem and get.args[1] == 0 else []
+        if any(canonical(u.target) not in (qd.quantize_per_tensor.tensor, qd.dequantize_per_tensor.tensor)
+               for u in readers):
+            raise b.unsupported("its float64 scale feeds other ops than quantize / dequantize_per_tensor")
+    lo, hi = b.temp(), b.temp()
+    axes = list(range(len(b.shape_of(x))))
+    for op, out in ((N.ReduceOp.Min, lo), (N.ReduceOp.Max, hi)):
+        b.emit(N.ReduceNode(op=op, x=b.tensor(x), axes=axes, keepdims=False, out=out))
+    zero = b.full(0, dtype)
+    neg, pos = binary_slots(b, N.BinaryOp.Minimum, lo, zero), binary_slots(b, N.BinaryOp.Maximum, hi, zero)
+    scale = binary_slots(b, N.BinaryOp.Div, binary_slots(b, N.BinaryOp.Sub, pos, neg),
+                         b.full(float(qmax - qmin), dtype))
+    # torch.max with eps as a float32 tensor: a half-type scale is promoted to float32 here.
+    scale = binary_slots(b, N.BinaryOp.Maximum, b.cast(scale, dtype, QD_FLOAT), b.full(float(a["eps"]), QD_FLOAT))
+    shift = unary(b, N.UnaryOp.Round, binary_slots(b, N.BinaryOp.Div, b.cast(neg, dtype, QD_FLOAT), scale))
+    zp = _clip(b, binary_slots(b, N.BinaryOp.Sub, b.full(qmin, QD_FLOAT), shift), qmin, qmax, QD_FLOAT)
+    scale_out, zp_out = b.outs(n, 2)
+    b.emit(N.ReshapeNode(x=scale, shape=[b.int_or_vid(1)], out=scale_out))
+    b.emit(N.ReshapeNode(x=b.cast(zp, QD_FLOAT, torch.int64), shape=[b.int_or_vid(1)], out=zp_out))
+
+
 def _torchao_op(name: str) -> Any:
     """torchao's op, or None when torchao is not installed (no graph can hold it then)."""
     if importlib.util.find_spec("torchao") is None:
@@ -221,3 +335,11 @@ for _name, _handler in (("choose_qparams_affine", choose_qparams_affine), ("quan
                         ("dequantize_affine", dequantize_affine)):
     if (_op := _torchao_op(_name)) is not None:
         register(_op)(_handler)
+
+import torch.ao.quantization.fx._decomposed  # noqa: E402,F401  (defines torch.ops.quantized_decomposed)
+
+qd = torch.ops.quantized_decomposed
+register(qd.quantize_per_tensor.default, qd.quantize_per_tensor.tensor, qd.quantize_per_channel.default)(qd_quantize)
+register(qd.dequantize_per_tensor.default, qd.dequantize_per_tensor.tensor,
+         qd.dequantize_per_channel.default)(qd_dequantize)
+register(qd.choose_qparams.tensor)(qd_choose_qparams)

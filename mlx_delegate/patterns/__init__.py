@@ -28,9 +28,9 @@ from executorch.exir.pass_base import ExportedProgramPassBase, ExportedProgramPa
 from torch.export import ExportedProgram
 
 from .. import custom_ops  # noqa: F401  (the fused ops)
-from . import (activations, attention, conv_batch_norm, conv_fusions, inverted_residual, kv_cache, layer_norm,
-               linear_activation, linear_group, linear_residual, quantized_epilogue, quantized_linear, rms_norm, rope,
-               rope_kv)
+from . import (activations, attention, conv_batch_norm, conv_fusions, dequantized_constants, inverted_residual,
+               kv_cache, layer_norm, linear_activation, linear_group, linear_residual, quantized_epilogue,
+               quantized_linear, rms_norm, rope, rope_kv)
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,8 @@ def preprocess_switches(disabled: Iterable[str]) -> frozenset[str]:
 # They run on each delegated graph in
 # `MLXDelegateBackend.preprocess`, so every lowering gets them;
 # `MLXPartitioner(disable={name})` switches one off, disable={"fusions"} all of them.
-FUSIONS = {"fold_batch_norm": conv_batch_norm.apply,
+FUSIONS = {"fold_dequantized_weights": dequantized_constants.apply,  # first: the others want constant weights
+           "fold_batch_norm": conv_batch_norm.apply,
            # before the convolution fusions: a written-out hard-swish becomes the op they take
            "fuse_activations": activations.apply,
            "fold_conv_pad": conv_fusions.fold_pad,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import torch
+from executorch.backends.transforms.utils import delete_constant_placeholder
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
@@ -123,3 +124,22 @@ def erase_dead(graph: torch.fx.Graph, roots: Iterable[torch.fx.Node]) -> None:
         graph.erase_node(n)
         erased.add(n)
         stack.extend(inputs)
+
+
+def constant_anchor(ep: ExportedProgram) -> torch.fx.Node:
+    """Where new constant placeholders go: before the first user input (constants come first)."""
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    first_input = next((n for n, spec in zip(placeholders, ep.graph_signature.input_specs)
+                        if spec.kind == InputKind.USER_INPUT), None)
+    return first_input or next(n for n in ep.graph.nodes if n.op != "placeholder")
+
+
+def drop_unused_constants(ep: ExportedProgram, nodes: Iterable[Any]) -> None:
+    """Delete constant placeholders nothing reads any more (keeping state another input still names)."""
+    for n in nodes:
+        if not isinstance(n, torch.fx.Node) or n.op != "placeholder" or n.users:
+            continue
+        specs = ep.graph_signature.input_specs
+        target = next((s.target for s in specs if s.arg.name == n.name), None)
+        if sum(s.target == target for s in specs) == 1:
+            delete_constant_placeholder(ep, n)

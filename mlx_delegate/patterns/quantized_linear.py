@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from executorch.backends.transforms.utils import create_constant_placeholder, delete_constant_placeholder
+from executorch.backends.transforms.utils import create_constant_placeholder
 from executorch.exir.dialects._ops import ops as exir_ops
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
@@ -36,7 +36,7 @@ from .. import quantization
 from ..builder import ProgramBuilder
 from ..ops.affine import DEQUANTIZE
 from ..registry import canonical
-from .common import aten, constant_value, dtype, is_op, replace
+from .common import aten, constant_anchor, constant_value, drop_unused_constants, dtype, is_op, replace
 
 QUANTIZED_LINEAR = exir_ops.edge.mlx_delegate.quantized_linear.default
 QUANTIZED_EMBEDDING = exir_ops.edge.mlx_delegate.quantized_embedding.default
@@ -106,9 +106,7 @@ def sources() -> list[tuple[Any, Callable[[ExportedProgram, torch.fx.Node], quan
 def _constants(ep: ExportedProgram, dq: torch.fx.Node, packed: quantization.MLXQuantized) -> list[torch.fx.Node]:
     """Placeholders for the packed tensors (named after the source weight, so a repeat finds them)."""
     graph = ep.graph
-    first_input = next((n for n, spec in zip(_placeholders(graph), ep.graph_signature.input_specs)
-                        if spec.kind == InputKind.USER_INPUT), None)
-    anchor = first_input or next(n for n in graph.nodes if n.op != "placeholder")
+    anchor = constant_anchor(ep)
     stem = f"{dq.args[0].name}_mlx_{packed.mode}{packed.bits}b{packed.group_size}_{str(packed.scales.dtype)[6:]}"
     nodes = []
     with graph.inserting_before(anchor):
@@ -117,10 +115,6 @@ def _constants(ep: ExportedProgram, dq: torch.fx.Node, packed: quantization.MLXQ
             nodes.append(None if t is None else create_constant_placeholder(
                 ep, graph, f"{stem}_{part}", InputKind.CONSTANT_TENSOR, t))
     return nodes
-
-
-def _placeholders(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    return [n for n in graph.nodes if n.op == "placeholder"]
 
 
 def _role(user: torch.fx.Node, dq: torch.fx.Node) -> str | None:
@@ -147,17 +141,6 @@ def _fused_call(role: str, user: torch.fx.Node, consts: list[torch.fx.Node | Non
                                   *_mode_args(packed))
     extra = (*_mode_args(packed), dtype(user)) if packed.mode != "affine" else ()
     return ops[1], (w, scales, biases, user.args[1], packed.group_size, packed.bits, *extra)
-
-
-def _drop_unused(ep: ExportedProgram, nodes: list[Any]) -> None:
-    """Delete constant placeholders nothing reads any more (keeping state another input still names)."""
-    for n in nodes:
-        if not isinstance(n, torch.fx.Node) or n.op != "placeholder" or n.users:
-            continue
-        specs = ep.graph_signature.input_specs
-        target = next((s.target for s in specs if s.arg.name == n.name), None)
-        if sum(s.target == target for s in specs) == 1:
-            delete_constant_placeholder(ep, n)
 
 
 def apply(ep: ExportedProgram) -> int:
@@ -207,5 +190,5 @@ def _rewrite(ep: ExportedProgram, dq: torch.fx.Node, standalone: bool,
     sources_ = list(dq.all_input_nodes)
     if not dq.users:
         graph.erase_node(dq)
-    _drop_unused(ep, sources_ + consts)
+    drop_unused_constants(ep, sources_ + consts)
     return count

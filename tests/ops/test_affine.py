@@ -62,3 +62,55 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_affine(case):
     lower_and_compare(case)
+
+
+# ------------------------------------------------------------- torch's quantized_decomposed (PT2E)
+qd = torch.ops.quantized_decomposed
+
+
+def per_tensor(scale, zp, qmin, qmax, qdtype, out_dtype=None):
+    def fn(x):
+        q = qd.quantize_per_tensor(x, scale, zp, qmin, qmax, qdtype)
+        return q, qd.dequantize_per_tensor(q, scale, zp, qmin, qmax, qdtype, out_dtype=out_dtype)
+    return fn
+
+
+def per_channel(axis, zero_point=True, out_dtype=None):
+    def fn(x):
+        channels = x.shape[axis]
+        scales = torch.linspace(0.01, 0.2, channels)
+        zps = torch.arange(channels, dtype=torch.int64) % 7 - 3
+        q = qd.quantize_per_channel(x, scales, zps, axis, -128, 127, torch.int8)
+        return q, qd.dequantize_per_channel(q, scales, zps if zero_point else None, axis, -128, 127, torch.int8,
+                                            out_dtype=out_dtype)
+    return fn
+
+
+def dynamic_per_tensor(x):
+    """XNNPACK's dynamic quantization of a linear's input: qparams from each call's values."""
+    scale, zp = qd.choose_qparams.tensor(x, -128, 127, torch.finfo(torch.float32).eps, torch.int8)
+    q = qd.quantize_per_tensor.tensor(x, scale, zp, -128, 127, torch.int8)
+    return zp, q, qd.dequantize_per_tensor.tensor(q, scale, zp, -128, 127, torch.int8)
+
+
+def wide(*shape):
+    return lambda: (torch.randn(*shape) * 4,)
+
+
+QD_CASES = [
+    # Half-type inputs are quantized from float32 (the op converts them first).
+    *cases("qd-per-tensor", per_tensor(0.05, 3, -128, 127, torch.int8), wide(2, 3, 9, 11), FLOATS, **EXACT),
+    *cases("qd-per-tensor-uint8-bf16-out", per_tensor(0.037, 128, 0, 255, torch.uint8, torch.bfloat16),
+           wide(4, 33), (torch.float32,), **EXACT),
+    *cases("qd-per-channel-axis0", per_channel(0), wide(8, 3, 3, 3), (torch.float32, torch.bfloat16), **EXACT),
+    *cases("qd-per-channel-axis1", per_channel(1, zero_point=False), wide(2, 6, 5, 5), (torch.float32,), **EXACT),
+    *cases("qd-per-channel-last-fp16-out", per_channel(-1, out_dtype=torch.float16), wide(5, 12), (torch.float32,),
+           **EXACT),
+    *cases("qd-dynamic-per-tensor", dynamic_per_tensor, activations(2, 7, 40), FLOATS,
+           dynamic_shapes=dyn({1: TOKENS}), more_inputs=lambda: [activations(2, 3, 40)()], **EXACT),
+]
+
+
+@pytest.mark.parametrize("case", QD_CASES, ids=str)
+def test_quantized_decomposed(case):
+    lower_and_compare(case)
