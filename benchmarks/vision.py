@@ -17,7 +17,7 @@ needs torchvision), so MobileNetV3-Large is built here from `torch.nn` modules a
     python benchmarks/vision.py [--quick] [--models resnet18,mobilenet_v2] [--batches 1,8]
                                 [--engines delegate,eager,xnnpack] [--budget S] [--json out.json]
                                 [--off fold_conv_pad+fuse_conv_residual,fuse_conv_activation]
-                                [--conv-tiles-off] [--winograd 0,2,4] [--threads N]
+                                [--conv-tiles-off] [--winograd 0,2,4] [--threads N] [--int8]
 
 --off: one more delegate engine per comma-separated entry, lowered with those `MLXPartitioner`
 switches off (`+` joins several in one engine), timed in turn with the others (a fusion's A/B).
@@ -30,6 +30,10 @@ F(4x4) on every 3x3 stride-1 convolution; the default engine runs 1, the measure
 --threads N: eager torch's thread count (default 2); `taskset -c 1 ... --threads 1` compares the
 engines' work on one core, where a loaded machine's scheduling weighs least.
 
+--int8: the models quantized as ExecuTorch documents for XNNPACK (PT2E, XNNPACKQuantizer, static
+per-channel int8, calibrated on the input): every engine runs the converted model (eager: its
+quantize / dequantize arithmetic in float; XNNPACK: its int8 kernels; the delegate: float products on
+weights dequantized at lowering, activations quantized and dequantized as the model says).
 --quick: ResNet-18 and MobileNetV2 at batch 1, fewer rounds. Nothing fails here.
 """
 
@@ -179,12 +183,29 @@ QUICK_MODELS = ("resnet18", "mobilenet_v2")
 VISION_ENGINES = ("delegate", "eager", "xnnpack")
 
 
-def workloads(models: Sequence[str], batches: Sequence[int]) -> Any:
+def pt2e_int8(module: torch.nn.Module, x: torch.Tensor) -> torch.nn.Module:
+    """`module` quantized as ExecuTorch documents for XNNPACK: PT2E with XNNPACKQuantizer, static
+    per-channel int8, calibrated on `x`."""
+    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
+        XNNPACKQuantizer, get_symmetric_quantization_config)
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=True))
+    prepared = prepare_pt2e(torch.export.export(module.eval(), (x,)).module(), quantizer)
+    with torch.no_grad():
+        prepared(x)
+    return convert_pt2e(prepared)
+
+
+def workloads(models: Sequence[str], batches: Sequence[int], int8: bool = False) -> Any:
     for name in models:
         module = trained_like(MODELS[name]())
         for batch in batches:
             x = torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(batch))
-            yield Workload(f"{name} b{batch}", module, (x,), mlx_factory=lambda: None)
+            if int8:  # each batch size is its own export (PT2E's graph module has fixed shapes)
+                yield Workload(f"{name} int8 b{batch}", pt2e_int8(module, x), (x,), mlx_factory=lambda: None)
+            else:
+                yield Workload(f"{name} b{batch}", module, (x,), mlx_factory=lambda: None)
         del module
         gc.collect()
 
@@ -288,6 +309,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--json", metavar="PATH", help="also write meta and results as JSON")
     p.add_argument("--off", help="extra delegate engines with partitioner switches off: a,b+c")
     p.add_argument("--threads", type=int, help="eager torch's thread count (default 2)")
+    p.add_argument("--int8", action="store_true", help="the models quantized with PT2E (XNNPACKQuantizer, per channel)")
     p.add_argument("--conv-tiles-off", action="store_true",
                    help="an extra delegate engine with the CPU convolution's tiled path off")
     p.add_argument("--winograd", help="extra delegate engines at these Winograd modes: 0 (off), 2, 4")
@@ -318,9 +340,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.budget is not None:
         settings = replace(settings, budget_s=args.budget)
     started = time.perf_counter()
-    meta = machine_meta(bandwidth=False) | {"quick": args.quick}
+    meta = machine_meta(bandwidth=False) | {"quick": args.quick, "int8": args.int8}
     rows: list[dict[str, Any]] = []
-    for w in workloads(models, batches):
+    for w in workloads(models, batches, args.int8):
         rows += run_case(w, engines, settings)
     meta |= {"loadavg_end": [round(x, 2) for x in os.getloadavg()], "peak_rss_mb": round(common.peak_rss_mb()),
              "wall_s": round(time.perf_counter() - started, 1)}
