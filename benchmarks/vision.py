@@ -188,13 +188,27 @@ def pt2e_int8(module: torch.nn.Module, x: torch.Tensor) -> torch.nn.Module:
     per-channel int8, calibrated on `x`."""
     from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
         XNNPACKQuantizer, get_symmetric_quantization_config)
+    from torchao.quantization.pt2e import allow_exported_model_train_eval
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=True))
     prepared = prepare_pt2e(torch.export.export(module.eval(), (x,)).module(), quantizer)
     with torch.no_grad():
         prepared(x)
-    return convert_pt2e(prepared)
+    converted = convert_pt2e(prepared)
+    allow_exported_model_train_eval(converted)  # the engines call .eval() on every module
+    return Converted(converted)
+
+
+class Converted(torch.nn.Module):
+    """A PT2E graph module behind a plain module (its own .eval() returns None)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
 
 
 def workloads(models: Sequence[str], batches: Sequence[int], int8: bool = False) -> Any:

@@ -285,3 +285,19 @@ def grouped_mm(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
 @grouped_mm.register_fake
 def _(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
     return x.new_empty(x.shape[0], weight.shape[2])
+
+
+@torch.library.custom_op("mlx_delegate::fake_quantize", mutates_args=())
+def fake_quantize(x: Tensor, inv_scale: float, scale: float, zero_point: int, quant_min: int,
+                  quant_max: int, lo: float, hi: float) -> Tensor:
+    """clamp(x, lo, hi), then quantize_per_tensor and dequantize_per_tensor (float32 in and out), with the
+    reciprocal and scale as the float32 numbers torch multiplies by (patterns/fake_quantize.py)."""
+    inv, s = torch.tensor(inv_scale, dtype=torch.float32), torch.tensor(scale, dtype=torch.float32)
+    q = torch.clamp(torch.round(torch.clamp(x, lo, hi) * inv) + zero_point, quant_min, quant_max)
+    return (q - zero_point) * s
+
+
+@fake_quantize.register_fake
+def _(x: Tensor, inv_scale: float, scale: float, zero_point: int, quant_min: int, quant_max: int, lo: float,
+      hi: float) -> Tensor:
+    return torch.empty_like(x)

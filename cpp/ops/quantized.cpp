@@ -2,6 +2,7 @@
 // weights (stored as int32 words, viewed as uint32 here) with per-group scales
 // and biases, w = scales * q + biases along the last axis.
 #include "../ops_common.h"
+#include "kernels/fake_quant_cpu.h"
 #include "kernels/qembed_cpu.h"
 #include "kernels/qgemm_cpu.h"
 #include "kernels/qgemv_cpu.h"
@@ -185,6 +186,12 @@ void exec_DequantizeNode(const mlxd::DequantizeNode& n, ExecContext& ctx) {
                        mx::float32);
   }
   ctx.set(n.out(), y.dtype() == dtype ? y : mx::astype(y, dtype));
+}
+
+void exec_FakeQuantizeNode(const mlxd::FakeQuantizeNode& n, ExecContext& ctx) {
+  const mx::array& x = ctx.in(n.x());
+  const FakeQuantParams p{n.inv_scale(), n.scale(), n.zero_point(), n.quant_min(), n.quant_max(), n.lo(), n.hi()};
+  ctx.set(n.out(), fake_quant_cpu_applies(x) ? fake_quant_cpu(x, p) : fake_quant_mlx(x, p));
 }
 
 }  // namespace mlxd::rt

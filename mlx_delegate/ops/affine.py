@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .. import custom_ops  # noqa: F401  (defines mlx_delegate::fake_quantize)
 from ..builder import ProgramBuilder
 from ..ir import nodes as N
 from ..registry import canonical, register
@@ -319,6 +320,18 @@ def qd_choose_qparams(b: ProgramBuilder, n: torch.fx.Node) -> None:
     scale_out, zp_out = b.outs(n, 2)
     b.emit(N.ReshapeNode(x=scale, shape=[b.int_or_vid(1)], out=scale_out))
     b.emit(N.ReshapeNode(x=b.cast(zp, QD_FLOAT, torch.int64), shape=[b.int_or_vid(1)], out=zp_out))
+
+
+@register(torch.ops.mlx_delegate.fake_quantize.default)
+def fake_quantize(b: ProgramBuilder, n: torch.fx.Node) -> None:
+    """A fused static quantize_per_tensor -> dequantize_per_tensor pair (patterns/fake_quantize.py)."""
+    a = b.args(n)
+    if b.dtype_of(a["x"]) != torch.float32:
+        raise b.unsupported(f"input dtype {b.dtype_of(a['x'])} (float32 only)")
+    b.emit(N.FakeQuantizeNode(x=b.tensor(a["x"]), inv_scale=float(a["inv_scale"]), scale=float(a["scale"]),
+                              zero_point=float(a["zero_point"]), quant_min=float(a["quant_min"]),
+                              quant_max=float(a["quant_max"]), lo=float(a["lo"]), hi=float(a["hi"]),
+                              out=b.out(n)))
 
 
 def _torchao_op(name: str) -> Any:

@@ -28,9 +28,9 @@ from executorch.exir.pass_base import ExportedProgramPassBase, ExportedProgramPa
 from torch.export import ExportedProgram
 
 from .. import custom_ops  # noqa: F401  (the fused ops)
-from . import (activations, attention, conv_batch_norm, conv_fusions, dequantized_constants, inverted_residual,
-               kv_cache, layer_norm, linear_activation, linear_group, linear_residual, quantized_epilogue,
-               quantized_linear, rms_norm, rope, rope_kv)
+from . import (activations, attention, conv_batch_norm, conv_fusions, dequantized_constants, fake_quantize,
+               inverted_residual, kv_cache, layer_norm, linear_activation, linear_group, linear_residual,
+               quantized_epilogue, quantized_linear, rms_norm, rope, rope_kv)
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ def preprocess_switches(disabled: Iterable[str]) -> frozenset[str]:
 # `MLXDelegateBackend.preprocess`, so every lowering gets them;
 # `MLXPartitioner(disable={name})` switches one off, disable={"fusions"} all of them.
 FUSIONS = {"fold_dequantized_weights": dequantized_constants.apply,  # first: the others want constant weights
+           "fuse_fake_quantize": fake_quantize.apply,
            "fold_batch_norm": conv_batch_norm.apply,
            # before the convolution fusions: a written-out hard-swish becomes the op they take
            "fuse_activations": activations.apply,
