@@ -42,7 +42,8 @@ MLXD_AVX2 inline __m256 fake_quant8(__m256 x, const Lanes8& c) {
 
 MLXD_AVX2 void fake_quant_avx2(const float* in, float* out, int64_t n, const FakeQuantParams& p) {
   const Lanes8 c{_mm256_set1_ps(p.inv_scale), _mm256_set1_ps(p.scale), _mm256_set1_ps(p.zero_point),
-                 _mm256_set1_ps(p.quant_min), _mm256_set1_ps(p.quant_max), _mm256_set1_ps(p.lo), _mm256_set1_ps(p.hi)};
+                 _mm256_set1_ps(p.quant_min), _mm256_set1_ps(p.quant_max), _mm256_set1_ps(p.lo),
+                 _mm256_set1_ps(p.hi)};
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, fake_quant8(_mm256_loadu_ps(in + i), c));
   if (i < n) {
@@ -86,11 +87,13 @@ class FakeQuantCpu : public mx::UnaryPrimitive {
     if (in_place) out.copy_shared_buffer(x);  // the input has no other reader
     auto& encoder = begin_cpu_task(stream(), in, out, in_place);
     cpu_kernel_note_call("fake_quantize");
-    encoder.dispatch([f = pick(), p = p_, src = x.data<void>(), dst = out.data<float>(), n = static_cast<int64_t>(x.size()),
-                      shape = x.shape(), strides = x.strides(), contiguous, itemsize = x.itemsize()] {
+    encoder.dispatch([f = pick(), p = p_, src = x.data<void>(), dst = out.data<float>(),
+                      n = static_cast<int64_t>(x.size()), shape = x.shape(), strides = x.strides(), contiguous,
+                      itemsize = x.itemsize()] {
       CpuRowMajor xs(src, itemsize, shape, strides, contiguous);
       const float* data = static_cast<const float*>(xs.data());
-      cpu_parallel_for(n, 1, kGrain, [&](int64_t begin, int64_t end) { f(data + begin, dst + begin, end - begin, p); });
+      cpu_parallel_for(n, 1, kGrain,
+                       [&](int64_t begin, int64_t end) { f(data + begin, dst + begin, end - begin, p); });
     });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
