@@ -146,7 +146,8 @@ def choose_qparams_affine(b: ProgramBuilder, n: torch.fx.Node) -> None:
     zero = b.full(0, dtype)
     neg, pos = binary_slots(b, N.BinaryOp.Minimum, lo, zero), binary_slots(b, N.BinaryOp.Maximum, hi, zero)
     if mapping == "ASYMMETRIC":
-        scale = binary_slots(b, N.BinaryOp.Div, binary_slots(b, N.BinaryOp.Sub, pos, neg), b.full(float(qmax - qmin), dtype))
+        spread = binary_slots(b, N.BinaryOp.Sub, pos, neg)
+        scale = binary_slots(b, N.BinaryOp.Div, spread, b.full(float(qmax - qmin), dtype))
         scale = _clip(b, scale, eps, None, dtype)
         shift = unary(b, N.UnaryOp.Round, binary_slots(b, N.BinaryOp.Div, neg, scale))
         zp = _clip(b, binary_slots(b, N.BinaryOp.Sub, b.full(qmin, dtype), shift), qmin, qmax, dtype)
