@@ -61,7 +61,8 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_affine(case):
-    lower_and_compare(case)
+    # Whole in the delegate: ExecuTorch's runtime has no kernels for these ops.
+    assert lower_and_compare(case).summary == (1, [])
 
 
 # ------------------------------------------------------------- torch's quantized_decomposed (PT2E)
@@ -113,4 +114,4 @@ QD_CASES = [
 
 @pytest.mark.parametrize("case", QD_CASES, ids=str)
 def test_quantized_decomposed(case):
-    lower_and_compare(case)
+    assert lower_and_compare(case).summary == (1, [])
